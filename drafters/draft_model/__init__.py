@@ -1,0 +1,105 @@
+"""``draft_model``: any mlx-lm causal LM with the target's tokenizer as drafter (mlx-lm's --draft-model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ...plugin.types import Proposal
+from ..base import Compatibility, DraftSession, Drafter, DrafterFamily, DraftTarget
+from ..compat import check_tokenizer, check_vocab
+
+DEFAULT_BLOCK_SIZE = 4  # 3 draft tokens, mlx-lm's default --num-draft-tokens
+PREFILL_STEP = 2048
+
+
+class DraftModelSession(DraftSession):
+    def __init__(self, drafter: "DraftModelDrafter"):
+        self.model = drafter.model
+        self.cache = make_prompt_cache(self.model)
+        self.fed = 0  # state.tokens[:fed] are in self.cache
+        self._catch_up = 0
+
+    def caches(self) -> List[Any]:
+        return self.cache
+
+    def _feed(self, tokens: List[int]) -> mx.array:
+        logits = None
+        for start in range(0, len(tokens), PREFILL_STEP):
+            chunk = mx.array([tokens[start : start + PREFILL_STEP]], dtype=mx.uint32)
+            logits = self.model(chunk, cache=self.cache)
+        return logits[:, -1, :]  # [1, V]
+
+    def propose(self, state: Any, max_drafts: int) -> Proposal:
+        fresh = state.tokens[self.fed :]  # ends with the pending token
+        self._catch_up = len(fresh)
+        logits = self._feed(fresh)
+        drafts: List[int] = []
+        while True:
+            token = int(mx.argmax(logits, axis=-1).item())
+            drafts.append(token)
+            if len(drafts) == max_drafts:
+                break
+            logits = self._feed([token])
+        return Proposal(drafts)
+
+    def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
+        # The cache holds the catch-up tokens and drafts[:k-1]; the accepted ones are now committed.
+        kept_drafts = min(accepted, max(draft_tokens - 1, 0))
+        self.fed += self._catch_up + kept_drafts
+        return self._catch_up + kept_drafts
+
+
+class DraftModelDrafter(Drafter):
+    kind = "draft_model"
+    family = "draft_model"
+    default_block_size = DEFAULT_BLOCK_SIZE
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def new_session(self, state: Any) -> DraftSession:
+        return DraftModelSession(self)
+
+
+def detect(config: Dict[str, Any]) -> bool:
+    """Any checkpoint mlx-lm can build is usable as a draft LM (lowest priority)."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+        return True
+    except (ValueError, KeyError):
+        return False
+
+
+def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> Compatibility:
+    verdict = Compatibility()
+    check_vocab(target.config, config, verdict)
+    check_tokenizer(target.path, path, verdict)
+    return verdict
+
+
+def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, options: Dict[str, Any]) -> Drafter:
+    from mlx_lm import load as mlx_load
+
+    from ...plugin.commit import check_supported
+
+    model, _ = mlx_load(str(path))
+    check_supported(make_prompt_cache(model))
+    return DraftModelDrafter(model)
+
+
+family = DrafterFamily(
+    name="draft_model",
+    kind="draft_model",
+    description="a small causal LM with the target's tokenizer proposes tokens one at a time",
+    load=load,
+    check=check,
+    detect=detect,
+    priority=-100,
+)

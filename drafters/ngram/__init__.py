@@ -1,0 +1,62 @@
+"""``ngram``: prompt lookup. No weights: propose what followed the most recent earlier occurrence
+of the last n tokens of prompt + output (trying n, then n-1, down to 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from ...plugin.types import Proposal
+from ..base import Compatibility, DraftSession, Drafter, DrafterFamily, DraftTarget
+
+DEFAULT_BLOCK_SIZE = 8
+DEFAULT_N = 3
+
+
+def lookup(tokens: Sequence[int], n_max: int, k: int) -> List[int]:
+    """Up to k tokens that followed the most recent earlier match of the longest suffix (<= n_max)."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), 0, -1):
+        suffix = list(tokens[size - n :])
+        for start in range(size - n - 1, -1, -1):
+            if list(tokens[start : start + n]) == suffix:
+                return list(tokens[start + n : start + n + k])
+    return []
+
+
+class NgramSession(DraftSession):
+    def __init__(self, n: int):
+        self.n = n
+
+    def propose(self, state: Any, max_drafts: int) -> Proposal:
+        return Proposal(lookup(state.tokens, self.n, max_drafts))
+
+
+class NgramDrafter(Drafter):
+    kind = "ngram"
+    family = "ngram"
+    default_block_size = DEFAULT_BLOCK_SIZE
+
+    def __init__(self, n: int = DEFAULT_N):
+        self.n = n
+
+    def new_session(self, state: Any) -> DraftSession:
+        return NgramSession(self.n)
+
+
+def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> Compatibility:
+    return Compatibility(notes=["ngram: no weights, works with any target"])
+
+
+def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, options: Dict[str, Any]) -> Drafter:
+    return NgramDrafter(int(options.get("ngram_n", DEFAULT_N)))
+
+
+family = DrafterFamily(
+    name="ngram",
+    kind="ngram",
+    description="prompt lookup: propose what followed the latest earlier occurrence of the last n tokens",
+    load=load,
+    check=check,
+    needs_weights=False,
+)

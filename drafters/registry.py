@@ -1,0 +1,103 @@
+"""Drafter families from the entry-point group ``mlx_speculative.drafters``; kind resolution.
+
+Kind resolution never looks at repo names: a drafter checkpoint's config.json decides its family
+(each family's ``detect``), and the family decides the kind.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ..hooks import loading
+from .base import Compatibility, Drafter, DrafterError, DrafterFamily, DraftTarget
+
+ENTRY_POINT_GROUP = "mlx_speculative.drafters"
+log = logging.getLogger("mlx_speculative")
+
+_families: Optional[Dict[str, DrafterFamily]] = None
+
+
+def families(reload: bool = False) -> Dict[str, DrafterFamily]:
+    """Every registered family by name, built-ins included (they are entry points too)."""
+    global _families
+    if _families is None or reload:
+        found: Dict[str, DrafterFamily] = {}
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                family = ep.load()
+            except Exception as e:  # noqa: BLE001 - a broken third-party package must not break the host
+                log.warning("drafter family %r from %s failed to load: %s", ep.name, ep.value, e)
+                continue
+            if not isinstance(family, DrafterFamily):
+                log.warning("entry point %r (%s) is not a DrafterFamily, got %s", ep.name, ep.value, type(family).__name__)
+                continue
+            family.distribution = ep.dist.name if ep.dist is not None else "?"
+            found[family.name] = family
+        _families = found
+    return _families
+
+
+def kinds() -> List[str]:
+    return sorted({f.kind for f in families().values()})
+
+
+@dataclass
+class Resolution:
+    family: DrafterFamily
+    kind: str
+    path: Optional[Path]
+    config: Dict[str, Any]
+    warnings: List[str]
+
+
+def detect_family(config: Dict[str, Any]) -> Optional[DrafterFamily]:
+    matches = [f for f in families().values() if f.needs_weights and f.detect(config)]
+    return max(matches, key=lambda f: f.priority) if matches else None
+
+
+def resolve(draft_model: Optional[str], kind: str = "auto") -> Resolution:
+    """The family and kind for a drafter checkpoint (or for a weightless kind)."""
+    fams = families()
+    allowed = ["auto"] + kinds()
+    if kind not in allowed:
+        raise DrafterError(f"draft kind {kind!r} is not registered; allowed: {', '.join(allowed)}")
+    if draft_model is None:
+        if kind == "auto":
+            kind = "ngram"
+        weightless = [f for f in fams.values() if f.kind == kind and not f.needs_weights]
+        if not weightless:
+            raise DrafterError(f"draft kind {kind!r} needs a draft model (speculative.draft_model / --draft-model)")
+        return Resolution(weightless[0], kind, None, {}, [])
+    path = loading.resolve_path(draft_model, "draft model")
+    config = loading.read_config(path, "draft model")
+    family = detect_family(config)
+    if family is None:
+        raise DrafterError(
+            f"draft model {draft_model!r}: no registered drafter family recognises its config.json "
+            f"(model_type={config.get('model_type')!r}, architectures={config.get('architectures')!r}); "
+            f"registered families: {', '.join(sorted(fams))}"
+        )
+    warnings = []
+    if kind not in ("auto", family.kind):
+        warnings.append(
+            f"draft kind {kind!r} conflicts with the drafter's family {family.name!r} (kind "
+            f"{family.kind!r}, from its config.json); using {family.kind!r}"
+        )
+    return Resolution(family, family.kind, path, config, warnings)
+
+
+def check(resolution: Resolution, target: DraftTarget) -> Compatibility:
+    return resolution.family.check(resolution.path, resolution.config, target)
+
+
+def load(resolution: Resolution, target: DraftTarget, options: Dict[str, Any]) -> Drafter:
+    verdict = check(resolution, target)
+    if not verdict.ok:
+        raise DrafterError(f"{resolution.family.name} drafter is incompatible with the target: " + "; ".join(verdict.reasons))
+    if resolution.path is not None:
+        loading.check_safetensors(resolution.path, "draft model")
+    return resolution.family.load(resolution.path, resolution.config, target, options)

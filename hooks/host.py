@@ -1,0 +1,216 @@
+"""The mlx-lm host: loads targets with ``mlx_lm.load`` and runs prefill and decode through the hooks.
+
+With no plugin taking decode steps, the token stream equals ``mlx_lm.generate.generate_step``'s
+for the same prompt, sampler and logits processors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+import pluggy
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from . import loading, taps
+from .manager import make_plugin_manager
+from .state import (
+    DecodeState,
+    GeneratedToken,
+    HostConfig,
+    LoadedTarget,
+    LogitsProcessor,
+    SamplingParams,
+)
+
+DEFAULT_PREFILL_STEP = 2048
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logits_processors: List[LogitsProcessor] = field(default_factory=list)
+    stop_token_ids: Optional[Sequence[int]] = None  # default: the tokenizer's EOS ids
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
+    max_kv_size: Optional[int] = None
+
+
+@dataclass
+class HostEvent:
+    """One emitted token, as the CLI and the server stream it."""
+
+    token: int
+    text: str
+    logprobs: mx.array
+    finish_reason: Optional[str] = None  # "stop" | "length" | None
+
+
+@dataclass
+class GenerationResult:
+    tokens: List[int]
+    text: str
+    prompt_tokens: int
+    finish_reason: str
+    prompt_seconds: float
+    generation_seconds: float
+    report: Dict[str, Any]
+
+    @property
+    def generation_tps(self) -> float:
+        return len(self.tokens) / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+
+class Host:
+    """An mlx-lm host that honours the contract of ``hooks.specs``."""
+
+    def __init__(self, config: Optional[HostConfig] = None, pm: Optional[pluggy.PluginManager] = None):
+        self.config = config or HostConfig()
+        self.pm = pm if pm is not None else make_plugin_manager()
+
+    # model-load -----------------------------------------------------------------------------
+    def load(self, spec: str) -> LoadedTarget:
+        from mlx_lm import load as mlx_load
+
+        path = loading.resolve_path(spec, "model")
+        config = loading.read_config(path, "model")
+        loading.check_safetensors(path, "model")
+        model, tokenizer = mlx_load(str(path))
+        target = LoadedTarget(model=model, tokenizer=tokenizer, path=path, model_config=config, name=spec)
+        self.pm.hook.host_model_loaded(target=target, config=self.config)
+        return target
+
+    # prefill + decode -----------------------------------------------------------------------
+    def new_state(self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams) -> DecodeState:
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty: expected at least one token")
+        capture_layers: set[int] = set()
+        for request in self.pm.hook.host_prefill_captures(target=target):
+            if request is not None:
+                capture_layers.update(request.layers)
+        layers = sorted(capture_layers)
+        if layers:
+            taps.install_taps(target.model, layers)
+        sampling = params.sampling
+        state = DecodeState(
+            target=target,
+            cache=make_prompt_cache(target.model, max_kv_size=params.max_kv_size),
+            tokens=[int(t) for t in prompt],
+            prompt_len=len(prompt),
+            sampler=make_sampler(
+                sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k
+            ),
+            sampling=sampling,
+            logits_processors=list(params.logits_processors),
+            max_tokens=params.max_tokens,
+            capture_layers=layers,
+        )
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)
+            state.rng_key = mx.random.key(sampling.seed)
+        return state
+
+    def prefill(self, state: DecodeState, step: int = DEFAULT_PREFILL_STEP) -> None:
+        """Feed the prompt in chunks, then sample the first token (it becomes ``pending``)."""
+        prompt = state.tokens[: state.prompt_len]
+        done = 0
+        while len(prompt) - done > 1:
+            n = min(step, len(prompt) - done - 1)
+            state.forward(prompt[done : done + n])
+            state.keep_captures(n)
+            mx.eval([c.state for c in state.cache], list(state.captures.values()))
+            done += n
+            mx.clear_cache()
+        # The last prompt token alone, like generate_step: its logits give the first token.
+        self._plain_step(state)
+
+    def _plain_step(self, state: DecodeState) -> GeneratedToken:
+        """Feed the pending token and append the sampled next token (the new pending one)."""
+        logits = state.forward([state.pending])
+        state.keep_captures(1)
+        logprobs = state.logprobs(logits[:, -1:])  # [1, V]
+        sampled = state.sampler(logprobs)
+        mx.eval(sampled, logprobs)
+        out = GeneratedToken(int(sampled.item()), logprobs[0])
+        state.tokens.append(out.token)
+        state.pending_logprobs = out.logprobs
+        return out
+
+    def decode_steps(self, state: DecodeState) -> Iterator[GeneratedToken]:
+        """Tokens after the first one, one decode step (plain or a plugin's) at a time."""
+        n_step = 0
+        while state.remaining > 0:
+            out = self.pm.hook.host_decode_step(state=state)
+            if out is None:
+                yield self._plain_step(state)
+            else:
+                assert out.tokens, "a decode step must emit at least one token"
+                yield from out.tokens
+            n_step += 1
+            if n_step % 256 == 0:
+                mx.clear_cache()
+
+    def stream(
+        self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams,
+        state_out: Optional[List[DecodeState]] = None,
+    ) -> Iterator[HostEvent]:
+        """Emit tokens with their text until a stop token or ``max_tokens``."""
+        state = self.new_state(target, prompt, params)
+        if state_out is not None:
+            state_out.append(state)
+        if params.max_tokens <= 0:
+            return
+        stop = set(params.stop_token_ids if params.stop_token_ids is not None else target.tokenizer.eos_token_ids)
+        detok = target.tokenizer.detokenizer
+        detok.reset()
+        self.prefill(state, params.prefill_step_size)
+        first = GeneratedToken(state.pending, state.pending_logprobs)
+
+        def tokens() -> Iterator[GeneratedToken]:
+            yield first
+            yield from self.decode_steps(state)
+
+        emitted = 0
+        for gen in tokens():
+            if gen.token in stop:
+                detok.finalize()
+                yield HostEvent(gen.token, detok.last_segment, gen.logprobs, "stop")
+                return
+            emitted += 1
+            detok.add_token(gen.token)
+            if emitted >= params.max_tokens:
+                detok.finalize()
+                yield HostEvent(gen.token, detok.last_segment, gen.logprobs, "length")
+                return
+            yield HostEvent(gen.token, detok.last_segment, gen.logprobs)
+
+    def generate(self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams) -> GenerationResult:
+        holder: List[DecodeState] = []
+        tokens: List[int] = []
+        text: List[str] = []
+        finish = "length"
+        start = time.perf_counter()
+        first_at: Optional[float] = None
+        for event in self.stream(target, prompt, params, state_out=holder):
+            if first_at is None:
+                first_at = time.perf_counter()
+            text.append(event.text)
+            if event.finish_reason == "stop":
+                finish = "stop"
+                break
+            tokens.append(event.token)
+        end = time.perf_counter()
+        first_at = first_at or end
+        report = holder[0].report if holder else {}
+        return GenerationResult(
+            tokens=tokens,
+            text="".join(text),
+            prompt_tokens=len(prompt),
+            finish_reason=finish,
+            prompt_seconds=first_at - start,
+            generation_seconds=end - first_at,
+            report=report,
+        )

@@ -1,0 +1,119 @@
+"""The speculative plugin: hook implementations registered under ``mlx_speculative.host``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..drafters import registry
+from ..drafters.base import Drafter, DraftTarget
+from ..hooks.specs import hookimpl
+from ..hooks.state import CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
+from . import commit
+from .adaptive import BlockSizeController
+from .metrics import SpecStats
+from .round import RequestRounds, run_round
+from .settings import SpeculativeSettings, resolve
+
+NAME = "speculative"
+log = logging.getLogger("mlx_speculative")
+
+
+@dataclass
+class Attachment:
+    """What the plugin attaches to a target: the settings and the loaded drafter (or why not)."""
+
+    settings: SpeculativeSettings
+    drafter: Optional[Drafter] = None
+    error: Optional[str] = None
+    block_size: int = 0
+
+
+def draft_target(target: LoadedTarget) -> DraftTarget:
+    return DraftTarget(
+        config=target.model_config, path=target.path, model=target.model,
+        tokenizer=target.tokenizer, num_layers=target.num_layers,
+    )
+
+
+def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
+    """Resolve, check and load the drafter for ``target``; raises on any problem."""
+    resolution = registry.resolve(settings.draft_model, settings.kind)
+    for warning in resolution.warnings:
+        log.warning(warning)
+    # Refuse cache types the transaction cannot roll back before any token is generated.
+    commit.check_supported(make_prompt_cache(target.model))
+    options: Dict[str, Any] = {"ngram_n": settings.ngram_n}
+    drafter = registry.load(resolution, draft_target(target), options)
+    block = settings.block_size or drafter.default_block_size
+    return Attachment(settings=settings, drafter=drafter, block_size=block)
+
+
+@hookimpl
+def host_model_loaded(target: LoadedTarget, config: HostConfig) -> None:
+    settings = resolve(config.section("speculative") if "speculative" in config.sections else None,
+                       cli=config.overrides.get("speculative"))
+    if not settings.enabled:
+        target.attachments[NAME] = Attachment(settings=settings)
+        return
+    log.info("%s", settings.describe())
+    try:
+        target.attachments[NAME] = attach(target, settings)
+    except Exception as e:
+        if config.strict:
+            raise
+        log.warning("speculative decoding disabled for %s: %s", target.name, e)
+        target.attachments[NAME] = Attachment(settings=settings, error=str(e))
+
+
+@hookimpl
+def host_prefill_captures(target: LoadedTarget) -> Optional[CaptureRequest]:
+    att: Optional[Attachment] = target.attachments.get(NAME)
+    if att is None or att.drafter is None:
+        return None
+    layers = att.drafter.capture_layers()
+    return CaptureRequest(layers=list(layers)) if layers else None
+
+
+@hookimpl
+def host_decode_step(state: DecodeState) -> Optional[StepOutput]:
+    req = state.extras.get(NAME)
+    if req is None:
+        att: Optional[Attachment] = state.target.attachments.get(NAME)
+        if att is None or att.drafter is None or state.extras.get("speculative_enabled") is False:
+            state.extras[NAME] = False
+            return None
+        stats = SpecStats(kind=att.drafter.kind)
+        state.report[NAME] = stats
+        req = RequestRounds(
+            session=att.drafter.new_session(state),
+            controller=BlockSizeController(
+                cap=att.block_size, adaptive=att.settings.adaptive and att.settings.block_size is None
+            ),
+            stats=stats,
+            settings=att.settings,
+            vocab_size=int(state.pending_logprobs.shape[-1]) if state.pending_logprobs is not None else 0,
+        )
+        state.extras[NAME] = req
+    if req is False:
+        return None
+    return run_round(state, req)
+
+
+@hookimpl
+def host_add_commands(subparsers: Any) -> None:
+    from . import commands
+
+    commands.add_commands(subparsers)
+
+
+def describe_attachment(target: LoadedTarget) -> List[str]:
+    att: Optional[Attachment] = target.attachments.get(NAME)
+    if att is None:
+        return ["speculative: plugin not active"]
+    if att.drafter is None:
+        return [att.settings.describe()] + ([f"drafter error: {att.error}"] if att.error else [])
+    return [att.settings.describe(), f"drafter: kind={att.drafter.kind} family={att.drafter.family} block_size={att.block_size}"]

@@ -1,0 +1,97 @@
+"""Speculative-decoding statistics: per request (``SpecStats``) and process-wide (``METRICS``).
+
+Names follow vLLM's spec_decode counters so that users' dashboards carry over.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .types import RoundOutcome
+
+
+@dataclass
+class SpecStats:
+    kind: str
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: List[int] = field(default_factory=list)
+    block_sizes: List[int] = field(default_factory=list)
+    fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
+    seconds: Dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "commit": 0.0})
+
+    def record(self, outcome: RoundOutcome) -> None:
+        self.rounds += 1
+        self.draft_tokens += outcome.draft_tokens
+        self.accepted_tokens += outcome.accepted
+        if len(self.accepted_per_position) < outcome.draft_tokens:
+            self.accepted_per_position += [0] * (outcome.draft_tokens - len(self.accepted_per_position))
+        for i in range(outcome.accepted):
+            self.accepted_per_position[i] += 1
+        METRICS.record(outcome)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens emitted per round, the bonus included."""
+        return 1.0 + self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "block_sizes": list(self.block_sizes),
+            "fallback": self.fallback,
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+        }
+
+
+class Metrics:
+    """Process-wide counters (thread-safe), read by the server's /metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos: Dict[int, int] = {}
+        self.fallbacks = 0
+
+    def record(self, outcome: RoundOutcome) -> None:
+        with self._lock:
+            self.num_drafts += 1
+            self.num_draft_tokens += outcome.draft_tokens
+            self.num_accepted_tokens += outcome.accepted
+            for i in range(outcome.draft_tokens):
+                self.accepted_per_pos[i] = self.accepted_per_pos.get(i, 0) + (1 if i < outcome.accepted else 0)
+
+    def record_fallback(self) -> None:
+        with self._lock:
+            self.fallbacks += 1
+
+    def snapshot(self) -> Dict[str, Any]:
+        with self._lock:
+            return {
+                "spec_decode_num_drafts_total": self.num_drafts,
+                "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos_total": dict(self.accepted_per_pos),
+                "spec_decode_fallbacks_total": self.fallbacks,
+            }
+
+
+METRICS = Metrics()

@@ -1,0 +1,127 @@
+"""One speculative round: draft -> verify -> accept -> commit.
+
+Nothing is lost: a drafter that raises leaves every cache as it was before the round and the
+request goes on with plain one-token decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import mlx.core as mx
+
+from ..drafters.base import DraftSession
+from ..hooks.state import DecodeState, GeneratedToken, StepOutput
+from . import accept
+from .adaptive import BlockSizeController
+from .commit import CacheTransaction
+from .metrics import METRICS, SpecStats
+from .settings import SpeculativeSettings
+from .types import Proposal, RoundOutcome
+from .verify import verify
+
+log = logging.getLogger("mlx_speculative")
+
+
+@dataclass
+class RequestRounds:
+    """A request's speculative state: its draft session, block-size controller and stats."""
+
+    session: DraftSession
+    controller: BlockSizeController
+    stats: SpecStats
+    settings: SpeculativeSettings
+    failed: Optional[str] = None
+    vocab_size: int = 0
+    extras: dict = field(default_factory=dict)
+
+    def fall_back(self, where: str, error: BaseException) -> None:
+        self.failed = f"drafter failed while {where}: {type(error).__name__}: {error}"
+        self.stats.fallback = self.failed
+        METRICS.record_fallback()
+        log.warning("speculative decoding: %s; continuing with plain decoding", self.failed)
+
+
+def _propose(state: DecodeState, req: RequestRounds, max_drafts: int) -> Proposal:
+    proposal = req.session.propose(state, max_drafts)
+    drafts = [int(t) for t in proposal.tokens[:max_drafts]]
+    bad = [t for t in drafts if not 0 <= t < req.vocab_size]
+    if bad:
+        raise ValueError(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
+    q = proposal.logprobs[: len(drafts)] if proposal.logprobs is not None else None
+    return Proposal(drafts, q)
+
+
+def _accept(state: DecodeState, req: RequestRounds, proposal: Proposal, logprobs: mx.array) -> RoundOutcome:
+    drafts = mx.array(proposal.tokens, dtype=mx.uint32)  # [k]
+    if state.sampling.greedy:
+        a, bonus = accept.greedy_accept(drafts, logprobs)
+    elif req.settings.acceptance == "rejection" and hasattr(accept, "rejection_accept"):
+        a, bonus = accept.rejection_accept(drafts, proposal.logprobs, logprobs, state)
+    else:
+        a, bonus = accept.exact_accept(drafts, logprobs, state.sampler)
+    return RoundOutcome(draft_tokens=len(proposal.tokens), accepted=a, tokens=proposal.tokens[:a] + [bonus])
+
+
+def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
+    """Run one round, or return None for a plain one-token step (nothing to draft, or fallen back)."""
+    if req.failed is not None:
+        return None
+    block = req.controller.size
+    max_drafts = min(block - 1, state.remaining - 1)
+    if max_drafts < 1:
+        return None
+
+    t0 = time.perf_counter()
+    draft_txn = CacheTransaction(req.session.caches()).begin()
+    try:
+        proposal = _propose(state, req, max_drafts)
+    except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
+        draft_txn.abort()
+        req.fall_back("drafting", e)
+        return None
+    if not proposal.tokens:
+        # Nothing to verify: keep what the drafter fed (catching up), let the host step.
+        _session_commit(state, req, draft_txn, 0, 0)
+        return None
+    t1 = time.perf_counter()
+
+    try:
+        with CacheTransaction(state.cache) as txn:
+            logprobs = verify(state, proposal.tokens)  # [k+1, V]
+            outcome = _accept(state, req, proposal, logprobs)
+            txn.commit(outcome.emitted)
+    except BaseException:
+        draft_txn.abort()
+        raise
+    state.keep_captures(outcome.emitted)
+    t2 = time.perf_counter()
+
+    emitted: List[GeneratedToken] = [GeneratedToken(t, logprobs[i]) for i, t in enumerate(outcome.tokens)]
+    state.tokens.extend(outcome.tokens)
+    state.pending_logprobs = emitted[-1].logprobs
+    _session_commit(state, req, draft_txn, outcome.accepted, outcome.draft_tokens)
+    t3 = time.perf_counter()
+
+    req.controller.history.append(block)
+    req.controller.update(outcome.accepted, outcome.draft_tokens)
+    req.stats.record(outcome)
+    req.stats.block_sizes = req.controller.history
+    req.stats.seconds["draft"] += t1 - t0
+    req.stats.seconds["verify"] += t2 - t1
+    req.stats.seconds["commit"] += t3 - t2
+    return StepOutput(emitted)
+
+
+def _session_commit(
+    state: DecodeState, req: RequestRounds, draft_txn: CacheTransaction, accepted: int, drafted: int
+) -> None:
+    """The drafter keeps what matches the committed tokens; a failure rolls its caches back."""
+    try:
+        draft_txn.commit(req.session.commit(state, accepted, drafted))
+    except Exception as e:  # noqa: BLE001
+        draft_txn.abort()
+        req.fall_back("committing", e)

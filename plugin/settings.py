@@ -1,0 +1,117 @@
+"""The ``speculative:`` settings: YAML section, MLX_VLM_* environment, CLI flags.
+
+Precedence: CLI flag > environment > YAML > the drafter's config (block size) > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
+
+ENV = {
+    "kind": "MLX_VLM_DRAFT_KIND",
+    "draft_model": "MLX_VLM_DRAFT_MODEL",
+    "block_size": "MLX_VLM_DRAFT_BLOCK_SIZE",
+}
+KEYS = ("enabled", "draft_model", "kind", "block_size", "adaptive", "acceptance", "ngram_n")
+ACCEPTANCE = ("rejection", "exact")
+MAX_BLOCK = 128
+
+
+class ConfigError(ValueError):
+    """A bad setting: names the key, the value received and what is allowed."""
+
+
+@dataclass
+class SpeculativeSettings:
+    enabled: bool = False
+    draft_model: Optional[str] = None
+    kind: str = "auto"
+    block_size: Optional[int] = None  # None: "auto", the drafter's default
+    adaptive: bool = True
+    acceptance: str = "rejection"
+    ngram_n: int = 3
+    sources: Dict[str, str] = field(default_factory=dict)  # key -> cli | env | yaml | default
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)!r} ({self.sources.get(k, 'default')})" for k in KEYS if k != "enabled"]
+        return "speculative " + ("on: " if self.enabled else "off: ") + ", ".join(parts)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.lower() in ("true", "1", "yes", "on")
+    raise ConfigError(f"speculative.{key}: got {value!r}; allowed: true or false")
+
+
+def _block_size(key: str, value: Any) -> Optional[int]:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"speculative.{key}: got {value!r}; allowed: 'auto' or an integer from 2 to {MAX_BLOCK}") from None
+    if not 2 <= n <= MAX_BLOCK:
+        raise ConfigError(f"speculative.{key}: got {n}; allowed: 'auto' or an integer from 2 to {MAX_BLOCK}")
+    return n
+
+
+def _validate(key: str, value: Any, kinds: list[str]) -> Any:
+    if key == "enabled" or key == "adaptive":
+        return _bool(key, value)
+    if key == "block_size":
+        return _block_size(key, value)
+    if key == "draft_model":
+        if value is None or (isinstance(value, str) and value.strip()):
+            return value.strip() if isinstance(value, str) else None
+        raise ConfigError(f"speculative.draft_model: got {value!r}; allowed: a local path or a Hugging Face repo id")
+    if key == "kind":
+        allowed = ["auto"] + kinds
+        if not isinstance(value, str) or value not in allowed:
+            raise ConfigError(f"speculative.kind: got {value!r}; allowed: {', '.join(allowed)}")
+        return value
+    if key == "acceptance":
+        if value not in ACCEPTANCE:
+            raise ConfigError(f"speculative.acceptance: got {value!r}; allowed: {', '.join(ACCEPTANCE)}")
+        return value
+    if key == "ngram_n":
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 32:
+            raise ConfigError(f"speculative.ngram_n: got {value!r}; allowed: an integer from 1 to 32")
+        return value
+    raise AssertionError(key)
+
+
+def resolve(
+    yaml_section: Optional[Mapping[str, Any]],
+    cli: Optional[Mapping[str, Any]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    kinds: Optional[list[str]] = None,
+) -> SpeculativeSettings:
+    """Merge the layers into settings; ``enabled`` follows from any layer asking for a drafter."""
+    from ..drafters import registry
+
+    kinds = kinds if kinds is not None else registry.kinds()
+    environ = os.environ if environ is None else environ
+    if yaml_section is not None and not isinstance(yaml_section, Mapping):
+        raise ConfigError(f"speculative: got {type(yaml_section).__name__}; allowed: a mapping of {', '.join(KEYS)}")
+    settings = SpeculativeSettings()
+    layers = [
+        ("yaml", dict(yaml_section or {})),
+        ("env", {k: environ[v] for k, v in ENV.items() if environ.get(v, "").strip()}),
+        ("cli", {k: v for k, v in (cli or {}).items() if v is not None}),
+    ]
+    for source, values in layers:
+        for key, value in values.items():
+            if key not in KEYS:
+                raise ConfigError(f"speculative.{key}: unknown key (value {value!r}); allowed keys: {', '.join(KEYS)}")
+            setattr(settings, key, _validate(key, value, kinds))
+            settings.sources[key] = source
+    explicit_on = yaml_section is not None or any(v for _, v in layers[1:])
+    if "enabled" not in settings.sources:
+        settings.enabled = explicit_on
+    return settings

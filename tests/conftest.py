@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny real mlx-lm checkpoints with random weights and a locally trained tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlx.core as mx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+mx.set_default_device(mx.cpu)
+
+from mlx_speculative.hooks import tiny_models as tm  # noqa: E402
+from mlx_speculative.hooks.host import GenerationParams, Host  # noqa: E402
+from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
+from mlx_speculative.hooks.state import HostConfig  # noqa: E402
+
+PROMPTS = [
+    "the model token draft verify",
+    "red green blue one two three red green blue one two",
+    "river stone light night day code",
+    "a b c d e f g",
+    "test plan build run step loop test plan build run step loop test plan",
+    "the cache layer block round target fast slow small large",
+    "one two three four five six seven eight nine ten",
+    "query key value tree query key value tree query",
+    "speed decode prefill sample greedy window state hidden head",
+    "page book word line page book word line",
+    "if then else when and or but",
+    "time space word line page",
+    "draft draft draft draft",
+    "hello world this is a prompt",
+    "Zebra!? 123 ### unusual text",
+    "the the the the the the",
+    "green river night code stone",
+    "accept commit accept commit accept commit accept",
+    "small",
+    "x",
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tokenizer")
+    tm.train_tokenizer(d)
+    return d
+
+
+def _pair(root: Path, tokenizer_dir: Path, config: Dict[str, Any], seed: int) -> Dict[str, Path]:
+    target = tm.make_checkpoint(root / "target", config, seed=seed, tokenizer_dir=tokenizer_dir,
+                                logit_scale=3.0, quiet_layers_from=2)
+    drafter = tm.make_truncated_drafter(target, root / "drafter", num_layers=2)
+    random_drafter = tm.make_checkpoint(root / "random_drafter", dict(config, num_hidden_layers=1), seed=seed + 100,
+                                        tokenizer_dir=tokenizer_dir)
+    return {"target": target, "drafter": drafter, "random_drafter": random_drafter}
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[str, Path]:
+    return _pair(tmp_path_factory.mktemp("llama"), tokenizer_dir, tm.llama_config(num_hidden_layers=4), seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_pair(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[str, Path]:
+    return _pair(tmp_path_factory.mktemp("qwen3"), tokenizer_dir, tm.qwen3_config(num_hidden_layers=4), seed=2)
+
+
+def make_host(speculative: Dict[str, Any] | None = None, plugins: bool = True) -> Host:
+    sections = {} if speculative is None else {"speculative": speculative}
+    return Host(HostConfig(sections=sections), pm=make_plugin_manager(load_entry_points=plugins))
+
+
+def greedy_reference(model: Any, prompt: List[int], max_tokens: int) -> List[int]:
+    """mlx-lm's own generate_step, greedy, no stop tokens."""
+    from mlx_lm.generate import generate_step
+
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def encode(target: Any, text: str) -> List[int]:
+    return list(target.tokenizer.encode(text, add_special_tokens=False))
+
+
+def no_stop(max_tokens: int, **kw: Any) -> GenerationParams:
+    return GenerationParams(max_tokens=max_tokens, stop_token_ids=[], **kw)
