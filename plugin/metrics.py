@@ -20,6 +20,8 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_per_position: List[int] = field(default_factory=list)
     block_sizes: List[int] = field(default_factory=list)
+    # rounds whose drafts were all rejected / partly accepted / all accepted
+    rounds_by_acceptance: Dict[str, int] = field(default_factory=lambda: {"zero": 0, "partial": 0, "full": 0})
     fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
     seconds: Dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "commit": 0.0})
 
@@ -31,6 +33,8 @@ class SpecStats:
             self.accepted_per_position += [0] * (outcome.draft_tokens - len(self.accepted_per_position))
         for i in range(outcome.accepted):
             self.accepted_per_position[i] += 1
+        key = "zero" if outcome.accepted == 0 else "full" if outcome.accepted == outcome.draft_tokens else "partial"
+        self.rounds_by_acceptance[key] += 1
         METRICS.record(outcome)
 
     @property
@@ -51,6 +55,7 @@ class SpecStats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "rounds_by_acceptance": dict(self.rounds_by_acceptance),
             "block_sizes": list(self.block_sizes),
             "fallback": self.fallback,
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
