@@ -37,6 +37,8 @@ class GenerationParams:
     stop_token_ids: Optional[Sequence[int]] = None  # default: the tokenizer's EOS ids
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     max_kv_size: Optional[int] = None
+    # Seeds DecodeState.extras, e.g. {"speculative_enabled": False} turns rounds off for one request.
+    extras: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class Host:
             max_tokens=params.max_tokens,
             capture_layers=layers,
         )
+        state.extras.update(params.extras)
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)
             state.rng_key = mx.random.key(sampling.seed)
