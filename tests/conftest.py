@@ -52,7 +52,7 @@ def _pair(root: Path, tokenizer_dir: Path, config: Dict[str, Any], seed: int) ->
     target = tm.make_checkpoint(root / "target", config, seed=seed, tokenizer_dir=tokenizer_dir,
                                 logit_scale=3.0, quiet_layers_from=2)
     drafter = tm.make_truncated_drafter(target, root / "drafter", num_layers=2)
-    random_drafter = tm.make_checkpoint(root / "random_drafter", dict(config, num_hidden_layers=1), seed=seed + 100,
+    random_drafter = tm.make_checkpoint(root / "random_drafter", dict(config, num_hidden_layers=1, tie_word_embeddings=False), seed=seed + 100,
                                         tokenizer_dir=tokenizer_dir)
     return {"target": target, "drafter": drafter, "random_drafter": random_drafter}
 
@@ -64,7 +64,7 @@ def llama_pair(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
 
 @pytest.fixture(scope="session")
 def qwen3_pair(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[str, Path]:
-    return _pair(tmp_path_factory.mktemp("qwen3"), tokenizer_dir, tm.qwen3_config(num_hidden_layers=4), seed=2)
+    return _pair(tmp_path_factory.mktemp("qwen3"), tokenizer_dir, tm.qwen3_config(num_hidden_layers=4, tie_word_embeddings=False), seed=2)
 
 
 def make_host(speculative: Dict[str, Any] | None = None, plugins: bool = True) -> Host:

@@ -14,13 +14,20 @@ DEFAULT_N = 3
 
 
 def lookup(tokens: Sequence[int], n_max: int, k: int) -> List[int]:
-    """Up to k tokens that followed the most recent earlier match of the longest suffix (<= n_max)."""
+    """k tokens that followed the most recent earlier match of the longest suffix (<= n_max).
+
+    A continuation that reaches the end of ``tokens`` goes on with its own proposals, so a
+    repeating pattern of period p < k still yields k tokens.
+    """
     size = len(tokens)
     for n in range(min(n_max, size - 1), 0, -1):
         suffix = list(tokens[size - n :])
         for start in range(size - n - 1, -1, -1):
             if list(tokens[start : start + n]) == suffix:
-                return list(tokens[start + n : start + n + k])
+                seq = list(tokens)
+                for i in range(k):
+                    seq.append(seq[start + n + i])
+                return seq[size:]
     return []
 
 
