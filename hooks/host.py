@@ -24,6 +24,8 @@ from .state import (
     LoadedTarget,
     LogitsProcessor,
     SamplingParams,
+    keyed_sampler,
+    request_keys,
 )
 
 DEFAULT_PREFILL_STEP = 2048
@@ -99,7 +101,8 @@ class Host:
         sampling = params.sampling
         state = DecodeState(
             target=target,
-            cache=make_prompt_cache(target.model, max_kv_size=params.max_kv_size),
+            # A plugin may offer shape-stable caches (plugin/padded_cache.py); default: mlx-lm's.
+            cache=target.attachments.get("cache_factory", make_prompt_cache)(target.model, max_kv_size=params.max_kv_size),
             tokens=[int(t) for t in prompt],
             prompt_len=len(prompt),
             sampler=make_sampler(
@@ -112,8 +115,11 @@ class Host:
         )
         state.extras.update(params.extras)
         if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
-            state.rng_key = mx.random.key(sampling.seed)
+            # Per-request streams, not mx.random.seed: a seeded request then gives the same tokens
+            # whatever other requests draw meanwhile, and the drafter's draws never move the target's.
+            state.rng_key, state.draft_rng_key = request_keys(sampling.seed)
+            if not sampling.greedy:
+                state.sampler = keyed_sampler(sampling, state.next_key)
         return state
 
     def prefill(self, state: DecodeState, step: int = DEFAULT_PREFILL_STEP) -> None:

@@ -12,7 +12,7 @@ from ..drafters import registry
 from ..drafters.base import Drafter, DraftTarget
 from ..hooks.specs import hookimpl
 from ..hooks.state import CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
-from . import commit
+from . import commit, padded_cache
 from .adaptive import BlockSizeController
 from .metrics import SpecStats
 from .round import RequestRounds, run_round
@@ -56,6 +56,8 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
 def host_model_loaded(target: LoadedTarget, config: HostConfig) -> None:
     settings = resolve(config.section("speculative") if "speculative" in config.sections else None,
                        cli=config.overrides.get("speculative"))
+    # Shape-stable caches where the backend compiles per attention shape (CUDA), for plain decoding too.
+    padded_cache.install(target, widths=padded_cache.widths_for(settings.block_size))
     if not settings.enabled:
         target.attachments[NAME] = Attachment(settings=settings)
         return

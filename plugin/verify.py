@@ -6,6 +6,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from .padded_cache import verify_width
+
 
 def verify(state: Any, drafts: Sequence[int]) -> mx.array:
     """The target's processed log-probabilities after each verified position: [k+1, V].
@@ -14,7 +16,11 @@ def verify(state: Any, drafts: Sequence[int]) -> mx.array:
     with the logits processors applied per row as one-token decoding would. The forward runs on
     the target's own caches; the caller wraps it in a cache transaction.
     """
-    logits = state.forward([state.pending, *drafts])  # [1, k+1, V]
+    fed = [state.pending, *drafts]
+    # Shape-stable caches want a few query widths only: pad with filler positions after the real
+    # ones (causal attention keeps them out of the real rows; the transaction trims them).
+    width = verify_width(state.cache, len(fed))
+    logits = state.forward(fed + [state.pending] * (width - len(fed)))[:, : len(fed)]  # [1, k+1, V]
     logprobs = state.logprobs(logits, drafts)  # [k+1, V]
     mx.eval(logprobs)
     return logprobs
