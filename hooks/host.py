@@ -24,8 +24,6 @@ from .state import (
     LoadedTarget,
     LogitsProcessor,
     SamplingParams,
-    keyed_sampler,
-    request_keys,
 )
 
 DEFAULT_PREFILL_STEP = 2048
@@ -115,11 +113,8 @@ class Host:
         )
         state.extras.update(params.extras)
         if sampling.seed is not None:
-            # Per-request streams, not mx.random.seed: a seeded request then gives the same tokens
-            # whatever other requests draw meanwhile, and the drafter's draws never move the target's.
-            state.rng_key, state.draft_rng_key = request_keys(sampling.seed)
-            if not sampling.greedy:
-                state.sampler = keyed_sampler(sampling, state.next_key)
+            mx.random.seed(sampling.seed)
+            state.rng_key = mx.random.key(sampling.seed)
         return state
 
     def prefill(self, state: DecodeState, step: int = DEFAULT_PREFILL_STEP) -> None:
