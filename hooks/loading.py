@@ -55,7 +55,8 @@ def read_config(path: Path, what: str = "model") -> Dict[str, Any]:
         raise CheckpointError(f"{what} config {str(config_file)!r} is not valid JSON: {e}") from e
     if not isinstance(config, dict):
         raise CheckpointError(f"{what} config {str(config_file)!r} must be a JSON object, got {type(config).__name__}")
-    if "model_type" not in config and "text_config" not in config:
+    # speculators-format drafters keep model_type inside transformer_layer_config.
+    if "model_type" not in config and "text_config" not in config and "speculators_model_type" not in config:
         raise CheckpointError(
             f"{what} config {str(config_file)!r} has no 'model_type'; expected e.g. "
             "\"model_type\": \"llama\""

@@ -1,7 +1,22 @@
-"""Adaptive block size: shrink quickly when acceptance collapses, grow back slowly to the cap."""
+"""Adaptive block size: shrink quickly when recent acceptance collapses, grow back slowly to the cap.
+
+Why: a round verifies B positions whatever the drafter gets right, so a block much longer than
+what is accepted wastes verify work (on GPUs the waste is small up to ~16 positions, DESIGN.md;
+on a CPU it is linear in B). The controller watches the recent acceptance rate (an exponential
+average over rounds, so that one bad round after good ones does not shrink the block):
+
+- collapse (recent rate below ``collapse_rate``): cut the block at once to about twice the
+  recently accepted length, and at least halve it;
+- growth: after ``grow_after`` consecutive rounds that accepted (nearly) everything they drafted,
+  one step up (+25 %, at least +1), never past the cap (the configured or the drafter's block size).
+
+An explicit ``block_size`` pins the size (``adaptive=False``). ``history`` holds the size each
+round used; the stats report it (``SpecStats.block_sizes``).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List
 
@@ -13,10 +28,21 @@ class BlockSizeController:
     floor: int = 2
     size: int = 0
     history: List[int] = field(default_factory=list)  # block size used by each round
-    _streak: int = 0  # consecutive rounds that accepted most of their drafts
+    collapse_rate: float = 0.25  # recent acceptance rate below this: shrink
+    good_rate: float = 0.75  # a round accepting at least this share of its drafts counts as good
+    grow_after: int = 2  # good rounds in a row before one step up
+    decay: float = 0.5  # weight of the newest round in the recent averages
+    recent_rate: float = -1.0  # exponential average of accepted / drafted (starts at good_rate)
+    recent_accepted: float = 0.0  # exponential average of accepted per round
+    _good: int = 0
 
     def __post_init__(self) -> None:
+        if self.cap < self.floor:
+            self.floor = max(2, self.cap)
         self.size = self.cap
+        self.recent_accepted = float(self.cap - 1)
+        if self.recent_rate < 0:
+            self.recent_rate = self.good_rate
 
     def next(self) -> int:
         self.history.append(self.size)
@@ -25,14 +51,18 @@ class BlockSizeController:
     def update(self, accepted: int, draft_tokens: int) -> None:
         if not self.adaptive or draft_tokens == 0:
             return
-        if accepted == 0:
-            # Each fully rejected round halves the block: a wasted verify costs ~B positions.
-            self.size = max(self.floor, self.size // 2)
-            self._streak = 0
-        elif accepted * 4 >= draft_tokens * 3:
-            self._streak += 1
-            if self._streak >= 2 and self.size < self.cap:
-                self.size = min(self.cap, self.size * 2 if accepted == draft_tokens else self.size + 1)
-                self._streak = 0
+        rate = accepted / draft_tokens
+        self.recent_rate = self.decay * rate + (1 - self.decay) * self.recent_rate
+        self.recent_accepted = self.decay * accepted + (1 - self.decay) * self.recent_accepted
+        if self.recent_rate < self.collapse_rate:
+            # Blocks of about twice what was recently accepted, the pending token included.
+            fit = 2 * math.ceil(self.recent_accepted) + 2
+            self.size = max(self.floor, min(self.size // 2, fit))
+            self._good = 0
+        elif rate >= self.good_rate:
+            self._good += 1
+            if self._good >= self.grow_after and self.size < self.cap:
+                self.size = min(self.cap, self.size + max(1, self.size // 4))
+                self._good = 0
         else:
-            self._streak = 0
+            self._good = 0

@@ -1,0 +1,251 @@
+"""DFlash drafter (z-lab, block diffusion): a few Qwen3-style layers that draft a whole block at once.
+
+The block [last committed token, mask x (B-1)] attends, non-causally, to itself and to context
+K/V made from the target's hidden states: hidden_norm(fc(concat of the outputs of the target
+layers named by target_layer_ids)), injected in every layer. The embedding and lm_head are the
+target's (the checkpoint holds neither), so ``Model`` maps embeddings to final hidden states.
+
+Parameter names follow the z-lab checkpoints: fc, hidden_norm, norm, layers.N.self_attn.{q,k,v,o}_proj,
+layers.N.self_attn.{q,k}_norm, layers.N.mlp.{gate,up,down}_proj, layers.N.{input,post_attention}_layernorm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+# Architectures of the DFlash2 line: extra convolutions and a candidate selector this model lacks.
+UNSUPPORTED_ARCHITECTURES = ("DFlash2DraftModel",)
+MUSE_ASSISTANT = ("MuseGlimmerAssistantModel",)
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
+    """z-lab's default taps when a config names none: spread over layers 1 .. N-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def config_layout(config: Dict[str, Any]) -> str:
+    """Which DFlash config convention a config.json follows (see tests/fixtures/dflash).
+
+    - ``dflash_config``: z-lab. Qwen3 b16 drafters keep ``block_size`` at the top level,
+      Qwen3.5-4B-DFlash and later only inside ``dflash_config``.
+    - ``speculators``: vllm-project/speculators; geometry under ``transformer_layer_config``, taps
+      in ``aux_hidden_state_layer_ids``, ``mask_token_id``/``block_size`` at the top level.
+    - ``flat``: the Muse-Glimmer assistant; ``block_size``, ``mask_token_id``, ``target_layer_ids``
+      at the top level.
+    """
+    if config.get("speculators_model_type") == "dflash" or (
+        (config.get("speculators_config") or {}).get("algorithm") == "dflash"
+    ):
+        return "speculators"
+    if isinstance(config.get("dflash_config"), dict):
+        return "dflash_config"
+    return "flat"
+
+
+def normalize_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    """One flat dict with HF field names out of any of the three layouts."""
+    layout = config_layout(config)
+    flat = dict(config)
+    if layout == "speculators":
+        layer = dict(config.get("transformer_layer_config") or {})
+        flat = {**layer, **{k: v for k, v in config.items() if k != "transformer_layer_config"}}
+        flat["model_type"] = layer.get("model_type", "llama")
+        if "aux_hidden_state_layer_ids" in config:
+            flat["target_layer_ids"] = config["aux_hidden_state_layer_ids"]
+        # speculators keep the vocabulary in the layer config; draft_vocab_size is the head's.
+        flat.setdefault("vocab_size", layer.get("vocab_size"))
+    elif layout == "dflash_config":
+        # A value at both levels (block_size in some exports): dflash_config wins, it is what
+        # z-lab's own loader reads for everything DFlash-specific.
+        flat.update({k: v for k, v in config["dflash_config"].items()
+                     if k in ("block_size", "mask_token_id", "target_layer_ids")})
+    if set(config.get("architectures") or []) & set(MUSE_ASSISTANT) or config.get("model_type") == "muse_glimmer_assistant":
+        # exllamav3's adapter reads these ids as raw HF hidden_states indices (tap_shift 0), not
+        # DFlash's "output of layer id" (hidden_states[id + 1]).
+        flat["layer_id_offset"] = 0
+    rope = config.get("rope_parameters") or flat.get("rope_parameters")
+    if isinstance(rope, dict):
+        flat.setdefault("rope_theta", rope.get("rope_theta"))
+        if "partial_rotary_factor" in rope:
+            flat.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+        if rope.get("rope_type", rope.get("type", "default")) != "default" and not flat.get("rope_scaling"):
+            flat["rope_scaling"] = rope
+    if flat.get("use_sliding_window") is False:
+        flat["sliding_window"] = None  # Qwen3Config ignores the window unless use_sliding_window
+    flat["layout"] = layout
+    return {k: v for k, v in flat.items() if v is not None or k == "sliding_window"}
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str = "qwen3"
+    hidden_size: int = 4096
+    num_hidden_layers: int = 5
+    intermediate_size: int = 12288
+    num_attention_heads: int = 32
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    vocab_size: Optional[int] = None
+    rope_theta: float = 1000000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: Optional[int] = None
+    attention_bias: bool = False
+    layer_types: Optional[List[str]] = None
+    sliding_window: Optional[int] = None
+    block_size: int = 16
+    num_target_layers: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    target_layer_ids: Optional[List[int]] = None
+    tie_word_embeddings: bool = False
+    architectures: List[str] = field(default_factory=list)
+    layout: str = "dflash_config"
+    # HF hidden_states index = layer id + this (DFlash: 1, i.e. the output of decoder layer id).
+    layer_id_offset: int = 1
+
+    @classmethod
+    def from_dict(cls, params: Dict[str, Any]) -> "ModelArgs":
+        return super().from_dict(normalize_config(params))
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if self.target_layer_ids is None and self.num_target_layers is not None:
+            self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+
+    @property
+    def capture_layers(self) -> List[int]:
+        """Target decoder layers whose output is read (0-based), in fc's input order."""
+        return [i + self.layer_id_offset - 1 for i in (self.target_layer_ids or [])]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        dim = args.hidden_size
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=args.attention_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            int(self.head_dim * args.partial_rotary_factor), args.rope_theta, False,
+            args.rope_scaling, args.max_position_embeddings,
+        )
+        sliding = args.layer_types[layer_idx] == "sliding_attention"
+        self.window = args.sliding_window if sliding else None
+
+    def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """K/V of positions offset.. (context or block alike): [B, n_kv, L, D] each, K roped."""
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def __call__(self, x: mx.array, context: Optional[mx.array], cache: KVCache) -> mx.array:
+        B, T, _ = x.shape
+        if context is not None and context.shape[1] > 0:
+            cache.update_and_fetch(*self.keys_values(context, cache.offset))
+        start = cache.offset  # the block continues the context's positions
+        q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        k, v = self.keys_values(x, start)  # [B, n_kv, T, D]
+        if start > 0:
+            ctx_k, ctx_v = cache.keys_and_values()
+            k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
+        mask = None  # non-causal: every block position sees the whole context and block
+        if self.window is not None and start + T > self.window:
+            q_pos = mx.arange(start, start + T)[:, None]
+            mask = (q_pos - mx.arange(start + T)[None]) < self.window  # [T, S]
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, context: Optional[mx.array], cache: KVCache) -> mx.array:
+        # The context is already normalised (hidden_norm); only the block goes through input_layernorm.
+        h = x + self.self_attn(self.input_layernorm(x), context, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        n_taps = len(args.target_layer_ids or [])
+        self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def context_states(self, hidden: mx.array) -> mx.array:
+        """[B, n, n_taps*H] concatenated target hidden states -> [B, n, H] context."""
+        return self.hidden_norm(self.fc(hidden))
+
+    def __call__(self, embeddings: mx.array, hidden: Optional[mx.array], cache: List[KVCache]) -> mx.array:
+        """embeddings: [B, T, H] of the block; hidden: [B, n, n_taps*H] target states not yet in
+        ``cache`` (or None). Appends their context K/V to ``cache``; returns [B, T, H] normed states.
+        """
+        context = self.context_states(hidden) if hidden is not None and hidden.shape[1] > 0 else None
+        h = embeddings
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, context, c)
+        return self.norm(h)
+
+    def make_cache(self) -> List[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        renames = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}  # Muse assistant
+        out = {}
+        for k, v in weights.items():
+            if k.startswith("model."):
+                k = k[len("model."):]
+            for old, new in renames.items():
+                if k.startswith(old):
+                    k = new + k[len(old):]
+            # The target's embedding and head are used. speculators exports may carry copies (its
+            # lm_head is the verifier's, frozen) and the d2t/t2d maps of a full draft vocabulary.
+            if k.split(".")[0] in ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm", "d2t", "t2d"):
+                continue
+            out[k] = v
+        return out

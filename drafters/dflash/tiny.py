@@ -1,0 +1,100 @@
+"""Tiny DFlash checkpoints with random weights, written in the real formats (tests, demos).
+
+``shrink_config`` keeps a real config.json's layout and field names and replaces its sizes;
+``write_checkpoint`` saves random weights under that format's tensor names.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .model import Model, ModelArgs, config_layout
+
+TINY = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 384,
+}
+
+
+def shrink_config(
+    real: Dict[str, Any], *, target_layer_ids: List[int], mask_token_id: int, num_target_layers: int,
+    sliding_window: Optional[int] = 8, **over: Any,
+) -> Dict[str, Any]:
+    """``real`` with tiny sizes, in the same places and under the same names."""
+    config = copy.deepcopy(real)
+    layout = config_layout(config)
+    geometry = config["transformer_layer_config"] if layout == "speculators" else config
+    sizes = dict(TINY, **{k: v for k, v in over.items() if k in TINY})
+    for k, v in sizes.items():
+        if k in geometry or k in ("hidden_size", "num_hidden_layers"):
+            geometry[k] = v
+    n = sizes["num_hidden_layers"]
+    if "layer_types" in geometry:
+        types = geometry["layer_types"]
+        # Keep the pattern's ends (e.g. sliding ... full) at the new depth.
+        geometry["layer_types"] = (types[: n - 1] + types[-1:]) if n > 1 else types[-1:]
+    if "max_window_layers" in geometry:
+        geometry["max_window_layers"] = n
+    if geometry.get("sliding_window") is not None and sliding_window is not None:
+        geometry["sliding_window"] = sliding_window
+    if layout == "dflash_config":
+        config["dflash_config"]["target_layer_ids"] = list(target_layer_ids)
+        config["dflash_config"]["mask_token_id"] = mask_token_id
+        config["num_target_layers"] = num_target_layers
+    elif layout == "speculators":
+        config["aux_hidden_state_layer_ids"] = list(target_layer_ids)
+        config["mask_token_id"] = mask_token_id
+        config["draft_vocab_size"] = sizes["vocab_size"]
+    else:
+        config["target_layer_ids"] = list(target_layer_ids)
+        config["mask_token_id"] = mask_token_id
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(k) is not None:
+            config[k] = min(int(config[k]), sizes["vocab_size"] - 1) if k != "pad_token_id" else None
+    config["dtype"] = "float32"
+    for k, v in over.items():
+        if k not in TINY:
+            config[k] = v
+    return config
+
+
+def tensor_names(layout: str, config: Dict[str, Any]) -> Dict[str, str]:
+    """mlx parameter name prefix -> the format's tensor name prefix."""
+    archs = config.get("architectures") or []
+    if "MuseGlimmerAssistantModel" in archs:
+        return {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
+    return {}
+
+
+def write_checkpoint(
+    out_dir: Path, config: Dict[str, Any], seed: int = 0, prefix: str = "", scale: float = 1.0,
+) -> Path:
+    """Random weights for ``config`` saved under its format's tensor names (``prefix``: e.g. "model.")."""
+    mx.random.seed(seed)
+    args = ModelArgs.from_dict(config)
+    model = Model(args)
+    renames = tensor_names(args.layout, config)
+    weights = {}
+    for name, w in tree_flatten(model.parameters()):
+        if not name.endswith("norm.weight"):
+            w = w * scale
+        for old, new in renames.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        weights[prefix + name] = w
+    if args.layout == "speculators":
+        # speculators exports carry the (frozen, verifier-initialised) head and vocabulary maps.
+        v = config["draft_vocab_size"]
+        weights["lm_head.weight"] = mx.random.normal((v, args.hidden_size)) * 0.02
+        weights["d2t"] = mx.zeros((v,), dtype=mx.int64)
+        weights["t2d"] = mx.ones((args.vocab_size,), dtype=mx.bool_)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
