@@ -196,3 +196,80 @@ def ensure_demo_pair(announce=print) -> tuple[Path, Path]:
         shutil.rmtree(root, ignore_errors=True)
         tmp.rename(root)
     return target, drafter
+
+
+# Tiny configs of the other cache layouts mlx-lm models use (rolling back each is plugin/commit.py's job).
+def gemma3_text_config(**over: Any) -> Dict[str, Any]:
+    """Sliding-window attention (RotatingKVCache) on every layer but each 2nd (KVCache)."""
+    config = llama_config(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=8, sliding_window_pattern=2, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+    config.update(over)
+    return config
+
+
+def qwen3_5_config(**over: Any) -> Dict[str, Any]:
+    """GatedDeltaNet hybrid: ArraysCache (conv + recurrent state) layers and a full-attention KVCache layer."""
+    config = llama_config(
+        model_type="qwen3_5", architectures=["Qwen3_5ForCausalLM"], num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, full_attention_interval=2,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+    )
+    config.update(over)
+    return config
+
+
+def falcon_h1_config(**over: Any) -> Dict[str, Any]:
+    """SSM hybrid: every layer holds a CacheList(ArraysCache (Mamba-2 conv + SSM state), KVCache)."""
+    config = {
+        "model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"],
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 384,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "mamba_d_conv": 4, "mamba_d_head": 16, "mamba_d_ssm": 64, "mamba_d_state": 16, "mamba_expand": 2,
+        "mamba_n_groups": 1, "mamba_n_heads": 4, "mamba_chunk_size": 16,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+    }
+    config.update(over)
+    return config
+
+
+def deepseek_v3_config(**over: Any) -> Dict[str, Any]:
+    """Multi-head latent attention (MLA) and a few routed experts."""
+    config = llama_config(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_routed_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.0, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, topk_method="noaux_tc",
+        scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1, moe_layer_freq=1,
+        first_k_dense_replace=1,
+    )
+    config.update(over)
+    return config
+
+
+def gpt_oss_config(**over: Any) -> Dict[str, Any]:
+    """Attention sinks, sliding-window (RotatingKVCache) and full-attention layers, a few experts."""
+    config = llama_config(
+        model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    config.update(over)
+    return config
+
+
+EXTRA_CONFIGS = {
+    "gemma3_text": gemma3_text_config,
+    "qwen3_5": qwen3_5_config,
+    "falcon_h1": falcon_h1_config,
+    "deepseek_v3": deepseek_v3_config,
+    "gpt_oss": gpt_oss_config,
+}

@@ -76,7 +76,8 @@ def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
         return None
 
     t0 = time.perf_counter()
-    draft_txn = CacheTransaction(req.session.caches()).begin()
+    # replay: recurrent caches (ArraysCache) keep a partial commit by feeding the kept tokens again.
+    draft_txn = CacheTransaction(req.session.caches(), replay=getattr(req.session, "replay", None)).begin()
     try:
         proposal = _propose(state, req, max_drafts)
     except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
@@ -90,7 +91,8 @@ def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
     t1 = time.perf_counter()
 
     try:
-        with CacheTransaction(state.cache) as txn:
+        fed = [state.pending, *proposal.tokens]
+        with CacheTransaction(state.cache, replay=lambda n: state.forward(fed[:n])) as txn:
             logprobs = verify(state, proposal.tokens)  # [k+1, V]
             outcome = _accept(state, req, proposal, logprobs)
             txn.commit(outcome.emitted)

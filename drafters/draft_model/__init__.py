@@ -23,6 +23,7 @@ class DraftModelSession(DraftSession):
         self.cache = make_prompt_cache(self.model)
         self.fed = 0  # state.tokens[:fed] are in self.cache
         self._catch_up = 0
+        self._round: List[int] = []  # what this round fed into self.cache, in order
 
     def caches(self) -> List[Any]:
         return self.cache
@@ -37,6 +38,7 @@ class DraftModelSession(DraftSession):
     def propose(self, state: Any, max_drafts: int) -> Proposal:
         fresh = state.tokens[self.fed :]  # ends with the pending token
         self._catch_up = len(fresh)
+        self._round = list(fresh)
         logits = self._feed(fresh)
         drafts: List[int] = []
         while True:
@@ -44,8 +46,14 @@ class DraftModelSession(DraftSession):
             drafts.append(token)
             if len(drafts) == max_drafts:
                 break
+            self._round.append(token)
             logits = self._feed([token])
         return Proposal(drafts)
+
+    def replay(self, n: int) -> None:
+        """Feed this round's first n tokens again (the cache transaction restored the start first):
+        how a recurrent draft model (e.g. Qwen3.5, Mamba) keeps part of a round."""
+        self._feed(self._round[:n])
 
     def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
         # The cache holds the catch-up tokens and drafts[:k-1]; the accepted ones are now committed.
