@@ -31,7 +31,12 @@ class DFlashSession(DraftSession):
 
     def __init__(self, drafter: "DFlashDrafter"):
         self.drafter = drafter
-        self.cache = drafter.model.make_cache()
+        if drafter.cache_bucket:
+            from ...plugin.padded_cache import PaddedKVCache
+
+            self.cache = drafter.model.make_cache(lambda: PaddedKVCache(drafter.cache_bucket))
+        else:
+            self.cache = drafter.model.make_cache()
         self._consumed = 0  # positions of state.captures read by the last propose
 
     def caches(self) -> List[Any]:
@@ -100,6 +105,9 @@ class DFlashDrafter(Drafter):
         self.head = head
         self.mask_token_id = int(self.args.mask_token_id)
         self.default_block_size = int(self.args.block_size)
+        # Context K/V padded to buckets where attention compiles per key length (CUDA): the key
+        # length grows every round, which would otherwise compile a kernel per round.
+        self.cache_bucket: Optional[int] = None
 
     def capture_layers(self) -> List[int]:
         return list(self.args.capture_layers)
@@ -259,7 +267,15 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     if target.model is None:
         raise DrafterError("dflash drafters borrow the target's embedding and lm_head: load the target first")
     embed, head = target_embedding_and_head(target.model)
-    return DFlashDrafter(model, embed, head)
+    drafter = DFlashDrafter(model, embed, head)
+    try:
+        from ...plugin import padded_cache
+
+        if padded_cache.resolve_mode():
+            drafter.cache_bucket = padded_cache.DEFAULT_BUCKET
+    except ImportError:  # an older plugin without padded caches
+        pass
+    return drafter
 
 
 family = DrafterFamily(

@@ -12,7 +12,7 @@ layers.N.self_attn.{q,k}_norm, layers.N.mlp.{gate,up,down}_proj, layers.N.{input
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -170,13 +170,22 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         k, v = self.keys_values(x, start)  # [B, n_kv, T, D]
+        slots = 0
         if start > 0:
+            # [B, n_kv, slots, D]; a padded cache (CUDA: one attention shape per bucket) gives
+            # slots >= start, the slots past start being padding.
             ctx_k, ctx_v = cache.keys_and_values()
+            slots = ctx_k.shape[2]
             k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
         mask = None  # non-causal: every block position sees the whole context and block
-        if self.window is not None and start + T > self.window:
-            q_pos = mx.arange(start, start + T)[:, None]
-            mask = (q_pos - mx.arange(start + T)[None]) < self.window  # [T, S]
+        windowed = self.window is not None and start + T > self.window
+        if slots > start or windowed:
+            cols = mx.arange(slots + T)
+            mask = ((cols < start) | (cols >= slots))[None]  # [1, slots+T]
+            if windowed:
+                key_pos = mx.where(cols < slots, cols, cols - slots + start)
+                q_pos = mx.arange(start, start + T)[:, None]
+                mask = mask & ((q_pos - key_pos[None]) < self.window)  # [T, slots+T]
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
@@ -231,8 +240,9 @@ class Model(nn.Module):
             h = layer(h, context, c)
         return self.norm(h)
 
-    def make_cache(self) -> List[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, factory: Callable[[], Any] = KVCache) -> List[Any]:
+        """One context cache per layer (``factory``: e.g. a padded KVCache on CUDA)."""
+        return [factory() for _ in self.layers]
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         renames = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}  # Muse assistant
