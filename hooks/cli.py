@@ -122,11 +122,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (speculative when configured)")
+    p.add_argument("--config", help="host YAML file (model, server: ..., speculative: ...)")
+    p.add_argument("--model", help="target: path or HF repo id (default: the config's, else the tiny demo)")
+    p.add_argument("--model-name", help="the model id clients send (default: the --model/config value)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8080; 0 picks a free one)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on every route but /health "
+                   "(also $MLX_SPEC_API_KEY or server.api_key)")
+    p.add_argument("--max-tokens", type=int, help="default max_tokens of a request (default 512)")
+    p.add_argument("--context-length", type=int, help="prompt + completion limit (default: the model config's)")
+    p.add_argument("--max-active", type=int, help="requests interleaved on the generation thread (default 8)")
+    p.add_argument("--max-queue", type=int, help="requests waiting beyond those; more get 503 (default 64)")
+    p.add_argument("--draft-model", help="drafter: path or HF repo id")
+    p.add_argument("--draft-kind", help="auto or a registered kind (see `mlx-spec drafters`)")
+    p.add_argument("--draft-block-size", help="positions verified per round, or 'auto'")
+    p.add_argument("--no-speculative", action="store_true", help="plain one-token decoding")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import cmd_serve as serve
+
+    return serve(args, _overrides(args)["speculative"])
+
+
 def build_parser(pm: Any) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-spec", description="Lossless speculative decoding for mlx-lm.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the plugins decide")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    add_serve(sub)
     pm.hook.host_add_commands(subparsers=sub)
     return parser
 

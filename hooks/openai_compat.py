@@ -1,0 +1,499 @@
+"""All coupling to mlx-lm's OpenAI-compatible server (``mlx_lm.server``) lives here.
+
+The server (``hooks.server``) runs generation through ``hooks.host.Host`` so the speculative plugin
+applies; what a request *means* is mlx-lm's: the same parameters with the same defaults, chat
+prompts built by the tokenizer's ``apply_chat_template`` (``convert_chat`` without a template),
+the same content-part handling, token-level stop sequences (``make_stop_sequences``) and text
+clean-up of stop words, reasoning and tool calls (``make_text_state_machine``,
+``ToolCallFormatter``), and the same response shapes. On top of mlx-lm, every field is checked
+and a bad one gets a 4xx answer in OpenAI's error shape naming the field.
+
+Tested with mlx-lm 0.32.2 (``TESTED_MLX_LM``); pyproject pins ``mlx-lm>=0.32.2,<0.33``. The names
+imported from ``mlx_lm.server`` and ``mlx_lm.generate`` below are the whole surface used.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import StopSequences, TextStateMachine, make_stop_sequences, make_text_state_machine
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.server import ToolCallFormatter, convert_chat, process_message_content
+
+from .state import LogitsProcessor, SamplingParams
+
+log = logging.getLogger("mlx_speculative.server")
+
+TESTED_MLX_LM = ("0.32.2",)
+# mlx-lm's name for "whatever model the server loaded"; clients such as its own examples send it.
+DEFAULT_MODEL_ALIAS = "default_model"
+MAX_TOP_LOGPROBS = 20
+
+
+def check_mlx_lm_version() -> Optional[str]:
+    """A warning when the installed mlx-lm is not one this module was tested with."""
+    version = getattr(mlx_lm, "__version__", "unknown")
+    if version not in TESTED_MLX_LM:
+        return (f"mlx-lm {version} is installed; the server's request semantics were tested with "
+                f"mlx-lm {', '.join(TESTED_MLX_LM)}")
+    return None
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP status plus OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# Request fields ------------------------------------------------------------------------------
+
+# Accepted by both endpoints (mlx-lm's parameters plus OpenAI's harmless ones).
+COMMON_FIELDS = (
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "repetition_penalty", "repetition_context_size", "presence_penalty",
+    "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "logprobs",
+    "top_logprobs", "draft_model", "num_draft_tokens", "speculative", "xtc_probability", "xtc_threshold",
+    "adapters", "n", "user", "metadata", "store", "service_tier", "response_format",
+)
+CHAT_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "role_mapping")
+TEXT_FIELDS = ("prompt", "best_of", "echo", "suffix")
+
+
+@dataclass
+class ServingLimits:
+    """What the server allows; built by the server from its config and the loaded target."""
+
+    model_id: str
+    max_tokens: int = 512  # mlx-lm server's default --max-tokens
+    context_length: Optional[int] = None
+    temperature: float = 0.0  # mlx-lm server's defaults for --temp/--top-p/--top-k/--min-p
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    chat_template_args: Dict[str, Any] = field(default_factory=dict)
+    vocab_size: Optional[int] = None
+    drafter_names: Tuple[str, ...] = ()  # what a request may send as draft_model
+    draft_tokens: Optional[int] = None  # block size - 1 of the attached drafter; None: speculative off
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "chat" | "text"
+    model: str
+    prompt: List[int]
+    max_tokens: int
+    sampling: SamplingParams
+    # make_logits_processors' keyword arguments; the processors hold mx arrays, so the
+    # generation thread builds them (``logits_processors``), never an HTTP thread.
+    logits_args: Dict[str, Any]
+    stop_words: List[str]
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    speculative: Optional[bool] = None  # None: the server's setting
+    tools: Optional[List[Any]] = None
+    initial_state: str = "normal"
+
+
+_TYPE_NAMES = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
+               list: "array", dict: "object"}
+
+
+def _described(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return f"{_TYPE_NAMES.get(type(value), type(value).__name__)} {text[:60]}"
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"bool": bool, "str": str, "list": list, "dict": dict}[kind])
+
+
+_EXPECTED = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
+             "list": "an array", "dict": "an object"}
+
+
+def _get(body: Dict[str, Any], name: str, kinds: Sequence[str], default: Any) -> Any:
+    """``body[name]`` checked against ``kinds``; ``default`` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not any(_is(value, k) for k in kinds):
+        expected = " or ".join(_EXPECTED[k] for k in kinds)
+        raise APIError(400, f"{name}: expected {expected}, got {_described(value)}", name, "invalid_type")
+    return value
+
+
+def _bad_value(name: str, value: Any, allowed: str) -> APIError:
+    return APIError(400, f"{name}: got {_described(value)}; allowed: {allowed}", name, "invalid_value")
+
+
+def _in_range(name: str, value: float, lo: Optional[float] = None, hi: Optional[float] = None,
+              lo_open: bool = False, allowed: str = "") -> None:
+    if (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi):
+        raise _bad_value(name, value, allowed)
+
+
+def _unsupported(name: str, value: Any, allowed: str) -> APIError:
+    return APIError(400, f"{name}: {_described(value)} is not supported by this server; allowed: {allowed}",
+                    name, "unsupported_parameter")
+
+
+def parse_body(raw: bytes) -> Dict[str, Any]:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {_described(body)}", None, "invalid_json")
+    return body
+
+
+def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: ServingLimits) -> ParsedRequest:
+    """Check every field of a /v1/chat/completions ("chat") or /v1/completions ("text") body."""
+    allowed = COMMON_FIELDS + (CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
+    for name in body:
+        if name not in allowed:
+            raise APIError(400, f"{name}: unknown or unsupported parameter for this endpoint; allowed: "
+                           f"{', '.join(allowed)}", name, "unsupported_parameter")
+
+    model = _get(body, "model", ["str"], DEFAULT_MODEL_ALIAS)
+    if model not in (limits.model_id, DEFAULT_MODEL_ALIAS):
+        raise APIError(404, f"model: {model!r} is not served here; allowed: {limits.model_id!r} "
+                       f"(or {DEFAULT_MODEL_ALIAS!r})", "model", "model_not_found")
+
+    stream = _get(body, "stream", ["bool"], False)
+    options = _get(body, "stream_options", ["dict"], {})
+    include_usage = _get(options, "include_usage", ["bool"], False) if options else False
+    for name in options:
+        if name != "include_usage":
+            raise _unsupported(f"stream_options.{name}", options[name], "include_usage")
+
+    requested_max = body.get("max_completion_tokens")
+    max_name = "max_completion_tokens" if requested_max is not None else "max_tokens"
+    max_tokens = _get(body, max_name, ["int"], None)
+    if max_tokens is not None:
+        _in_range(max_name, max_tokens, lo=1, allowed="an integer >= 1")
+
+    temperature = float(_get(body, "temperature", ["number"], limits.temperature))
+    _in_range("temperature", temperature, lo=0, allowed="a number >= 0 (0: greedy)")
+    top_p = float(_get(body, "top_p", ["number"], limits.top_p))
+    _in_range("top_p", top_p, lo=0, hi=1, lo_open=True, allowed="a number in (0, 1]")
+    top_k = _get(body, "top_k", ["int"], limits.top_k)
+    _in_range("top_k", top_k, lo=0, allowed="an integer >= 0 (0: off)")
+    min_p = float(_get(body, "min_p", ["number"], limits.min_p))
+    _in_range("min_p", min_p, lo=0, hi=1, allowed="a number in [0, 1]")
+    seed = _get(body, "seed", ["int"], None)
+
+    stop = _get(body, "stop", ["str", "list"], [])
+    stop_words = [stop] if isinstance(stop, str) else list(stop)
+    for i, w in enumerate(stop_words):
+        if not isinstance(w, str) or not w:
+            raise _bad_value(f"stop[{i}]", w, "a non-empty string")
+
+    logits_args = _logits_args(body, limits.vocab_size)
+
+    logprobs = _get(body, "logprobs", ["bool"], False)
+    top_logprobs = _get(body, "top_logprobs", ["int"], 0)
+    if top_logprobs != -1:  # mlx-lm's "off"
+        _in_range("top_logprobs", top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS, allowed=f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+    top_logprobs = max(top_logprobs, 0)
+
+    speculative = _speculative_choice(body, limits)
+
+    for name, value in (("xtc_probability", 0.0), ("n", 1), ("best_of", 1)):
+        got = _get(body, name, ["number"], value)
+        if got != value:
+            raise _unsupported(name, got, f"{value} (or leave it out)")
+    if body.get("adapters") is not None:
+        raise _unsupported("adapters", body["adapters"], "null: adapters are not loaded by this server")
+    _get(body, "xtc_threshold", ["number"], 0.1)
+    if _get(body, "echo", ["bool"], False):
+        raise _unsupported("echo", True, "false")
+    if body.get("suffix") is not None:
+        raise _unsupported("suffix", body["suffix"], "null")
+    response_format = _get(body, "response_format", ["dict"], {"type": "text"})
+    if response_format.get("type") != "text":
+        raise _unsupported("response_format", response_format, '{"type": "text"}')
+    for name in ("user", "service_tier"):
+        _get(body, name, ["str"], None)
+    _get(body, "metadata", ["dict"], None)
+    _get(body, "store", ["bool"], None)
+
+    tools = None
+    if kind == "chat":
+        prompt, initial_state, tools = _chat_prompt(body, tokenizer, limits)
+        prompt_field = "messages"
+    else:
+        text = body.get("prompt")
+        if text is None:
+            raise APIError(400, "prompt: missing; expected a string", "prompt", "missing_field")
+        if not isinstance(text, str):
+            raise APIError(400, f"prompt: expected a string (one prompt per request), got {_described(text)}",
+                           "prompt", "invalid_type")
+        prompt, initial_state, prompt_field = list(tokenizer.encode(text)), "normal", "prompt"
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise APIError(400, f"{prompt_field}: the prompt encodes to zero tokens; expected at least one", prompt_field, "invalid_value")
+
+    ctx = limits.context_length
+    if ctx is not None:
+        if len(prompt) >= ctx:
+            raise APIError(400, f"{prompt_field}: the prompt has {len(prompt)} tokens; this model's context length "
+                           f"is {ctx} tokens (prompt plus completion)", prompt_field, "context_length_exceeded")
+        if max_tokens is not None and len(prompt) + max_tokens > ctx:
+            raise APIError(400, f"{max_name}: {len(prompt)} prompt tokens + {max_tokens} completion tokens exceed "
+                           f"the context length of {ctx} tokens; allowed: at most {ctx - len(prompt)}",
+                           max_name, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = limits.max_tokens if ctx is None else min(limits.max_tokens, ctx - len(prompt))
+
+    return ParsedRequest(
+        kind=kind, model=model, prompt=prompt, max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
+        logits_args=logits_args, stop_words=stop_words, stream=stream,
+        include_usage=bool(stream and include_usage), logprobs=logprobs, top_logprobs=top_logprobs,
+        speculative=speculative, tools=tools, initial_state=initial_state,
+    )
+
+
+def logits_processors(request: ParsedRequest) -> List[LogitsProcessor]:
+    return make_logits_processors(**request.logits_args)
+
+
+def _logits_args(body: Dict[str, Any], vocab_size: Optional[int]) -> Dict[str, Any]:
+    """mlx-lm's penalties and logit_bias with its defaults (off unless given)."""
+    values: Dict[str, Any] = {}
+    for name, default in (("repetition_penalty", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        values[name] = float(_get(body, name, ["number"], default))
+    _in_range("repetition_penalty", values["repetition_penalty"], lo=0, allowed="a number >= 0 (0: off)")
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        values[name] = _get(body, name, ["int"], 20)
+        _in_range(name, values[name], lo=0, allowed="an integer >= 0")
+    bias = _get(body, "logit_bias", ["dict"], None)
+    if bias is not None:
+        try:
+            bias = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise _bad_value("logit_bias", body["logit_bias"], "an object mapping token ids to numbers") from None
+        bad = [k for k in bias if vocab_size is not None and not 0 <= k < vocab_size]
+        if bad:
+            raise _bad_value("logit_bias", body["logit_bias"], f"token ids from 0 to {vocab_size - 1}")
+    return dict(values, logit_bias=bias)
+
+
+def _speculative_choice(body: Dict[str, Any], limits: ServingLimits) -> Optional[bool]:
+    """Per-request on/off: ``speculative`` (this server), ``draft_model``/``num_draft_tokens`` (mlx-lm)."""
+    choice = _get(body, "speculative", ["bool"], None)
+    draft = _get(body, "draft_model", ["str"], None)
+    if draft is not None and draft != DEFAULT_MODEL_ALIAS and draft not in limits.drafter_names:
+        allowed = ", ".join(repr(n) for n in (DEFAULT_MODEL_ALIAS,) + limits.drafter_names)
+        raise APIError(400, f"draft_model: {draft!r} is not configured on this server; allowed: {allowed}",
+                       "draft_model", "invalid_value")
+    n = _get(body, "num_draft_tokens", ["int"], None)
+    if n is not None:
+        allowed = "0 (speculative off for this request)" + (
+            f" or {limits.draft_tokens} (the configured block size - 1)" if limits.draft_tokens else "")
+        if n != 0 and n != limits.draft_tokens:
+            raise _bad_value("num_draft_tokens", n, allowed)
+        if n == 0:
+            choice = False if choice is None else choice
+    return choice
+
+
+def _chat_prompt(body: Dict[str, Any], tokenizer: Any, limits: ServingLimits) -> Tuple[List[int], str, Optional[List[Any]]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise APIError(400, "messages: missing; expected an array of {role, content} objects", "messages", "missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, f"messages: expected a non-empty array of {{role, content}} objects, got {_described(messages)}",
+                       "messages", "invalid_type")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}]: expected an object, got {_described(m)}", f"messages[{i}]", "invalid_type")
+        if not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}].role: expected a string, got {_described(m.get('role'))}",
+                           f"messages[{i}].role", "invalid_type")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise APIError(400, f"messages[{i}].content: expected a string or an array of content parts, got "
+                           f"{_described(content)}", f"messages[{i}].content", "invalid_type")
+        if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
+            raise APIError(400, f"messages[{i}].content: every content part must be an object", f"messages[{i}].content",
+                           "invalid_type")
+    tools = _get(body, "tools", ["list"], None) or None
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "auto", "none"):
+        raise _unsupported("tool_choice", tool_choice, "'auto' or 'none'")
+    _get(body, "parallel_tool_calls", ["bool"], None)
+    template_kwargs = _get(body, "chat_template_kwargs", ["dict"], None)
+    role_mapping = _get(body, "role_mapping", ["dict"], None)
+    messages = copy.deepcopy(messages)  # mlx-lm's helpers edit messages in place
+
+    if not getattr(tokenizer, "has_chat_template", False):
+        return list(tokenizer.encode(convert_chat(messages, role_mapping))), "normal", tools
+    try:
+        process_message_content(messages)
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"messages: {e}; only text content parts are supported", "messages", "invalid_value") from None
+    args = dict(limits.chat_template_args)
+    args.update(template_kwargs or {})
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, tokenize=True, **args)
+    except Exception as e:  # noqa: BLE001 - jinja raises many types for bad conversations
+        raise APIError(400, f"messages: the chat template rejected the conversation: {type(e).__name__}: {e}",
+                       "messages", "invalid_value") from None
+    return list(prompt), _initial_state(tokenizer, prompt), tools
+
+
+def _initial_state(tokenizer: Any, prompt: Sequence[int]) -> str:
+    """mlx-lm's rule: a prompt that ends inside an open think block starts in "reasoning"."""
+    state = "normal"
+    if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+        state = "reasoning"
+    return tokenizer.response_initial_state or state
+
+
+# Generation-side helpers (run on the generation thread) ----------------------------------------
+
+_STOP_CACHE: Dict[Tuple[int, Tuple[str, ...]], Tuple[StopSequences, TextStateMachine]] = {}
+
+
+def stop_machinery(tokenizer: Any, stop_words: Sequence[str]) -> Tuple[StopSequences, TextStateMachine]:
+    """mlx-lm's token-level stop automaton (EOS + stop words) and its text state machine, cached."""
+    key = (id(tokenizer), tuple(stop_words))
+    found = _STOP_CACHE.get(key)
+    if found is None:
+        if len(_STOP_CACHE) > 100:
+            _STOP_CACHE.clear()
+        found = _STOP_CACHE[key] = (make_stop_sequences(tokenizer, list(stop_words)),
+                                    make_text_state_machine(tokenizer, list(stop_words)))
+    return found
+
+
+def logprob_entry(tokenizer: Any, logprobs: mx.array, token: int, top_n: int) -> Dict[str, Any]:
+    """The token's log-probability and the ``top_n`` most likely tokens (logprobs: [V]), mlx-lm's shape."""
+    entry: Dict[str, Any] = {"id": int(token), "token": tokenizer.convert_ids_to_tokens([int(token)])[0],
+                             "logprob": float(logprobs[token].item())}
+    if top_n > 0:
+        top = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]  # [top_n]
+        ids, values = top.tolist(), logprobs[top].tolist()
+        order = sorted(range(top_n), key=lambda i: -values[i])
+        names = tokenizer.convert_ids_to_tokens([ids[i] for i in order])
+        entry["top_logprobs"] = [{"id": ids[i], "token": n, "logprob": values[i]} for i, n in zip(order, names)]
+    return entry
+
+
+# Output assembly (run on the HTTP thread) -------------------------------------------------------
+
+class ResponseText:
+    """mlx-lm's text clean-up: strips stop words and control markers, splits reasoning and tool calls."""
+
+    def __init__(self, tokenizer: Any, text_sm: TextStateMachine, tools: Optional[List[Any]],
+                 initial_state: str, streaming: bool):
+        self.sm_state = text_sm.make_state(initial_state)
+        self.prev = initial_state
+        self.current = initial_state
+        self.formatter = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
+        self.text = ""
+        self.reasoning = ""
+        self.tool_text = ""
+        self.tool_calls: List[str] = []
+        self.made_tool_call = False
+
+    def feed(self, text: str, finish_reason: Optional[str]) -> None:
+        if finish_reason == "stop":
+            self.sm_state, current = TextStateMachine.discard(self.sm_state)
+            segments = [(current, "")]
+        elif finish_reason == "length":
+            self.sm_state, segments = TextStateMachine.split(self.sm_state, text)
+            self.sm_state, flushed, current = TextStateMachine.flush(self.sm_state)
+            segments.append((current, flushed))
+        else:
+            self.sm_state, segments = TextStateMachine.split(self.sm_state, text)
+        for state, clean in segments:
+            if state == "reasoning":
+                self.reasoning += clean
+            elif state == "tool":
+                self.tool_text += clean
+            elif state == "normal":
+                if self.prev == "tool":
+                    self.tool_calls.append(self.tool_text)
+                    self.tool_text = ""
+                    self.made_tool_call = True
+                self.text += clean
+            self.prev = state
+        self.current = self.prev
+
+    def finish(self, finish_reason: str) -> str:
+        if self.prev == "tool" and self.tool_text:
+            self.tool_calls.append(self.tool_text)
+            self.made_tool_call = True
+        return "tool_calls" if finish_reason == "stop" and self.made_tool_call else finish_reason
+
+    def ready(self) -> bool:
+        """Something to stream (mlx-lm holds text back while inside a tool call)."""
+        return self.current != "tool" and bool(self.text or self.tool_calls or self.reasoning)
+
+    def take(self) -> Tuple[str, str, List[Dict[str, Any]]]:
+        out = (self.text, self.reasoning, self.formatter(self.tool_calls))
+        self.text, self.reasoning, self.tool_calls = "", "", []
+        return out
+
+
+def response_body(
+    kind: str, request_id: str, model: str, created: int, fingerprint: str, stream: bool,
+    text: str, finish_reason: Optional[str], reasoning: str = "", tool_calls: Optional[List[Dict[str, Any]]] = None,
+    logprobs: Optional[List[Dict[str, Any]]] = None,
+) -> Dict[str, Any]:
+    """One response object (or stream chunk) in mlx-lm's shape."""
+    obj = ("chat.completion.chunk" if stream else "chat.completion") if kind == "chat" else "text_completion"
+    choice: Dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    if logprobs:
+        choice["logprobs"] = {"content": logprobs}
+    if kind == "chat":
+        key = "delta" if stream else "message"
+        message: Dict[str, Any] = {"role": "assistant"}
+        if not stream:
+            message["content"] = text if text else None
+        elif text:
+            message["content"] = text
+        if reasoning:
+            message["reasoning"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice[key] = message
+    else:
+        choice["text"] = text
+    return {"id": request_id, "system_fingerprint": fingerprint, "object": obj, "model": model,
+            "created": created, "choices": [choice]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def system_fingerprint() -> str:
+    return f"mlx-speculative-{getattr(mlx_lm, '__version__', 'unknown')}-{mx.__version__}"
