@@ -237,6 +237,7 @@ class Job:
         self.completion_tokens = 0
         self.t_start = 0.0
         self.t_first: Optional[float] = None
+        self.checked = time.monotonic()  # when the HTTP thread last looked for a disconnect
 
 
 class Engine:
@@ -425,6 +426,7 @@ class ClientGone(Exception):
 class Handler(BaseHTTPRequestHandler):
     server: Server
     server_version = "mlx-speculative"
+    timeout = 300  # seconds a socket read/write may block (a client that sends less than Content-Length)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         log.debug("%s %s", self.address_string(), format % args)
@@ -539,11 +541,14 @@ class Handler(BaseHTTPRequestHandler):
     def _next(self, job: Job) -> Any:
         """The job's next output; raises ClientGone when the client disconnects first."""
         while True:
+            if time.monotonic() - job.checked >= POLL_SECONDS:
+                # Checked while tokens flow too: a non-streaming client never fails a write.
+                job.checked = time.monotonic()
+                if self._client_gone():
+                    raise ClientGone()
             try:
                 return job.out.get(timeout=POLL_SECONDS)
             except queue.Empty:
-                if self._client_gone():
-                    raise ClientGone() from None
                 if not self.server.engine.healthy:
                     return Finished("error", error="the generation thread stopped")
 

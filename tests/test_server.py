@@ -156,10 +156,11 @@ def _stream_chat(server: ServerProc, text: str, **kw: Any) -> Dict[str, Any]:
     return _collect(chunks, chat=True)
 
 
-def _stream_completion(server: ServerProc, text: str, max_tokens: int = N_TOKENS, **kw: Any) -> Dict[str, Any]:
+def _stream_completion(server: ServerProc, text: str, **kw: Any) -> Dict[str, Any]:
+    kw.setdefault("max_tokens", N_TOKENS)
+    kw.setdefault("temperature", 0)
     chunks = list(server.client().completions.create(
-        model="default_model", prompt=text, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, **kw))
+        model="default_model", prompt=text, stream=True, stream_options={"include_usage": True}, **kw))
     return _collect(chunks, chat=False)
 
 
@@ -332,24 +333,28 @@ def test_concurrent_clients_get_what_they_get_alone(servers: Dict[str, ServerPro
     assert len(results) == 8 * 3
 
 
-def test_client_disconnect_stops_generation(servers: Dict[str, ServerProc]) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_stops_generation(servers: Dict[str, ServerProc], stream: bool) -> None:
     spec = servers["spec"]
+    cancelled = 'mlx_spec_requests_total{endpoint="text",outcome="cancelled"}'
     before = spec.metrics()
     u = urllib.parse.urlsplit(spec.url)
     conn = httpclient.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[0], "max_tokens": 3000, "stream": True}),
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[0], "max_tokens": 3000, "stream": stream}),
                  headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200
-    got = [r.readline() for _ in range(6)]
-    assert any(line.startswith(b"data: ") for line in got)
-    r.close()  # the client goes away mid-stream
+    if stream:
+        r = conn.getresponse()
+        assert r.status == 200
+        got = [r.readline() for _ in range(6)]
+        assert any(line.startswith(b"data: ") for line in got)
+        r.close()  # the client goes away mid-stream
+    else:
+        time.sleep(0.5)  # generating, nothing sent yet
     conn.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         m = spec.metrics()
-        if m.get('mlx_spec_requests_total{endpoint="text",outcome="cancelled"}', 0) > before.get(
-                'mlx_spec_requests_total{endpoint="text",outcome="cancelled"}', 0) and m["mlx_spec_requests_running"] == 0:
+        if m.get(cancelled, 0) > before.get(cancelled, 0) and m["mlx_spec_requests_running"] == 0:
             break
         time.sleep(0.1)
     else:
@@ -357,6 +362,18 @@ def test_client_disconnect_stops_generation(servers: Dict[str, ServerProc]) -> N
     # Stopped early: far fewer than 3000 tokens were generated.
     assert m["mlx_spec_generation_tokens_total"] - before["mlx_spec_generation_tokens_total"] < 2000
     assert _completion(spec, PROMPTS[0])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_sampling_with_speculative(servers: Dict[str, ServerProc]) -> None:
+    spec = servers["spec"]
+    for stream in (False, True):
+        fn = _stream_completion if stream else _completion
+        r = fn(spec, PROMPTS[1], temperature=0.8, top_p=0.9, max_tokens=30)
+        usage, t = r["usage"], r["timings"]
+        assert usage["completion_tokens"] == 30 or (r["finish_reason"] if stream else r["choices"][0]["finish_reason"]) == "stop"
+        assert t["draft_rounds"] > 0
+    seeded = [_completion(spec, PROMPTS[1], temperature=0.8, seed=11)["choices"][0]["text"] for _ in range(2)]
+    assert seeded[0] == seeded[1]
 
 
 def test_env_overrides_change_the_drafter(llama_pair: Dict[str, Path], tmp_path: Path) -> None:
