@@ -15,18 +15,25 @@ How each cache type is rolled back, and why:
   updates (``_update_concat``) differently from one-token ones (``_update_in_place``). The handler
   keeps the start state (the arrays by reference: cheap) and records the K/V every update brings;
   ``commit(n)`` restores the start and replays the kept updates through the cache's own
-  ``update_and_fetch``: whole updates as they were fed, the kept part of a partly kept update one
-  token at a time, which is exactly what one-token decoding does. No model forward is needed.
-  While nothing has been dropped (start offset + written < max_size) a trim is exact and used.
+  ``update_and_fetch``: whole updates as they were fed, the kept part of a partly kept update as
+  one update (one token: mlx-lm's in-place path, as one-token decoding; more: its multi-token
+  path, as a prompt chunk; both hold the same window, and one update per layer costs a tenth of
+  replaying token by token). No model forward is needed. While nothing has been dropped (start
+  offset + written < max_size) a trim is exact and used.
 - ArraysCache (GatedDeltaNet conv + recurrent state, Mamba/SSM state): the models compute the
   recurrence inside one kernel and return only the final state, so per-step states cannot be
   recorded without per-model code. We keep a snapshot (references, no copy) and, when fewer
   positions are kept than written, restore every cache of the transaction and replay the kept
   tokens through the model's ordinary forward (``replay`` callback supplied by the round). This is
-  exact (the same forward that plain decoding runs) and cheaper than any per-step recording: a full
-  acceptance (the common case with a good drafter) costs nothing, a rejection costs one forward
-  over the kept tokens. Because the replay runs the whole model, the other caches of the
-  transaction are restored first so that nothing is updated twice.
+  exact (the same forward that plain decoding runs) and, among what needs no model code, the
+  cheapest: a fully accepted round costs nothing, any other round one forward over the kept tokens
+  (lazily evaluated: the logits of the replay are never computed). Because the replay runs the
+  whole model, the other caches of the transaction are restored first so that nothing is updated
+  twice. Measured (bench/commit_cost.py, CPU, B = 8): the replay is ~30-40% of round time, the one
+  cost here above 5%; per-step recording inside the recurrence kernels (dflash-mlx's "innovation
+  tape") or folding the kept tokens into the next verify forward would remove it, both need
+  changes outside this module. A transaction that holds only recurrent caches cannot tell a full
+  commit from a partial one unless ``commit(n, written=...)`` says how many positions were fed.
 - CacheList: each child by its own handler.
 
 Batched caches take per-row commit lengths. BatchKVCache commits them exactly (ragged): the rows
@@ -226,8 +233,8 @@ class _RotatingHandler:
                 cache.update_and_fetch(keys, values)
                 left -= size
                 continue
-            for i in range(left):
-                cache.update_and_fetch(keys[..., i : i + 1, :], values[..., i : i + 1, :])
+            if left > 0:
+                cache.update_and_fetch(keys[..., :left, :], values[..., :left, :])
             break
 
     def abort(self, cache: Any, rec: _Recording) -> None:
@@ -318,10 +325,6 @@ class _CacheListHandler:
     def begin(self, cache: Any) -> List[Tuple[Any, Any]]:
         hs = [handler_for(c) for c in cache.caches]
         return [(h, h.begin(c)) for h, c in zip(hs, cache.caches)]
-
-    @property
-    def ragged(self) -> bool:  # decided per instance in ``CacheTransaction.ragged``
-        return True
 
     def children_ragged(self, cache: Any) -> bool:
         return all(_is_ragged(handler_for(c), c) for c in cache.caches)
