@@ -495,3 +495,21 @@ def test_openai_client_raises_on_bad_input(servers: Dict[str, ServerProc]) -> No
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     assert client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "x"}],
                                           max_tokens=3).choices[0].finish_reason in ("length", "stop")
+
+
+def test_startup_config_errors_and_bad_env_kind(llama_pair: Dict[str, Path], tmp_path: Path) -> None:
+    # A bad server: key is a configuration error: exit 2 with one line naming key and allowed keys.
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(llama_pair["target"]), "server": {"prot": 8080}}))
+    done = subprocess.run([sys.executable, "-m", "mlx_speculative.hooks.cli", "serve", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "server.prot: unknown key" in done.stderr and "allowed keys" in done.stderr
+    # A bad MLX_VLM_DRAFT_KIND in a deployment: a warning and plain decoding, not a dead server.
+    s = start_server(tmp_path / "k", {"model": str(llama_pair["target"])}, env={"MLX_VLM_DRAFT_KIND": "warp"})
+    try:
+        assert "speculative.kind: got 'warp'" in s.log and "plain decoding" in s.log
+        r = _completion(s, PROMPTS[0])
+        assert r["usage"]["completion_tokens"] > 0 and r["timings"]["draft_n"] == 0
+        assert s.metrics()["mlx_spec_speculative_startup_fallback"] == 1
+    finally:
+        s.stop()
