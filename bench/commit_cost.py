@@ -33,6 +33,7 @@ ARCHS: Dict[str, Callable[..., Dict[str, Any]]] = {
     "gemma3_text": tm.gemma3_text_config,
     "qwen3_5": tm.qwen3_5_config,
     "falcon_h1": tm.falcon_h1_config,
+    "mamba2": tm.mamba2_config,
     "deepseek_v3": tm.deepseek_v3_config,
     "gpt_oss": tm.gpt_oss_config,
 }

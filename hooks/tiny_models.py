@@ -266,7 +266,21 @@ def gpt_oss_config(**over: Any) -> Dict[str, Any]:
     return config
 
 
+def mamba2_config(**over: Any) -> Dict[str, Any]:
+    """A pure SSM: every layer an ArraysCache (conv state + SSM state)."""
+    config = {
+        "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 384, "num_heads": 8, "head_dim": 16,
+        "state_size": 16, "n_groups": 1, "conv_kernel": 4, "layer_norm_epsilon": 1e-5, "use_bias": False,
+        "use_conv_bias": True, "tie_word_embeddings": False, "time_step_limit": [0.0, 1e4],
+        "time_step_rank": "auto", "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+    }
+    config.update(over)
+    return config
+
+
 EXTRA_CONFIGS = {
+    "mamba2": mamba2_config,
     "gemma3_text": gemma3_text_config,
     "qwen3_5": qwen3_5_config,
     "falcon_h1": falcon_h1_config,

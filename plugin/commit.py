@@ -32,8 +32,9 @@ How each cache type is rolled back, and why:
   twice. Measured (bench/commit_cost.py, CPU, B = 8): the replay is ~30-40% of round time, the one
   cost here above 5%; per-step recording inside the recurrence kernels (dflash-mlx's "innovation
   tape") or folding the kept tokens into the next verify forward would remove it, both need
-  changes outside this module. A transaction that holds only recurrent caches cannot tell a full
-  commit from a partial one unless ``commit(n, written=...)`` says how many positions were fed.
+  changes outside this module. Positions written are counted from the layers' ``cache.advance``
+  calls (or other caches); a model that reports none gets a replay even for a full commit unless
+  ``commit(n, written=...)`` says how many positions were fed.
 - CacheList: each child by its own handler.
 
 Batched caches take per-row commit lengths. BatchKVCache commits them exactly (ragged): the rows
@@ -190,6 +191,7 @@ class _RotatingHandler:
         update = type(cache).update_and_fetch
 
         def recording_update(keys: mx.array, values: mx.array) -> Any:
+            self._check(cache, keys.shape[2])
             rec.updates.append((keys, values))
             return update(cache, keys, values)
 
@@ -199,6 +201,17 @@ class _RotatingHandler:
 
     def _stop(self, cache: Any) -> None:
         cache.__dict__.pop("update_and_fetch", None)
+
+    def _check(self, cache: Any, width: int) -> None:
+        # mlx-lm's multi-token path masks a plain sliding window and ignores the ``keep`` first
+        # tokens (max_kv_size gives keep=4), so once the window is exceeded a verify forward differs
+        # from one-token decoding: nothing a commit can repair. Refuse it (the round falls back).
+        if getattr(cache, "keep", 0) and width > 1 and cache.offset + width > cache.max_size:
+            raise UnsupportedCache(
+                f"RotatingKVCache(max_size={cache.max_size}, keep={cache.keep}) at offset {cache.offset}: a "
+                f"{width}-token forward past the window differs from one-token decoding in mlx-lm (its mask "
+                "ignores keep), so speculative rounds cannot be exact; use a cache without keep (no max_kv_size)"
+            )
 
     def _restore(self, cache: Any, rec: _Recording) -> None:
         for f, v in zip(self.fields, rec.start):
@@ -286,21 +299,43 @@ class _BatchRotatingHandler(_RotatingHandler):
         cache.finalize()
 
 
+class _ArraysState:
+    """Begin state of an ArraysCache and the positions the model reported through ``advance``."""
+
+    def __init__(self, start: tuple):
+        self.start = start
+        self.fed = 0
+
+
 class _ArraysHandler:
-    """ArraysCache: snapshot by reference; a partial commit needs a model replay (see the module doc)."""
+    """ArraysCache: snapshot by reference; a partial commit needs a model replay (see the module doc).
+
+    Most mlx-lm recurrent layers call ``cache.advance(S)`` once per forward; counting those calls
+    tells a full commit (free) from a partial one even when no attention cache counts positions.
+    """
 
     ragged = False
 
-    def begin(self, cache: Any) -> tuple:
-        start = (list(cache.cache), cache.left_padding, cache.lengths)
+    def begin(self, cache: Any) -> _ArraysState:
+        token = _ArraysState((list(cache.cache), cache.left_padding, cache.lengths))
         cache.cache = [_handle(c) for c in cache.cache]
         cache.left_padding, cache.lengths = _handle(cache.left_padding), _handle(cache.lengths)
-        return start
+        advance = type(cache).advance
 
-    def written(self, cache: Any, start: tuple) -> Optional[int]:
-        return None  # a recurrent state does not count positions
+        def counting_advance(n: int) -> Any:
+            token.fed += int(n)
+            return advance(cache, n)
 
-    def needs_replay(self, cache: Any, start: tuple, n: Lengths, written: Optional[int]) -> bool:
+        cache.advance = counting_advance  # an instance attribute, removed at commit/abort
+        return token
+
+    def _stop(self, cache: Any) -> None:
+        cache.__dict__.pop("advance", None)
+
+    def written(self, cache: Any, token: _ArraysState) -> Optional[int]:
+        return token.fed or None  # None: the model does not report positions
+
+    def needs_replay(self, cache: Any, token: _ArraysState, n: Lengths, written: Optional[int]) -> bool:
         m = _uniform(n)
         if m is None:
             raise UnsupportedCache(
@@ -309,14 +344,15 @@ class _ArraysHandler:
             )
         return m != written and m > 0
 
-    def commit(self, cache: Any, start: tuple, n: Lengths) -> None:
-        m = _uniform(n)
-        if m == 0:
-            self.abort(cache, start)
+    def commit(self, cache: Any, token: _ArraysState, n: Lengths) -> None:
+        self._stop(cache)
+        if _uniform(n) == 0:
+            self.abort(cache, token)
         # Otherwise everything written is kept (a partial commit went through ``needs_replay``).
 
-    def abort(self, cache: Any, start: tuple) -> None:
-        cache.cache, cache.left_padding, cache.lengths = list(start[0]), start[1], start[2]
+    def abort(self, cache: Any, token: _ArraysState) -> None:
+        self._stop(cache)
+        cache.cache, cache.left_padding, cache.lengths = list(token.start[0]), token.start[1], token.start[2]
 
 
 class _CacheListHandler:

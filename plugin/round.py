@@ -17,7 +17,7 @@ from ..drafters.base import DraftSession
 from ..hooks.state import DecodeState, GeneratedToken, StepOutput
 from . import accept
 from .adaptive import BlockSizeController
-from .commit import CacheTransaction
+from .commit import CacheTransaction, UnsupportedCache
 from .metrics import METRICS, SpecStats
 from .settings import SpeculativeSettings
 from .types import Proposal, RoundOutcome
@@ -96,6 +96,12 @@ def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
             logprobs = verify(state, proposal.tokens)  # [k+1, V]
             outcome = _accept(state, req, proposal, logprobs)
             txn.commit(outcome.emitted)
+    except UnsupportedCache as e:
+        # A target cache that cannot be rolled back exactly for this forward; the transaction
+        # restored its start state, so the request goes on with plain decoding, losing nothing.
+        draft_txn.abort()
+        req.fall_back("verifying (target cache)", e)
+        return None
     except BaseException:
         draft_txn.abort()
         raise

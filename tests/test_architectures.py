@@ -1,7 +1,7 @@
 """Greedy speculative generation equals plain decoding token for token on every cache layout.
 
 Targets: tiny random llama, qwen3, gemma3_text (sliding window 8, generations of 40: the window
-wraps five times), qwen3_5 (GatedDeltaNet hybrid), falcon_h1 (Mamba-2 hybrid, CacheList),
+wraps five times), qwen3_5 (GatedDeltaNet hybrid), falcon_h1 (Mamba-2 hybrid, CacheList), mamba2,
 deepseek_v3 (MLA) and gpt_oss (sinks + sliding window), each with draft models of its own
 architecture (identical: full acceptance; truncated: partial; random: zero) and the ngram drafter.
 """
@@ -23,6 +23,7 @@ CONFIGS = {
     "gemma3_text": tm.gemma3_text_config,
     "qwen3_5": tm.qwen3_5_config,
     "falcon_h1": tm.falcon_h1_config,
+    "mamba2": tm.mamba2_config,
     "deepseek_v3": tm.deepseek_v3_config,
     "gpt_oss": tm.gpt_oss_config,
 }

@@ -31,12 +31,13 @@ ARCHS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "gemma3_text": tm.gemma3_text_config,
     "qwen3_5": tm.qwen3_5_config,
     "falcon_h1": tm.falcon_h1_config,
+    "mamba2": tm.mamba2_config,
     "deepseek_v3": tm.deepseek_v3_config,
     "gpt_oss": tm.gpt_oss_config,
 }
 EXPECTED = {  # the cache types each architecture's make_cache creates
     "llama": {KVCache}, "qwen3": {KVCache}, "gemma3_text": {RotatingKVCache, KVCache},
-    "qwen3_5": {ArraysCache, KVCache}, "falcon_h1": {CacheList}, "deepseek_v3": {KVCache},
+    "qwen3_5": {ArraysCache, KVCache}, "falcon_h1": {CacheList}, "mamba2": {ArraysCache}, "deepseek_v3": {KVCache},
     "gpt_oss": {RotatingKVCache, KVCache},
 }
 K = 6  # verify block: the pending token and 5 draft tokens
@@ -58,8 +59,10 @@ def tokens(n: int, seed: int) -> List[int]:
     return [int(t) for t in mx.random.randint(3, 384, (n,), key=mx.random.key(seed)).tolist()]
 
 
-def prefilled(model: Any, prompt: List[int]) -> List[Any]:
+def prefilled(model: Any, prompt: List[int], max_kv_size: Optional[int] = None) -> List[Any]:
     cache = make_prompt_cache(model)
+    if max_kv_size is not None:  # what make_prompt_cache gives models without make_cache
+        cache = [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in cache]
     model(mx.array([prompt[:-3]]), cache=cache)
     for t in prompt[-3:]:  # the tail one token at a time, as decoding leaves it
         model(mx.array([[t]]), cache=cache)
@@ -76,9 +79,13 @@ def view(cache: Any) -> List[mx.array]:
     if isinstance(cache, RotatingKVCache):
         if cache.keys is None:
             return []
-        size = min(cache.offset, cache.max_size)
-        return [cache._temporal_order(cache.keys)[..., -size:, :], cache._temporal_order(cache.values)[..., -size:, :],
-                mx.array(cache.offset)]
+        size, keep = min(cache.offset, cache.max_size), cache.keep
+
+        def window(x: mx.array) -> mx.array:  # the kept first tokens, then the most recent ones
+            x = cache._temporal_order(x)
+            return mx.concatenate([x[..., :keep, :], x[..., x.shape[2] - (size - keep) :, :]], axis=2)
+
+        return [window(cache.keys), window(cache.values), mx.array(cache.offset)]
     if isinstance(cache, (KVCache, ConcatenateKVCache)):
         if cache.keys is None:
             return []
@@ -149,7 +156,9 @@ def test_commit_equals_one_token_feeding(arch: str, prompt_len: int) -> None:
         with CacheTransaction(spec, replay=replay_for(model, spec, block)) as txn:
             model(mx.array([block[:K]]), cache=spec)
             txn.commit(n)
-        assert txn.replayed in (0, n)
+        # Recurrent caches replay exactly the partial commits (positions counted via cache.advance).
+        recurrent = arch in ("qwen3_5", "falcon_h1", "mamba2")
+        assert txn.replayed == (n if recurrent and n < K else 0)
         ref = prefilled(model, prompt)
         for t in block[:n]:
             model(mx.array([[t]]), cache=ref)
@@ -165,6 +174,31 @@ def test_commit_equals_one_token_feeding(arch: str, prompt_len: int) -> None:
         for t in block[:2]:
             model(mx.array([[t]]), cache=ref)
         assert_close(spec, ref)
+
+
+def test_max_kv_size_rotating_cache_with_keep() -> None:
+    """``max_kv_size`` gives RotatingKVCache(keep=4). Within the window rounds are exact; past it
+    mlx-lm's multi-token forward ignores ``keep`` and differs from one-token decoding, so the
+    transaction refuses the forward (by name) and restores the start state."""
+    model = model_for("llama")
+    block = tokens(K + 1, 12)
+    for n in (1, 3, K):
+        spec = prefilled(model, tokens(4, 11), max_kv_size=10)
+        with CacheTransaction(spec) as txn:
+            model(mx.array([block[:K]]), cache=spec)  # 4 + 6 <= 10: inside the window
+            txn.commit(n)
+        ref = prefilled(model, tokens(4, 11), max_kv_size=10)
+        for t in block[:n]:
+            model(mx.array([[t]]), cache=ref)
+        assert_close(spec, ref)
+        got, want = model(mx.array([[block[K]]]), cache=spec), model(mx.array([[block[K]]]), cache=ref)
+        assert mx.allclose(got, want, atol=ATOL, rtol=1e-4).item()
+    spec = prefilled(model, tokens(21, 11), max_kv_size=10)
+    start = exact_state(spec)
+    with pytest.raises(UnsupportedCache, match="RotatingKVCache.*keep=4"):
+        with CacheTransaction(spec):
+            model(mx.array([block[:K]]), cache=spec)
+    same(exact_state(spec), start)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

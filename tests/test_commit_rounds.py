@@ -162,3 +162,19 @@ def test_captures_follow_the_kept_positions(arch: str, checkpoints: Dict[str, An
     for i in layers:
         assert state.captures[i].shape == ref[i].shape == (1, len(state.tokens) - 1, 64)
         assert mx.allclose(state.captures[i], ref[i], atol=1e-4, rtol=1e-4).item()
+
+
+def test_max_kv_size_falls_back_to_plain_decoding(qwen3_pair: Dict[str, Path]) -> None:
+    """max_kv_size (RotatingKVCache with keep=4) cannot be verified exactly past the window: the
+    round is refused before anything changes and the request decodes plainly, equal to mlx-lm."""
+    from mlx_lm.generate import generate_step
+
+    host = make_host({"draft_model": str(qwen3_pair["drafter"]), "block_size": 4})
+    target = host.load(str(qwen3_pair["target"]))
+    prompt = encode(target, "the model token")
+    assert len(prompt) <= 8  # a few rounds fit in the window before it is exceeded
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=30, max_kv_size=16)]
+    result = host.generate(target, prompt, no_stop(30, max_kv_size=16))
+    assert result.tokens == ref
+    stats = result.report["speculative"]
+    assert stats.rounds > 0 and "RotatingKVCache" in stats.fallback and "keep=4" in stats.fallback
