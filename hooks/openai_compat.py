@@ -185,10 +185,13 @@ def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: Servi
 
     stream = _get(body, "stream", ["bool"], False)
     options = _get(body, "stream_options", ["dict"], {})
-    include_usage = _get(options, "include_usage", ["bool"], False) if options else False
-    for name in options:
+    for name, value in options.items():
         if name != "include_usage":
-            raise _unsupported(f"stream_options.{name}", options[name], "include_usage")
+            raise _unsupported(f"stream_options.{name}", value, "include_usage")
+        if not isinstance(value, bool):
+            raise APIError(400, f"stream_options.include_usage: expected a boolean, got {_described(value)}",
+                           "stream_options.include_usage", "invalid_type")
+    include_usage = bool(options.get("include_usage", False))
 
     requested_max = body.get("max_completion_tokens")
     max_name = "max_completion_tokens" if requested_max is not None else "max_tokens"
@@ -205,6 +208,8 @@ def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: Servi
     min_p = float(_get(body, "min_p", ["number"], limits.min_p))
     _in_range("min_p", min_p, lo=0, hi=1, allowed="a number in [0, 1]")
     seed = _get(body, "seed", ["int"], None)
+    if seed is not None:
+        _in_range("seed", seed, lo=0, hi=2**64 - 1, allowed="an integer from 0 to 2**64 - 1")
 
     stop = _get(body, "stop", ["str", "list"], [])
     stop_words = [stop] if isinstance(stop, str) else list(stop)
