@@ -17,9 +17,12 @@ How each cache type is rolled back, and why:
   ``commit(n)`` restores the start and replays the kept updates through the cache's own
   ``update_and_fetch``: whole updates as they were fed, the kept part of a partly kept update as
   one update (one token: mlx-lm's in-place path, as one-token decoding; more: its multi-token
-  path, as a prompt chunk; both hold the same window, and one update per layer costs a tenth of
-  replaying token by token). No model forward is needed. While nothing has been dropped (start
-  offset + written < max_size) a trim is exact and used.
+  path, as a prompt chunk; both hold the same window, and one call per layer is the fewest ops).
+  No model forward is needed. While nothing has been dropped (start offset + written < max_size)
+  a trim is exact and used. With ``keep > 0`` (``max_kv_size`` on models without ``make_cache``)
+  mlx-lm's multi-token mask ignores the kept tokens once the window is exceeded, so the verify
+  itself differs from one-token decoding: such a forward is refused (UnsupportedCache) before it
+  writes, and the round falls back to plain decoding.
 - ArraysCache (GatedDeltaNet conv + recurrent state, Mamba/SSM state): the models compute the
   recurrence inside one kernel and return only the final state, so per-step states cannot be
   recorded without per-model code. We keep a snapshot (references, no copy) and, when fewer
@@ -42,8 +45,9 @@ that keep fewer positions are shifted right and the rejected tail becomes left p
 own representation of shorter rows. BatchRotatingKVCache does the same through mlx-lm's
 right-padding path (``prepare(lengths=...)`` + ``finalize``). Caches that replay through the model
 (ArraysCache) need uniform acceptance: a transaction holding one reports ``ragged == False`` and
-refuses unequal lengths; the round loop then commits the minimum for every row (lossless: a row
-with a longer accepted prefix emits the target's own token at the first position it loses).
+refuses unequal lengths; a batched round loop must then commit the minimum for every row
+(lossless: a row with a longer accepted prefix emits the target's own token at the first position
+it loses).
 
 Handlers are plain objects with ``begin(cache) -> token``, ``commit(cache, token, n)`` and
 ``abort(cache, token)``; optional: ``written(cache, token) -> Optional[int]``,
@@ -278,7 +282,6 @@ class _BatchRotatingHandler(_RotatingHandler):
                 f"per-row commit lengths {rows} do not fit a BatchRotatingKVCache of {cache.offset.shape[0]} "
                 f"rows with {written} positions written"
             )
-        self._restore(cache, rec)
         # Updates kept whole by every row replay as fed; the rest as one right-padded chunk.
         left, whole = min(rows), []
         for keys, values in rec.updates:
@@ -286,12 +289,14 @@ class _BatchRotatingHandler(_RotatingHandler):
                 break
             whole.append((keys, values))
             left -= keys.shape[2]
-        self._replay(cache, whole, min(rows) - left)
         done = min(rows) - left
         if keep - done < 2:
+            self._restore(cache, rec)
             raise UnsupportedCache(
                 f"BatchRotatingKVCache: per-row lengths {rows} split a one-token update; commit equal lengths"
             )
+        self._restore(cache, rec)
+        self._replay(cache, whole, done)
         keys = mx.concatenate([k for k, _ in rec.updates], axis=2)[..., done:keep, :]  # [B, H, keep-done, D]
         values = mx.concatenate([v for _, v in rec.updates], axis=2)[..., done:keep, :]
         cache.prepare(lengths=[v - done for v in rows], right_padding=[keep - v for v in rows])
@@ -481,6 +486,9 @@ class CacheTransaction:
                 )
         if written is None:
             written = self.written()
+        if written is not None and not all(0 <= v <= written for v in ([n] if isinstance(n, int) else n)):
+            self.abort()
+            raise ValueError(f"cannot keep {n} positions: the forward wrote {written}; the caches were restored")
         starts, self._starts = self._starts, None
         self.replayed = 0
         try:

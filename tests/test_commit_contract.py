@@ -304,3 +304,14 @@ def test_recurrent_partial_commit_without_replay_is_refused_and_restores() -> No
     model(mx.array([block]), cache=cache)
     txn.commit(K)
     assert txn.replayed == 0
+
+
+def test_commit_longer_than_written_is_refused_and_restores() -> None:
+    model = model_for("gemma3_text")
+    cache = prefilled(model, tokens(21, 13))
+    start = exact_state(cache)
+    txn = CacheTransaction(cache).begin()
+    model(mx.array([tokens(K, 14)]), cache=cache)
+    with pytest.raises(ValueError, match=f"cannot keep {K + 1} positions: the forward wrote {K}"):
+        txn.commit(K + 1)
+    same(exact_state(cache), start)
