@@ -41,7 +41,7 @@ EXPECTED = {  # the cache types each architecture's make_cache creates
     "gpt_oss": {RotatingKVCache, KVCache},
 }
 K = 6  # verify block: the pending token and 5 draft tokens
-ATOL = 2e-4
+ATOL = 5e-5  # observed: <= 1.1e-5 (gemma3_text), 0 for llama, qwen3, qwen3_5
 
 _models: Dict[str, Any] = {}
 
@@ -99,7 +99,7 @@ def assert_close(a: List[Any], b: List[Any], atol: float = ATOL) -> None:
     assert len(va) == len(vb)
     for x, y in zip(va, vb):
         assert x.shape == y.shape, (x.shape, y.shape)
-        assert mx.allclose(x, y, atol=atol, rtol=1e-4).item(), float(mx.abs(x - y).max())
+        assert mx.allclose(x, y, atol=atol, rtol=1e-5).item(), float(mx.abs(x - y).max())
 
 
 def exact_state(cache: List[Any]) -> List[Any]:
@@ -165,7 +165,7 @@ def test_commit_equals_one_token_feeding(arch: str, prompt_len: int) -> None:
         assert_close(spec, ref)
         got = model(mx.array([[nxt]]), cache=spec)
         want = model(mx.array([[nxt]]), cache=ref)
-        assert mx.allclose(got, want, atol=ATOL, rtol=1e-4).item(), float(mx.abs(got - want).max())
+        assert mx.allclose(got, want, atol=ATOL, rtol=1e-5).item(), float(mx.abs(got - want).max())
         assert_close(spec, ref)
         # And a second round on top of the committed state.
         with CacheTransaction(spec, replay=replay_for(model, spec, block)) as txn:
@@ -192,7 +192,7 @@ def test_max_kv_size_rotating_cache_with_keep() -> None:
             model(mx.array([[t]]), cache=ref)
         assert_close(spec, ref)
         got, want = model(mx.array([[block[K]]]), cache=spec), model(mx.array([[block[K]]]), cache=ref)
-        assert mx.allclose(got, want, atol=ATOL, rtol=1e-4).item()
+        assert mx.allclose(got, want, atol=ATOL, rtol=1e-5).item()
     spec = prefilled(model, tokens(21, 11), max_kv_size=10)
     start = exact_state(spec)
     with pytest.raises(UnsupportedCache, match="RotatingKVCache.*keep=4"):
