@@ -21,9 +21,11 @@ from .state import (
     DecodeState,
     GeneratedToken,
     HostConfig,
+    KeyStream,
     LoadedTarget,
     LogitsProcessor,
     SamplingParams,
+    keyed_sampler,
 )
 
 DEFAULT_PREFILL_STEP = 2048
@@ -113,8 +115,11 @@ class Host:
         )
         state.extras.update(params.extras)
         if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
-            state.rng_key = mx.random.key(sampling.seed)
+            # Per-request streams, not mx.random.seed: a seeded request then gives the same tokens
+            # whatever other requests draw meanwhile, and the drafter's draws never move the target's.
+            state.rng = KeyStream(sampling.seed, "target")
+            if not sampling.greedy:
+                state.sampler = keyed_sampler(sampling, state.next_key)
         return state
 
     def prefill(self, state: DecodeState, step: int = DEFAULT_PREFILL_STEP) -> None:

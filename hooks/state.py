@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -71,6 +73,55 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def process(self, logprobs: mx.array) -> mx.array:
+        """log p of the distribution one-token decoding samples from, per row: [..., V] -> [..., V].
+
+        The filters, their order and the temperature of mlx-lm's ``make_sampler`` (top-p, min-p,
+        top-k on the log-probabilities, then logits / temperature), normalised; filtered-out
+        tokens get -inf. Temperature 0: one-hot at the argmax. The target's p and a drafter's q
+        both go through this, so that speculative sampling compares like with like.
+        """
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        if self.greedy:
+            hot = mx.arange(logprobs.shape[-1]) == mx.argmax(logprobs, axis=-1, keepdims=True)
+            return mx.where(hot, 0.0, -mx.inf)
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        logits = logprobs * (1.0 / self.temperature)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class KeyStream:
+    """A request's own random stream: draw n uses the key hash(seed, stream name, n).
+
+    Counter-based, so drawing touches neither mlx's global random state nor any other stream,
+    costs no evaluation, and a seeded request replays exactly. seed None: fresh entropy.
+    """
+
+    def __init__(self, seed: Optional[int], name: str):
+        self.seed = secrets.randbits(64) if seed is None else int(seed)
+        self.name = name
+        self.draws = 0
+
+    def next(self) -> mx.array:
+        material = f"{self.seed}:{self.name}:{self.draws}".encode()
+        self.draws += 1
+        return mx.random.key(int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "little"))
+
+
+def keyed_sampler(sampling: SamplingParams, next_key: Callable[[], Optional[mx.array]]) -> Sampler:
+    """mlx-lm's sampler drawing from a request's own stream instead of mlx's global random state."""
+
+    def sample(logprobs: mx.array) -> mx.array:
+        return mx.random.categorical(sampling.process(logprobs), key=next_key())
+
+    return sample
+
 
 @dataclass
 class GeneratedToken:
@@ -105,7 +156,10 @@ class DecodeState:
     pending_logprobs: Optional[mx.array] = None
     extras: Dict[str, Any] = field(default_factory=dict)
     report: Dict[str, Any] = field(default_factory=dict)
-    rng_key: Optional[mx.array] = None
+    # The target's random stream for a seeded request (None: mlx's global random state, as in
+    # mlx-lm). The drafter draws from its own stream, so its draws never move the target's.
+    rng: Optional[KeyStream] = None
+    draft_rng: Optional[KeyStream] = None
 
     @property
     def model(self) -> nn.Module:
@@ -141,18 +195,28 @@ class DecodeState:
             self.captures[i] = mx.concatenate([self.captures[i], h], axis=1) if i in self.captures else h
         self.last_captures = {}
 
-    def logprobs(self, logits: mx.array, drafts: Sequence[int] = ()) -> mx.array:
+    def next_key(self) -> Optional[mx.array]:
+        """A key for the target's next draw: None (global state) for an unseeded request."""
+        return None if self.rng is None else self.rng.next()
+
+    def next_draft_key(self) -> mx.array:
+        """A key for the drafter's next draw, from its own stream (fresh entropy when unseeded)."""
+        if self.draft_rng is None:
+            self.draft_rng = KeyStream(self.sampling.seed, "drafter")
+        return self.draft_rng.next()
+
+    def logprobs(self, logits: mx.array, drafts: Sequence[int] = (), start: int = 0) -> mx.array:
         """Processed log-probabilities for each position of a forward over [pending, *drafts].
 
         logits: [1, n, V] with n == 1 + len(drafts) (or fewer rows). Logits processors see,
-        for row i, the history ``tokens + drafts[:i]``, exactly as one-token decoding would.
-        Returns [n, V].
+        for row i, the history ``tokens + drafts[:start + i]``, exactly as one-token decoding
+        would (``start``: a drafter scoring its position ``start`` alone). Returns [n, V].
         """
         rows = logits[0]  # [n, V]
         if self.logits_processors:
             processed = []
             for i in range(rows.shape[0]):
-                history = mx.array(self.tokens + list(drafts[:i]), dtype=mx.uint32)
+                history = mx.array(self.tokens + list(drafts[: start + i]), dtype=mx.uint32)
                 row = rows[i : i + 1]
                 for processor in self.logits_processors:
                     row = processor(history, row)

@@ -7,7 +7,7 @@ applies them), q the drafter's; x_1..x_k the draft tokens.
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
@@ -41,3 +41,60 @@ def exact_accept(
     target = sampler(target_logprobs)  # [k+1]
     a = leading_matches(drafts, target[: drafts.size])
     return a, int(target[a].item())
+
+
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """p'(x) = norm(max(0, p(x) - q(x))), the distribution to sample after a rejection. [..., V].
+
+    Where p <= q everywhere (p = q up to rounding) a rejection has probability ~0; p is returned.
+    """
+    r = mx.maximum(p - q, 0.0)  # [..., V]
+    mass = r.sum(axis=-1, keepdims=True)  # [..., 1]
+    return mx.where(mass > 0, r / mx.maximum(mass, 1e-30), p)
+
+
+def rejection_accept(
+    drafts: mx.array,
+    draft_logprobs: Optional[mx.array],
+    target_logprobs: mx.array,
+    key: Optional[mx.array] = None,
+) -> Tuple[mx.array, mx.array]:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1): every emitted token is distributed as p.
+
+    drafts x_1..x_k: [..., k], x_i drawn from q_i. draft_logprobs log q: [..., k, V], or None for
+    a drafter without a distribution (one-hot q_i at x_i). target_logprobs log p: [..., k+1, V],
+    row i the target's distribution after x_1..x_i. p and q are after the same processing
+    (``SamplingParams.process``). key: the target's stream (None: mlx's global random state).
+    Returns (accepted a: [...], bonus token: [...]); ``...`` is any batch shape.
+    """
+    k, V = drafts.shape[-1], target_logprobs.shape[-1]
+    if target_logprobs.shape[-2] != k + 1 or (draft_logprobs is not None and draft_logprobs.shape[-2:] != (k, V)):
+        raise ValueError(
+            f"rejection_accept: expected log p [..., {k + 1}, V] and log q [..., {k}, V] for {k} drafts; "
+            f"got log p {tuple(target_logprobs.shape)} and log q "
+            f"{None if draft_logprobs is None else tuple(draft_logprobs.shape)}"
+        )
+    key_r, key_bonus = (None, None) if key is None else mx.random.split(key)
+    x = drafts.astype(mx.int32)[..., None]  # [..., k, 1]
+    p = mx.exp(target_logprobs.astype(mx.float32))  # [..., k+1, V]
+    if draft_logprobs is None:
+        q = (mx.arange(V) == x).astype(mx.float32)  # [..., k, V]
+    else:
+        q = mx.exp(draft_logprobs.astype(mx.float32))  # [..., k, V]
+    p_x = mx.take_along_axis(p[..., :k, :], x, axis=-1)[..., 0]  # [..., k]
+    q_x = mx.take_along_axis(q, x, axis=-1)[..., 0]  # [..., k]
+
+    # Keep x_i with probability min(1, p(x_i) / q(x_i)): r_i ~ U[0, 1), keep iff r_i q(x_i) < p(x_i)
+    # (certain when p = q, never when p(x_i) = 0). The block stops at the first rejection.
+    r = mx.random.uniform(shape=p_x.shape, key=key_r)  # [..., k]
+    kept = (r * q_x < p_x).astype(mx.int32)
+    a = mx.cumprod(kept, axis=-1).sum(axis=-1) if k else mx.zeros(drafts.shape[:-1], mx.int32)  # [...]
+
+    # Bonus at position a+1: from norm(max(0, p - q)) after a rejection; from p after a full
+    # block (q_{k+1} = 0 makes the residual p itself).
+    q = mx.concatenate([q, mx.zeros_like(p[..., :1, :])], axis=-2)  # [..., k+1, V]
+    row = a[..., None, None]
+    p_a = mx.take_along_axis(p, row, axis=-2)[..., 0, :]  # [..., V]
+    q_a = mx.take_along_axis(q, row, axis=-2)[..., 0, :]  # [..., V]
+    bonus = mx.random.categorical(mx.log(residual(p_a, q_a)), key=key_bonus)  # [...]
+    return a, bonus

@@ -52,6 +52,9 @@ def _propose(state: DecodeState, req: RequestRounds, max_drafts: int) -> Proposa
     if bad:
         raise ValueError(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
     q = proposal.logprobs[: len(drafts)] if proposal.logprobs is not None else None
+    if q is not None and req.vocab_size and tuple(q.shape) != (len(drafts), req.vocab_size):
+        raise ValueError(f"draft log-probabilities q have shape {tuple(q.shape)}; expected "
+                         f"({len(drafts)}, {req.vocab_size}): one row per draft token over the target's vocabulary")
     return Proposal(drafts, q)
 
 
@@ -59,8 +62,11 @@ def _accept(state: DecodeState, req: RequestRounds, proposal: Proposal, logprobs
     drafts = mx.array(proposal.tokens, dtype=mx.uint32)  # [k]
     if state.sampling.greedy:
         a, bonus = accept.greedy_accept(drafts, logprobs)
-    elif req.settings.acceptance == "rejection" and hasattr(accept, "rejection_accept"):
-        a, bonus = accept.rejection_accept(drafts, proposal.logprobs, logprobs, state)
+    elif req.settings.acceptance == "rejection":
+        # p: the target's rows after the sampler's processing; q comes processed from the drafter.
+        a, bonus = accept.rejection_accept(drafts, proposal.logprobs, state.sampling.process(logprobs), state.next_key())
+        mx.eval(a, bonus)
+        a, bonus = int(a.item()), int(bonus.item())
     else:
         a, bonus = accept.exact_accept(drafts, logprobs, state.sampler)
     return RoundOutcome(draft_tokens=len(proposal.tokens), accepted=a, tokens=proposal.tokens[:a] + [bonus])

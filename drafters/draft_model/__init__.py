@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,7 +28,9 @@ class DraftModelSession(DraftSession):
     def caches(self) -> List[Any]:
         return self.cache
 
-    def _feed(self, tokens: List[int]) -> mx.array:
+    def _feed(self, tokens: Union[List[int], mx.array]) -> mx.array:
+        if isinstance(tokens, mx.array):  # one draft token, not yet evaluated
+            return self.model(tokens.reshape(1, 1).astype(mx.uint32), cache=self.cache)[:, -1, :]
         logits = None
         for start in range(0, len(tokens), PREFILL_STEP):
             chunk = mx.array([tokens[start : start + PREFILL_STEP]], dtype=mx.uint32)
@@ -40,15 +42,31 @@ class DraftModelSession(DraftSession):
         self._catch_up = len(fresh)
         self._round = list(fresh)
         logits = self._feed(fresh)
-        drafts: List[int] = []
+        drafts: List[mx.array] = []  # [1] each, evaluated together: one sync per block
+        history: List[int] = []  # the drafts as ints, only where logits processors read them
+        qs: List[mx.array] = []
         while True:
-            token = int(mx.argmax(logits, axis=-1).item())
+            if state.sampling.greedy:
+                token = mx.argmax(logits, axis=-1)  # [1]
+            else:
+                # q: the drafter's row after the target's processing (logits processors with the
+                # same history, then the sampler's filters and temperature), drawn from the
+                # drafter's own stream so that the target's stream never moves.
+                logq = state.sampling.process(state.logprobs(logits[:, None], history, start=len(drafts)))  # [1, V]
+                token = mx.random.categorical(logq, key=state.next_draft_key())  # [1]
+                qs.append(logq)
             drafts.append(token)
+            if state.logits_processors:
+                history.append(int(token.item()))
             if len(drafts) == max_drafts:
                 break
-            self._round.append(token)
-            logits = self._feed([token])
-        return Proposal(drafts)
+            logits = self._feed(token)
+        q = mx.concatenate(qs, axis=0) if qs else None  # [k, V]
+        tokens = mx.concatenate(drafts)
+        mx.eval(tokens, q)
+        drafted = [int(t) for t in tokens.tolist()]
+        self._round.extend(drafted[:-1])
+        return Proposal(drafted, q)
 
     def replay(self, n: int) -> None:
         """Feed this round's first n tokens again (the cache transaction restored the start first):
