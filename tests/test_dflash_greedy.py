@@ -145,3 +145,17 @@ def test_json_stats(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch, ca
     pinned = _cli_json(capsys, *common, "--draft-model", str(models["b16_flat"]), "--draft-block-size", "4")
     assert pinned["tokens"] == plain["tokens"]
     assert set(pinned["speculative"]["block_sizes"]) == {4} and len(pinned["speculative"]["accepted_per_position"]) == 3
+
+
+def test_sampling_rounds_use_q(models: Dict[str, Path]) -> None:
+    from mlx_speculative.hooks.host import GenerationParams
+    from mlx_speculative.hooks.state import SamplingParams
+
+    host = make_host({"draft_model": str(models["b16_flat"])})
+    target = host.load(str(models["llama"]))
+    params = GenerationParams(max_tokens=24, stop_token_ids=[], sampling=SamplingParams(temperature=0.8, seed=4))
+    result = host.generate(target, encode(target, PROMPTS[1]), params)
+    stats = result.report["speculative"]
+    assert len(result.tokens) == 24 and stats.fallback is None and stats.rounds > 0
+    again = host.generate(target, encode(target, PROMPTS[1]), params)
+    assert again.tokens == result.tokens  # a seeded request repeats, drafter draws included

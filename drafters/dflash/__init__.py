@@ -179,7 +179,7 @@ def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> 
     if args.num_target_layers is not None and n_layers is not None and args.num_target_layers != n_layers:
         verdict.notes.append(
             f"num_target_layers: the drafter was trained on a {args.num_target_layers}-layer target, this one has "
-            f"{n_layers} (taps are in range, so it loads; expect low acceptance if it is another model)"
+            f"{n_layers} (not refused by itself; expect low acceptance if this is not the model it was trained for)"
         )
 
     t_hidden = config_value(target.config, "hidden_size")

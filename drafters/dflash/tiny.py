@@ -98,3 +98,84 @@ def write_checkpoint(
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def train(
+    drafter_dir: Path, target_dir: Path, steps: int = 300, sequences: int = 48, length: int = 72,
+    block: Optional[int] = None, lr: float = 3e-3, seed: int = 0, batch: int = 64,
+) -> Dict[str, float]:
+    """Train a tiny drafter on its target's own greedy continuations, in place.
+
+    DFlash's objective: for an anchor position p, the block [token_p, mask x (B-1)] with the
+    target's hidden states of positions < p as context predicts tokens p+1 .. p+B-1. Gives a
+    drafter that really accepts (partially) on the tiny random targets. Returns the first and last
+    losses.
+    """
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten as flatten
+    from mlx_lm import load as mlx_load
+
+    from ...hooks import taps
+    from ...hooks.tiny_models import corpus
+    from . import target_embedding_and_head
+
+    config = json.loads((drafter_dir / "config.json").read_text())
+    args = ModelArgs.from_dict(config)
+    model = Model(args)
+    names = {v: k for k, v in tensor_names(args.layout, config).items()}
+    raw = mx.load(str(drafter_dir / "model.safetensors"))
+    model.load_weights(list(model.sanitize(raw).items()))
+    target, tokenizer = mlx_load(str(target_dir))
+    embed, head = target_embedding_and_head(target)
+    layers = args.capture_layers
+    taps.install_taps(target, layers)
+    block = block or args.block_size
+
+    # Data: prompts from the tokenizer's corpus, continued greedily by the target.
+    rng = mx.random.key(seed)
+    texts = corpus(sequences, seed=seed + 1)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompts = [(tokenizer.encode(t, add_special_tokens=False) * 8)[:8] for t in texts]
+    tokens = mx.array(prompts, dtype=mx.uint32)  # [N, 8]
+    cache = make_prompt_cache(target)
+    logits = target(tokens, cache=cache)
+    for _ in range(length - tokens.shape[1]):
+        nxt = mx.argmax(logits[:, -1], axis=-1)[:, None].astype(mx.uint32)  # [N, 1]
+        tokens = mx.concatenate([tokens, nxt], axis=1)
+        logits = target(nxt, cache=cache)
+    # tokens: [N, length]
+    with taps.record(layers) as rec:
+        target(tokens)
+    hidden = mx.concatenate([rec[i][0] for i in layers], axis=-1)  # [N, length, taps*H]
+    mx.eval(tokens, hidden)
+
+    def loss_fn(m: Model, rows: mx.array, p: int) -> mx.array:
+        toks = tokens[rows]  # [n, length]
+        ids = mx.concatenate([toks[:, p: p + 1], mx.full((toks.shape[0], block - 1), args.mask_token_id, mx.uint32)], axis=1)
+        h = m(embed(ids), hidden[rows, :p], m.make_cache())  # [n, B, H]
+        logits = head(h[:, 1:]).astype(mx.float32)  # [n, B-1, V]
+        return nn.losses.cross_entropy(logits, toks[:, p + 1: p + block]).mean()
+
+    opt = optim.Adam(learning_rate=lr)
+    step = nn.value_and_grad(model, loss_fn)
+    losses = []
+    for i in range(steps):
+        rng, k1, k2 = mx.random.split(rng, 3)
+        p = int(mx.random.randint(4, length - block, key=k1).item())
+        rows = mx.random.randint(0, tokens.shape[0], (batch,), key=k2)
+        loss, grads = step(model, rows, p)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, loss)
+        losses.append(loss.item())
+    weights = {}
+    for name, w in flatten(model.parameters()):
+        for new, old in names.items():
+            if name.startswith(new):
+                name = old + name[len(new):]
+        weights[name] = w
+    prefix = "model." if any(k.startswith("model.") for k in raw) else ""
+    mx.save_safetensors(str(drafter_dir / "model.safetensors"), {prefix + k: v for k, v in weights.items()},
+                        metadata={"format": "pt"})
+    return {"first_loss": losses[0], "last_loss": sum(losses[-10:]) / 10}
