@@ -89,7 +89,7 @@ class DFlashSession(DraftSession):
         # The context K/V written by propose are committed positions: all stay. The captured
         # hidden states they came from are dropped; what remains are this round's accepted + 1.
         n, self._consumed = self._consumed, 0
-        for i in list(state.captures):
+        for i in set(self.drafter.capture_layers()):
             state.captures[i] = state.captures[i][:, n:]
         return n
 
