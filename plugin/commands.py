@@ -62,3 +62,7 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--draft-kind", default="auto", help="auto or a registered kind")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_check)
+
+    from .bench import add_command as add_bench
+
+    add_bench(subparsers)

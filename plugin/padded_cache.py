@@ -144,7 +144,7 @@ def resolve_mode(mode: Optional[str] = None) -> bool:
     if mode not in MODES:
         raise ValueError(f"{ENV}: got {mode!r}; allowed: {', '.join(MODES)}")
     if mode == "auto":
-        return backend() == "cuda"
+        return backend() not in ("cpu", "metal")
     return mode == "on"
 
 

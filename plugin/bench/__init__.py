@@ -1,0 +1,95 @@
+"""``mlx-spec bench``: how fast speculative decoding is here, against plain decoding, in one process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, List, Optional
+
+
+def _floats(text: str) -> List[Optional[float]]:
+    out: List[Optional[float]] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part in ("none", "real", ""):
+            out.append(None)
+            continue
+        try:
+            out.append(float(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {part!r}; expected numbers separated by commas (e.g. 6.5,3,1)") from None
+    return out
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected integers separated by commas (e.g. 128,512,1024)") from None
+
+
+def add_command(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="benchmark plain vs speculative decoding (mlx-lm and this plugin)")
+    src = p.add_argument_group("models")
+    src.add_argument("--model", help="target checkpoint: path or HF repo id")
+    src.add_argument("--synthetic-target", help="build a random target in memory instead: llama-8b, llama-1b, tiny")
+    src.add_argument("--draft-model", help="draft LM for the draft_model kind and mlx-lm's speculative loop")
+    src.add_argument("--kind", default="auto", choices=["auto", "dflash", "draft_model", "ngram"],
+                     help="drafter kind(s) to run (auto: dflash when available, and draft_model)")
+    src.add_argument("--draft-layers", type=int, default=2, help="layers of the synthetic draft LM (default 2)")
+    src.add_argument("--dflash-layers", type=int, default=5, help="layers of the synthetic DFlash drafter (default 5)")
+    run = p.add_argument_group("what to run")
+    run.add_argument("--oracle-acceptance", type=_floats, default=None, metavar="TAU[,TAU...]",
+                     help="replace proposals by the target's greedy continuation with errors injected so that the "
+                          "mean acceptance length is TAU (the drafter still runs; 'real' = its own proposals)")
+    run.add_argument("--adaptive-at", type=_floats, default=[], metavar="TAU[,TAU...]",
+                     help="also run these oracle taus with the adaptive block size")
+    run.add_argument("--block-sizes", type=_ints, default=[16], metavar="B[,B...]", help="block sizes (default 16)")
+    run.add_argument("--prompt-lengths", type=_ints, default=[128, 512, 1024], metavar="L[,L...]",
+                     help="base prompt lengths (default 128,512,1024)")
+    run.add_argument("--max-tokens", type=int, default=256, help="new tokens per request (default 256)")
+    run.add_argument("--padded-cache", default="auto", choices=["auto", "on", "off"],
+                     help="shape-stable padded KV caches (auto: on for CUDA only)")
+    run.add_argument("--bucket", type=int, default=256, help="padded key-length bucket (default 256)")
+    run.add_argument("--no-mlx-lm-spec", action="store_true", help="skip mlx-lm's speculative_generate_step")
+    run.add_argument("--cpu", action="store_true", help="run on the CPU")
+    run.add_argument("--seed", type=int, default=0)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    out.add_argument("--plot", metavar="PATH", help="write a PNG (speed-up vs block size and vs tau; needs matplotlib)")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .core import BenchSettings, format_table, plot, run_bench, write_json
+
+    if args.max_tokens < 2:
+        raise ValueError(f"--max-tokens: got {args.max_tokens}; expected at least 2")
+    for b in args.block_sizes:
+        if not 2 <= b <= 128:
+            raise ValueError(f"--block-sizes: got {b}; allowed: 2 to 128")
+    taus = args.oracle_acceptance if args.oracle_acceptance is not None else [None]
+    if args.plot:  # fail before the run, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'mlx-speculative[bench]'") from None
+    settings = BenchSettings(
+        synthetic_target=args.synthetic_target, model=args.model, draft_model=args.draft_model, kind=args.kind,
+        block_sizes=args.block_sizes, taus=taus, adaptive_taus=[t for t in args.adaptive_at if t is not None],
+        prompt_lengths=args.prompt_lengths, max_tokens=args.max_tokens, padded=args.padded_cache, bucket=args.bucket,
+        mlx_lm_spec=not args.no_mlx_lm_spec, draft_layers=args.draft_layers, dflash_layers=args.dflash_layers,
+        seed=args.seed, cpu=args.cpu,
+    )
+    report = run_bench(settings)
+    print(report["target"])
+    for kind, desc in report["drafters"].items():
+        print(f"drafter {kind}: {desc}")
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"[bench] wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(report, args.plot)
+        print(f"[bench] wrote {args.plot}", file=sys.stderr)
+    return 0

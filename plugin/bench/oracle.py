@@ -1,0 +1,166 @@
+"""Oracle acceptance: the drafter runs for real, its proposals are replaced by the target's own
+greedy continuation with errors injected so that the mean acceptance length is a chosen tau.
+
+Each draft position is right with probability alpha, independently, until the first wrong one
+(later positions in the round do not matter). With k draft tokens per round the mean accepted
+count is alpha (1 - alpha^k) / (1 - alpha); ``alpha_for_tau`` solves it for tau - 1 at the
+block cap. The same alpha drives mlx-lm's own loop (``OracleDraftLM``), so both see the same
+acceptance process.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ...drafters.base import DraftSession, Drafter
+from ..types import Proposal
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    if alpha >= 1.0:
+        return float(k)
+    return alpha * (1 - alpha**k) / (1 - alpha)
+
+
+def alpha_for_tau(tau: float, block_size: int) -> float:
+    """Per-position acceptance probability giving mean acceptance length ``tau`` with blocks of ``block_size``."""
+    k = block_size - 1
+    if not 1.0 <= tau <= block_size:
+        raise ValueError(f"--oracle-acceptance: got tau {tau}; allowed: 1 to the block size ({block_size})")
+    if tau >= block_size:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_accepted(mid, k) < tau - 1 else (lo, mid)
+    return (lo + hi) / 2
+
+
+class Oracle:
+    """The reference continuation of one request and the random error process."""
+
+    def __init__(self, alpha: float, vocab_size: int, seed: int = 0):
+        self.alpha = alpha
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.sequence: List[int] = []  # prompt + reference continuation
+        self.prompt_len = 0
+
+    def set_request(self, prompt: Sequence[int], continuation: Sequence[int], seed: int) -> None:
+        self.sequence = list(prompt) + list(continuation)
+        self.prompt_len = len(prompt)
+        self.rng = random.Random(seed)
+
+    def token(self, position: int, right: bool) -> int:
+        """The reference token at absolute ``position`` (or a wrong one)."""
+        ref = self.sequence[position] if position < len(self.sequence) else 0
+        return ref if right else (ref + 1) % self.vocab_size
+
+    def draw(self) -> bool:
+        return self.rng.random() < self.alpha
+
+    def drafts(self, start: int, k: int) -> List[int]:
+        """k proposals for absolute positions start..start+k-1: right until the first error."""
+        out: List[int] = []
+        right = True
+        for i in range(k):
+            right = right and self.draw()
+            out.append(self.token(start + i, right))
+        return out
+
+
+class CountingSession(DraftSession):
+    """Wraps any session: records how many tokens each round drafted (per-position acceptance)."""
+
+    def __init__(self, inner: DraftSession, drafted: List[int]):
+        self.inner = inner
+        self.drafted = drafted
+        self._inner_k = 0
+
+    def caches(self) -> List[Any]:
+        return self.inner.caches()
+
+    def _propose(self, state: Any, max_drafts: int) -> Proposal:
+        return self.inner.propose(state, max_drafts)
+
+    def propose(self, state: Any, max_drafts: int) -> Proposal:
+        proposal = self._propose(state, max_drafts)
+        self.drafted.append(len(proposal.tokens))
+        return proposal
+
+    def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
+        k = min(draft_tokens, self._inner_k) if self._inner_k else draft_tokens
+        return self.inner.commit(state, min(accepted, k), k)
+
+
+class OracleSession(CountingSession):
+    def __init__(self, inner: DraftSession, drafted: List[int], oracle: Oracle):
+        super().__init__(inner, drafted)
+        self.oracle = oracle
+
+    def _propose(self, state: Any, max_drafts: int) -> Proposal:
+        real = self.inner.propose(state, max_drafts)  # its cost counts; its tokens do not
+        self._inner_k = len(real.tokens)
+        if real.logprobs is not None:
+            mx.eval(real.logprobs)
+        # state.tokens ends with the pending token at position len - 1: drafts start at len.
+        return Proposal(self.oracle.drafts(len(state.tokens), max_drafts))
+
+
+class WrappedDrafter(Drafter):
+    """Any drafter, its sessions wrapped (counting, and oracle proposals when ``oracle`` is set)."""
+
+    def __init__(self, inner: Drafter, oracle: Optional[Oracle] = None):
+        self.inner = inner
+        self.oracle = oracle
+        self.kind = inner.kind
+        self.family = inner.family
+        self.default_block_size = inner.default_block_size
+        self.drafted: List[int] = []
+
+    def capture_layers(self) -> List[int]:
+        return self.inner.capture_layers()
+
+    def new_session(self, state: Any) -> DraftSession:
+        inner = self.inner.new_session(state)
+        if self.oracle is None:
+            return CountingSession(inner, self.drafted)
+        return OracleSession(inner, self.drafted, self.oracle)
+
+
+class OracleDraftLM:
+    """A draft LM for mlx-lm's ``speculative_generate_step`` whose forward runs for real but whose
+    next-token logits point at the oracle's token (right with probability alpha per call)."""
+
+    def __init__(self, model: Any, oracle: Oracle, vocab_size: int):
+        self.model = model
+        self.oracle = oracle
+        self.vocab_size = vocab_size
+        self.vocab = mx.arange(vocab_size)
+        self.layers = getattr(model, "layers", None)
+        self.sequence = mx.zeros((1,), dtype=mx.int32)
+
+    def set_request(self) -> None:
+        """Call after ``oracle.set_request``: the reference sequence on the device."""
+        self.sequence = mx.array(self.oracle.sequence + [0] * 64, dtype=mx.int32)
+
+    def make_cache(self) -> List[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        logits = self.model(inputs, cache=cache)  # [1, n, V]: the real cost
+        position = cache[0].offset  # absolute position of the token this call predicts
+        ref = self.sequence[position]
+        # The round's chain is intact when the fed token is the reference one (the target's bonus
+        # at a round's start, a right draft after it); stays lazy: no sync in mlx-lm's draft loop.
+        intact = inputs[0, -1].astype(mx.int32) == self.sequence[position - 1]
+        right = mx.logical_and(intact, mx.array(self.oracle.draw()))
+        token = mx.where(right, ref, (ref + 1) % self.vocab_size)
+        hot = (self.vocab == token).astype(logits.dtype) * 100.0  # [V]
+        # keep a dependency on the real logits so that the forward is evaluated
+        return hot[None, None, :] + 0 * logits[:, -1:, :1]  # [1, 1, V]

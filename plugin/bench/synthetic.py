@@ -1,0 +1,94 @@
+"""Synthetic targets and drafters built in memory (random weights, no 16 GB checkpoint on disk).
+
+Random targets have near-tied logits, so greedy continuations flip on rounding noise (bf16 on a
+GPU). ``build`` gives the target large logit margins: the output head row of token pi(t) is the
+embedding of t (pi a fixed random permutation) and the layers' output projections are scaled
+down, so the final hidden state stays close to the current token's embedding and its logit for
+pi(t) is ~sqrt(hidden) standard deviations above the rest. Every layer still runs at full cost.
+The continuation is then mostly a walk along pi: fine for measuring machinery, not text quality.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+SPECS: Dict[str, Dict[str, Any]] = {
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, dtype="bfloat16"),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0, dtype="bfloat16"),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=384, rope_theta=10000.0, dtype="float32"),
+}
+QUIET = 0.1  # scale of o_proj / down_proj: keeps the residual stream near the token embedding
+
+
+def config_for(spec: str, **over: Any) -> Dict[str, Any]:
+    if spec not in SPECS:
+        raise ValueError(f"--synthetic-target: got {spec!r}; allowed: {', '.join(SPECS)}")
+    base = dict(SPECS[spec])
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+        "torch_dtype": base.pop("dtype"),
+    }
+    config.update(base)
+    config.update(over)
+    return config
+
+
+def build(config: Dict[str, Any], seed: int = 0, margins: bool = True) -> nn.Module:
+    """An mlx-lm model for ``config`` with random weights in its dtype (large logit margins)."""
+    from mlx_lm.utils import _get_classes
+
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    dtype = getattr(mx, config.get("torch_dtype", "float32"))
+    if margins:
+        vocab = config["vocab_size"]
+        perm = mx.random.permutation(vocab)
+        inv = mx.argsort(perm)
+        embed = model.model.embed_tokens.weight
+        updates = [("lm_head.weight", embed[inv])]  # row pi(t) = embedding of t
+        for name, w in tree_flatten(model.parameters()):
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                updates.append((name, w * QUIET))
+        model.load_weights(updates, strict=False)
+    model.set_dtype(dtype)
+    # Evaluate layer by layer: the fp32 random init of one layer at a time stays small.
+    for _, p in tree_flatten(model.parameters()):
+        mx.eval(p)
+    model.eval()
+    return model
+
+
+def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 16, layers: int = 5, seed: int = 1) -> Tuple[Any, str]:
+    """A DFlash-shape drafter (``layers`` layers, the target's width, target_layer_ids spread over
+    the target) with random weights, borrowing the target's embedding and head."""
+    from ...drafters.dflash import DFlashDrafter, target_embedding_and_head
+    from ...drafters.dflash.model import Model, ModelArgs
+
+    mx.random.seed(seed)
+    args = ModelArgs.from_dict({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": config["hidden_size"], "num_hidden_layers": layers,
+        "intermediate_size": config["intermediate_size"], "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config["num_key_value_heads"], "head_dim": config.get("head_dim"),
+        "vocab_size": config["vocab_size"], "rms_norm_eps": config["rms_norm_eps"],
+        "rope_theta": config["rope_theta"], "block_size": block_size,
+        "num_target_layers": config["num_hidden_layers"], "mask_token_id": config["vocab_size"] - 1,
+        "max_position_embeddings": config.get("max_position_embeddings"),
+    })
+    model = Model(args)
+    model.set_dtype(getattr(mx, config.get("torch_dtype", "float32")))
+    for _, p in tree_flatten(model.parameters()):
+        mx.eval(p)
+    model.eval()
+    embed, head = target_embedding_and_head(target)
+    drafter = DFlashDrafter(model, embed, head)
+    return drafter, f"dflash ({layers} layers, width {config['hidden_size']}, target_layer_ids {list(args.target_layer_ids)})"

@@ -1,0 +1,46 @@
+"""Smoke test of `mlx-spec bench` on a tiny synthetic target (CPU), and the oracle maths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlx_speculative.plugin.bench import oracle
+from mlx_speculative.plugin.bench.core import allocate_lengths
+
+
+def test_alpha_gives_tau() -> None:
+    for tau, block in ((6.5, 16), (3.0, 16), (2.0, 4)):
+        alpha = oracle.alpha_for_tau(tau, block)
+        assert abs(1 + oracle.expected_accepted(alpha, block - 1) - tau) < 1e-6
+    assert oracle.alpha_for_tau(1.0, 16) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="allowed: 1 to the block size"):
+        oracle.alpha_for_tau(20, 16)
+
+
+def test_fresh_lengths_are_disjoint() -> None:
+    lengths = allocate_lengths([100, 150], 4, 50)
+    ranges = sorted((L - 1, L + 50) for row in lengths for L in row)
+    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    from mlx_speculative.hooks.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "draft_model", "--oracle-acceptance", "3",
+               "--block-sizes", "4", "--prompt-lengths", "64,100", "--max-tokens", "12", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    for regime in ("fresh", "warm"):
+        rows = report["results"][regime]
+        assert set(rows) == {"mlx_lm.generate_step", "host plain (KVCache)", "plugin draft_model b4 tau3",
+                             "mlx_lm.speculative_generate_step b4 tau3"}
+        spec = rows["plugin draft_model b4 tau3"]
+        assert spec["identical_share"] == 1.0  # fp32 on the CPU: lossless
+        assert 1.5 < spec["tau"] <= 4 and spec["rounds"] > 0
+        assert set(spec["ms_per_round"]) == {"draft", "verify", "commit", "host_overhead"}
+        assert rows["mlx_lm.generate_step"]["speedup_vs_mlx_lm_plain"] == 1.0
+    assert report["versions"]["mlx"] and report["machine"]["backend"] == "cpu"
