@@ -167,3 +167,21 @@ def test_draft_q_gets_the_targets_processing_with_draft_history(llama_pair: Dict
         q = state.sampling.process(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
         np.testing.assert_allclose(np.exp(np.array(proposal.logprobs[i])), np.exp(np.array(q)), atol=1e-4)
         assert float(q[x]) > -np.inf  # the draft lies in q's support
+
+
+def test_a_q_of_the_wrong_shape_falls_back_with_a_clear_reason(llama_pair: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_speculative.drafters.draft_model import DraftModelSession
+    from mlx_speculative.plugin.types import Proposal
+
+    real = DraftModelSession.propose
+
+    def narrow_q(self, state, max_drafts):
+        proposal = real(self, state, max_drafts)
+        return Proposal(proposal.tokens, proposal.logprobs[:, :100])  # q over 100 tokens, not the vocabulary
+
+    monkeypatch.setattr(DraftModelSession, "propose", narrow_q)
+    host, target, prompt = _setup(llama_pair)
+    plain = make_host(None, plugins=False)
+    result = host.generate(target, prompt, _sampled(7, n=12))
+    assert "draft log-probabilities q have shape (3, 100); expected (3, 384)" in result.report["speculative"].fallback
+    assert result.tokens == plain.generate(target, prompt, _sampled(7, n=12)).tokens  # plain decoding, same stream
