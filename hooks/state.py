@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import taps
 
@@ -81,8 +82,6 @@ class SamplingParams:
         tokens get -inf. Temperature 0: one-hot at the argmax. The target's p and a drafter's q
         both go through this, so that speculative sampling compares like with like.
         """
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
         if self.greedy:
             hot = mx.arange(logprobs.shape[-1]) == mx.argmax(logprobs, axis=-1, keepdims=True)
             return mx.where(hot, 0.0, -mx.inf)
