@@ -183,8 +183,7 @@ def simulate(tables: Tables, n: int, seed: int, rule: Callable = accept.rejectio
             for j in range(k + 1):
                 live = j <= a
                 out[idx[live], d + j] = emitted[live, j]
-            new_code = np.array([c for c in np.stack(codes, 1)[np.arange(len(idx)), a]])
-            code[idx] = new_code * VOCAB + bonus
+            code[idx] = np.stack(codes, axis=1)[np.arange(len(idx)), a] * VOCAB + bonus  # context + drafts[:a] + bonus
             depth[idx] = d + a + 1
     return out
 
