@@ -9,8 +9,13 @@ with ``mx.eval`` on the caches, so what a commit defers is counted in the commit
 round time = verify (forward + eval) + commit; the drafter's time is left out (it depends on the
 drafter), which makes the reported share an upper bound.
 
+Recurrent caches (ArraysCache) keep a partial block through the innovation tape
+(plugin/recurrent_tape.py); ``--no-tape`` turns it off, so they restore and replay the kept tokens
+through the model (the fallback), for a comparison under the same machine load.
+
     python bench/commit_cost.py                   # all architectures, B = 8
     python bench/commit_cost.py --block 16 --rounds 8 --arch qwen3_5 gemma3_text
+    python bench/commit_cost.py --arch qwen3_5 falcon_h1 mamba2 --no-tape
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.plugin import recurrent_tape
 from mlx_speculative.plugin.commit import CacheTransaction
 
 ARCHS: Dict[str, Callable[..., Dict[str, Any]]] = {
@@ -69,6 +75,7 @@ def bench(arch: str, block: int, rounds: int, prompt_len: int, hidden: int) -> D
     verify: List[float] = []
     by_n: Dict[int, List[float]] = {n: [] for n in range(block + 1)}  # n = 0: abort
     replayed: Dict[int, int] = {n: 0 for n in range(block + 1)}
+    taped: Dict[int, int] = {n: 0 for n in range(block + 1)}
 
     def round_(n: int) -> None:
         nonlocal pos
@@ -87,6 +94,7 @@ def bench(arch: str, block: int, rounds: int, prompt_len: int, hidden: int) -> D
         verify.append(t1 - t0)
         by_n[n].append(t2 - t1)
         replayed[n] += txn.replayed > 0
+        taped[n] += txn.taped > 0
         pos += n
 
     for _ in range(2):  # warm-up
@@ -94,6 +102,7 @@ def bench(arch: str, block: int, rounds: int, prompt_len: int, hidden: int) -> D
     verify.clear()
     by_n = {n: [] for n in range(block + 1)}
     replayed = {n: 0 for n in range(block + 1)}
+    taped = {n: 0 for n in range(block + 1)}
     for _ in range(rounds):
         for n in range(0, block + 1):
             round_(n)
@@ -107,6 +116,7 @@ def bench(arch: str, block: int, rounds: int, prompt_len: int, hidden: int) -> D
         "arch": arch, "caches": cache_kinds(cache), "verify_ms": 1e3 * v, "commit_ms": 1e3 * c,
         "commit_share": c / (v + c), "abort_ms": 1e3 * a, "abort_share": a / (v + a),
         "replayed": sum(replayed[n] for n in range(1, block + 1)) / (rounds * block),
+        "taped": sum(taped[n] for n in range(1, block + 1)) / (rounds * block),
         "worst_commit_share": worst / (v + worst),
     }
 
@@ -118,20 +128,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per commit length")
     parser.add_argument("--prompt", type=int, default=40, help="prompt length (wraps the sliding windows of 8)")
     parser.add_argument("--hidden", type=int, default=0, help="hidden size (default: the tiny test configs, 64)")
+    parser.add_argument("--no-tape", action="store_true",
+                        help="recurrent caches replay the kept tokens through the model (the fallback path)")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
+    if args.no_tape:
+        recurrent_tape.Tape.usable = lambda self, n, fed: "turned off by --no-tape"  # type: ignore[method-assign]
     print(f"block size {args.block}, commit(n) for n = 1..{args.block} and abort, {args.rounds} rounds each, "
-          f"prompt {args.prompt}, device {mx.default_device()}")
-    header = f"{'arch':12} {'caches':44} {'verify ms':>9} {'commit ms':>9} {'share':>6} {'worst':>6} {'replay':>6} {'abort ms':>8} {'share':>6}"
+          f"prompt {args.prompt}, hidden {args.hidden or 'tiny (64)'}, tape {'off' if args.no_tape else 'on'}, "
+          f"device {mx.default_device()}")
+    header = (f"{'arch':12} {'caches':44} {'verify ms':>9} {'commit ms':>9} {'share':>6} {'worst':>6} {'tape':>5} "
+              f"{'replay':>6} {'abort ms':>8} {'share':>6}")
     print(header)
     print("-" * len(header))
     for arch in args.arch:
         r = bench(arch, args.block, args.rounds, args.prompt, args.hidden)
         print(f"{r['arch']:12} {r['caches']:44} {r['verify_ms']:9.2f} {r['commit_ms']:9.3f} "
-              f"{100 * r['commit_share']:5.1f}% {100 * r['worst_commit_share']:5.1f}% {100 * r['replayed']:5.0f}% "
+              f"{100 * r['commit_share']:5.1f}% {100 * r['worst_commit_share']:5.1f}% {100 * r['taped']:4.0f}% "
+              f"{100 * r['replayed']:5.0f}% "
               f"{r['abort_ms']:8.3f} {100 * r['abort_share']:5.1f}%")
     print("medians per commit length; share: commit / (verify + commit), mean over n = 1..B; worst: the "
-          "costliest n; replay: commits that fed the kept tokens again (recurrent caches, n < B)")
+          "costliest n; tape: commits kept through the innovation tape (recurrent caches, n < B); replay: commits "
+          "that fed the kept tokens again through the model")
 
 
 if __name__ == "__main__":

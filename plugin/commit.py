@@ -73,6 +73,8 @@ from mlx_lm.models.cache import (
     dynamic_roll,
 )
 
+from .recurrent_tape import Tape, apply_all, open_tape
+
 Lengths = Union[int, Sequence[int]]
 
 
@@ -305,58 +307,90 @@ class _BatchRotatingHandler(_RotatingHandler):
 
 
 class _ArraysState:
-    """Begin state of an ArraysCache and the positions the model reported through ``advance``."""
+    """Begin state of an ArraysCache, the positions the model reported through ``advance``, and
+    the innovation tape of the forward (``recurrent_tape``)."""
 
-    def __init__(self, start: tuple):
+    def __init__(self, start: tuple, tape: Tape):
         self.start = start
+        self.tape = tape
         self.fed = 0
+        self.taped = False  # the last commit kept a partial block through the tape
 
 
 class _ArraysHandler:
-    """ArraysCache: snapshot by reference; a partial commit needs a model replay (see the module doc).
+    """ArraysCache: snapshot by reference; a partial commit through the innovation tape, else a
+    model replay (see the module doc).
 
     Most mlx-lm recurrent layers call ``cache.advance(S)`` once per forward; counting those calls
-    tells a full commit (free) from a partial one even when no attention cache counts positions.
+    tells a full commit (free) from a partial one even when no attention cache counts positions,
+    and marks where the tape re-keys the cache's slots for the next forward.
     """
 
     ragged = False
 
     def begin(self, cache: Any) -> _ArraysState:
-        token = _ArraysState((list(cache.cache), cache.left_padding, cache.lengths))
+        start = (list(cache.cache), cache.left_padding, cache.lengths)
         cache.cache = [_handle(c) for c in cache.cache]
         cache.left_padding, cache.lengths = _handle(cache.left_padding), _handle(cache.lengths)
+        token = _ArraysState(start, open_tape(cache))
         advance = type(cache).advance
 
         def counting_advance(n: int) -> Any:
             token.fed += int(n)
-            return advance(cache, n)
+            out = advance(cache, n)
+            token.tape.rekey()
+            return out
 
         cache.advance = counting_advance  # an instance attribute, removed at commit/abort
         return token
 
-    def _stop(self, cache: Any) -> None:
+    def _stop(self, cache: Any, token: _ArraysState) -> None:
         cache.__dict__.pop("advance", None)
+        token.tape.close()
 
     def written(self, cache: Any, token: _ArraysState) -> Optional[int]:
-        return token.fed or None  # None: the model does not report positions
+        # None: the model reports no positions (and the tape recorded none).
+        return token.fed or (token.tape.positions() if token.tape.calls else None)
 
     def needs_replay(self, cache: Any, token: _ArraysState, n: Lengths, written: Optional[int]) -> bool:
         m = _uniform(n)
         if m is None:
             raise UnsupportedCache(
-                f"{type(cache).__name__} is rolled back by replaying the kept tokens, which needs the same "
-                f"commit length for every row (got {list(n)}); commit the minimum"
+                f"{type(cache).__name__} keeps a partial block by recomputing its recurrence over the kept "
+                f"positions, which needs the same commit length for every row (got {list(n)}); commit the minimum"
             )
-        return m != written and m > 0
+        if m == 0 or m == (written if written is not None else self.written(cache, token)):
+            return False
+        return token.tape.usable(m, token.fed) is not None
+
+    def tape_request(self, cache: Any, token: _ArraysState, n: Lengths) -> Optional[Tuple[Tape, int]]:
+        """(tape, n) when committing n positions takes the tape (a usable partial commit)."""
+        m = _uniform(n)
+        if m and m != self.written(cache, token) and token.tape.usable(m, token.fed) is None:
+            return token.tape, m
+        return None
 
     def commit(self, cache: Any, token: _ArraysState, n: Lengths) -> None:
-        self._stop(cache)
-        if _uniform(n) == 0:
+        m = _uniform(n)
+        if m == 0:
             self.abort(cache, token)
-        # Otherwise everything written is kept (a partial commit went through ``needs_replay``).
+            return
+        # A partial commit reaches here only when the tape is usable (else ``needs_replay`` made the
+        # transaction restore and replay); the transaction usually applied it already, for all
+        # recurrent caches at once (``apply_all``). A full commit keeps everything written.
+        if not token.taped:
+            request = self.tape_request(cache, token, n)
+            if request is not None:
+                apply_all([request])
+                token.taped = True
+        self._stop(cache, token)
+        if token.taped:
+            # What ``advance`` did, for the kept positions only (the tape requires lengths None).
+            start_lp = token.start[1]
+            cache.left_padding = None if start_lp is None else start_lp - m
 
     def abort(self, cache: Any, token: _ArraysState) -> None:
-        self._stop(cache)
+        self._stop(cache, token)
         cache.cache, cache.left_padding, cache.lengths = list(token.start[0]), token.start[1], token.start[2]
 
 
@@ -432,6 +466,25 @@ def _max_written(items: Any) -> Optional[int]:
     return max(known) if known else None
 
 
+def _arrays_items(handlers: Sequence[Any], caches: Sequence[Any], tokens: Sequence[Any]) -> List[Tuple[Any, Any, Any]]:
+    """(handler, cache, token) of every ArraysCache, CacheList children included."""
+    out = []
+    for h, c, t in zip(handlers, caches, tokens):
+        if isinstance(h, _ArraysHandler):
+            out.append((h, c, t))
+        elif isinstance(h, _CacheListHandler):
+            out += _arrays_items([x for x, _ in t], c.caches, [y for _, y in t])
+    return out
+
+
+def _taped(token: Any) -> int:
+    if isinstance(token, _ArraysState):
+        return int(token.taped)
+    if isinstance(token, list):  # CacheList: (handler, token) per child
+        return sum(_taped(t) for _, t in token)
+    return 0
+
+
 Replay = Callable[[int], Any]
 
 
@@ -451,6 +504,7 @@ class CacheTransaction:
         self._handlers = [handler_for(c) for c in self.caches]
         self._starts: Optional[List[Any]] = None
         self.replayed = 0  # positions fed again by the last commit (0: none)
+        self.taped = 0  # recurrent caches the last commit set through the innovation tape
 
     @property
     def ragged(self) -> bool:
@@ -490,7 +544,7 @@ class CacheTransaction:
             self.abort()
             raise ValueError(f"cannot keep {n} positions: the forward wrote {written}; the caches were restored")
         starts, self._starts = self._starts, None
-        self.replayed = 0
+        self.replayed = self.taped = 0
         try:
             replay = any(
                 _needs_replay(h, c, s, n, written) for h, c, s in zip(self._handlers, self.caches, starts)
@@ -499,8 +553,19 @@ class CacheTransaction:
             self._abort(starts)
             raise
         if not replay:
+            # Recurrent caches kept through the tape: their partial recurrences run together.
+            taped = [(t, h.tape_request(c, t, n)) for h, c, t in _arrays_items(self._handlers, self.caches, starts)]
+            taped = [(t, r) for t, r in taped if r is not None]
+            try:
+                apply_all([r for _, r in taped])
+            except BaseException:
+                self._abort(starts)
+                raise
+            for t, _ in taped:
+                t.taped = True
             for h, c, s in zip(self._handlers, self.caches, starts):
                 h.commit(c, s, n)
+            self.taped = sum(_taped(s) for s in starts)
             return
         self._abort(starts)
         if self.replay is None:

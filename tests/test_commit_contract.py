@@ -156,9 +156,11 @@ def test_commit_equals_one_token_feeding(arch: str, prompt_len: int) -> None:
         with CacheTransaction(spec, replay=replay_for(model, spec, block)) as txn:
             model(mx.array([block[:K]]), cache=spec)
             txn.commit(n)
-        # Recurrent caches replay exactly the partial commits (positions counted via cache.advance).
-        recurrent = arch in ("qwen3_5", "falcon_h1", "mamba2")
-        assert txn.replayed == (n if recurrent and n < K else 0)
+        # Recurrent caches keep partial blocks through the innovation tape: no model replay.
+        recurrent = sum(isinstance(c, ArraysCache) or (isinstance(c, CacheList) and isinstance(c.caches[0], ArraysCache))
+                        for c in spec)
+        assert txn.replayed == 0
+        assert txn.taped == (recurrent if n < K else 0)
         ref = prefilled(model, prompt)
         for t in block[:n]:
             model(mx.array([[t]]), cache=ref)
@@ -289,21 +291,25 @@ def test_unknown_cache_is_refused_by_name() -> None:
     assert handler_for(KVCache()) is HANDLERS[KVCache]
 
 
-def test_recurrent_partial_commit_without_replay_is_refused_and_restores() -> None:
+def test_recurrent_partial_commit_needs_no_replay_callback() -> None:
+    """The innovation tape keeps a partial block of a recurrent cache by itself (the refusal without
+    a replay callback, when a layer's recurrence is not recorded: tests/test_commit_tape.py)."""
     model = model_for("qwen3_5")
     prompt, block = tokens(9, 8), tokens(K, 9)
     cache = prefilled(model, prompt)
-    start = exact_state(cache)
     txn = CacheTransaction(cache).begin()
     model(mx.array([block]), cache=cache)
-    with pytest.raises(UnsupportedCache, match="ArraysCache.*replay"):
-        txn.commit(2)
-    same(exact_state(cache), start)
-    # A full commit needs no replay.
+    txn.commit(2)
+    assert txn.taped == 2 and txn.replayed == 0  # two GatedDeltaNet layers
+    ref = prefilled(model, prompt)
+    for t in block[:2]:
+        model(mx.array([[t]]), cache=ref)
+    assert_close(cache, ref, atol=0.0)
+    # A full commit keeps the forward's state as it is.
     txn = CacheTransaction(cache).begin()
     model(mx.array([block]), cache=cache)
     txn.commit(K)
-    assert txn.replayed == 0
+    assert txn.replayed == 0 and txn.taped == 0
 
 
 def test_commit_longer_than_written_is_refused_and_restores() -> None:
