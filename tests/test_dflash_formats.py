@@ -242,3 +242,37 @@ def test_shrunk_configs_keep_field_names() -> None:
         assert set(shrunk) <= set(original) | {"dtype"}, name
         if "dflash_config" in original:
             assert set(shrunk["dflash_config"]) == set(original["dflash_config"])
+
+
+def _param_shapes(config: Dict[str, Any]) -> Dict[str, list]:
+    from mlx.utils import tree_flatten
+
+    from mlx_speculative.drafters.dflash.model import Model
+
+    return {k: list(v.shape) for k, v in tree_flatten(Model(ModelArgs.from_dict(config)).parameters())}  # lazy: no memory
+
+
+def test_parameters_match_the_real_muse_assistant_header() -> None:
+    config = real(MUSE)
+    renames = tiny.tensor_names("flat", config)
+    ours = {}
+    for name, shape in _param_shapes(config).items():
+        for old, new in renames.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        ours[name] = shape
+    header = {}
+    for line in (FIXTURES / f"{MUSE}.tensors.txt").read_text().splitlines():
+        name, shape, _ = line.split()
+        header[name] = json.loads(shape)
+    assert ours == header
+
+
+@pytest.mark.parametrize("name, count", [(B16_8B, 58), (NESTED, 69), (SPECULATORS, None),
+                                         ("z-lab__Qwen3.6-35B-A3B-DFlash", None)])
+def test_real_sizes_build(name: str, count: Any) -> None:
+    shapes = _param_shapes(real(name))
+    if count is not None:  # tensor counts pinned for the published checkpoints (formats README)
+        assert len(shapes) == count
+    args = ModelArgs.from_dict(real(name))
+    assert shapes["fc.weight"] == [args.hidden_size, len(args.target_layer_ids) * args.hidden_size]
