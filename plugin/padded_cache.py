@@ -43,8 +43,11 @@ FACTORY_KEY = "cache_factory"  # LoadedTarget.attachments key the host reads to 
 class PaddedKVCache(KVCache):
     """A ``KVCache`` whose fetched keys/values are padded to a multiple of ``bucket``."""
 
-    def __init__(self, bucket: int = DEFAULT_BUCKET):
+    def __init__(self, bucket: int = DEFAULT_BUCKET, pad_steps: bool = False):
         super().__init__()
+        # One-token steps keep exact lengths by default: measured on the H200, the masked kernel
+        # cost more (~13% of plain decoding) than new key lengths do for one-token queries.
+        self.pad_steps = pad_steps
         if bucket < 1:
             raise ValueError(f"PaddedKVCache bucket: got {bucket}; expected a positive integer")
         self.bucket = bucket
@@ -57,6 +60,7 @@ class PaddedKVCache(KVCache):
         prev = self.offset
         end = prev + keys.shape[2]  # keys: [B, H, N, D]
         span = self.span(end)
+        exact = keys.shape[2] == 1 and not self.pad_steps
         if self.keys is None or span > self.keys.shape[2]:
             B, H, _, Dk = keys.shape
             Dv = values.shape[3]
@@ -71,6 +75,8 @@ class PaddedKVCache(KVCache):
         self.offset = end
         self.keys[..., prev:end, :] = keys
         self.values[..., prev:end, :] = values
+        if exact:  # one-token step: exact length, no mask (the fast vector kernel)
+            return self.keys[..., :end, :], self.values[..., :end, :]
         if span == self.keys.shape[2]:
             return self.keys, self.values
         return self.keys[..., :span, :], self.values[..., :span, :]  # [B, H, span, D]
@@ -78,6 +84,8 @@ class PaddedKVCache(KVCache):
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
         if window_size is not None:
             raise ValueError("PaddedKVCache does not support sliding-window attention; use the model's own cache")
+        if N == 1 and not self.pad_steps:
+            return None
         # Called before update_and_fetch: rows are positions offset..offset+N-1.
         rows = mx.arange(self.offset, self.offset + N)[:, None]
         cols = mx.arange(self.span(self.offset + N))[None]
@@ -106,13 +114,15 @@ class _PaddedTrimHandler:
 commit.HANDLERS[PaddedKVCache] = _PaddedTrimHandler()
 
 
-def make_padded_cache(model: Any, max_kv_size: Optional[int] = None, bucket: int = DEFAULT_BUCKET) -> List[Any]:
+def make_padded_cache(
+    model: Any, max_kv_size: Optional[int] = None, bucket: int = DEFAULT_BUCKET, pad_steps: bool = False
+) -> List[Any]:
     """The model's prompt cache with every plain ``KVCache`` replaced by a ``PaddedKVCache``.
 
     Other cache types (rotating, recurrent, ...) are kept as they are.
     """
     caches = make_prompt_cache(model, max_kv_size=max_kv_size)
-    return [PaddedKVCache(bucket) if type(c) is KVCache else c for c in caches]
+    return [PaddedKVCache(bucket, pad_steps) if type(c) is KVCache else c for c in caches]
 
 
 def is_padded(caches: Sequence[Any]) -> bool:
@@ -165,8 +175,8 @@ def prewarm(
     runs = 0
     for span in range(bucket, max(bucket, max_tokens) + 1, bucket):
         for q in sorted(set(widths)):
-            if q > span:
-                continue
+            if q > span or (q == 1 and not padded[0].pad_steps):
+                continue  # one-token steps keep exact lengths: nothing to warm
             if others:  # mixed caches: only reachable shapes, from a fresh cache each time
                 caches = make_padded_cache(model, bucket=bucket)
                 padded = [c for c in caches if isinstance(c, PaddedKVCache)]

@@ -19,10 +19,11 @@ def _pad(target: Any) -> None:
     assert padded_cache.install(target, mode="on", prewarm_tokens=64, bucket=BUCKET)
 
 
-def test_logits_match_kvcache_through_chunks_and_trims(llama_pair: Dict[str, Any]) -> None:
+@pytest.mark.parametrize("pad_steps", [False, True])
+def test_logits_match_kvcache_through_chunks_and_trims(llama_pair: Dict[str, Any], pad_steps: bool) -> None:
     host = make_host(None, plugins=False)
     model = host.load(str(llama_pair["target"])).model
-    ref, pad = make_prompt_cache(model), make_padded_cache(model, bucket=BUCKET)
+    ref, pad = make_prompt_cache(model), make_padded_cache(model, bucket=BUCKET, pad_steps=pad_steps)
     assert all(type(c) is PaddedKVCache for c in pad)
     # prefill chunk, 1-token steps, a block, a trim (rejected drafts), another block crossing a bucket
     feeds = [list(range(5, 18)), [3], [4], list(range(20, 27)), "trim4", list(range(30, 41)), [7], "trim1", [9]]
@@ -40,7 +41,7 @@ def test_logits_match_kvcache_through_chunks_and_trims(llama_pair: Dict[str, Any
 
 
 def test_mask_hides_padding_and_stale_tail() -> None:
-    c = PaddedKVCache(bucket=8)
+    c = PaddedKVCache(bucket=8, pad_steps=True)
     k = mx.ones((1, 2, 5, 4))
     c.update_and_fetch(k, k)
     c.trim(2)  # positions 3, 4 are stale
@@ -50,6 +51,11 @@ def test_mask_hides_padding_and_stale_tail() -> None:
     keys, _ = c.update_and_fetch(mx.zeros((1, 2, 2, 4)), mx.zeros((1, 2, 2, 4)))
     assert keys.shape == (1, 2, 8, 4) and c.offset == 5
     assert verify_width(make_prompt_cache_like(c), 5) == 8 and verify_width([KVCache()], 5) == 5
+    assert c.make_mask(1).shape == (1, 8)
+    single = PaddedKVCache(bucket=8)  # default: one-token steps keep exact lengths, no mask
+    single.update_and_fetch(k, k)
+    assert single.make_mask(1) is None
+    assert single.update_and_fetch(k[:, :, :1], k[:, :, :1])[0].shape == (1, 2, 6, 4)
 
 
 def make_prompt_cache_like(c: Any) -> list:

@@ -2,9 +2,9 @@
 
 Random targets have near-tied logits, so greedy continuations flip on rounding noise (bf16 on a
 GPU). ``build`` gives the target large logit margins: the output head row of token pi(t) is the
-embedding of t (pi a fixed random permutation) and the layers' output projections are scaled
-down, so the final hidden state stays close to the current token's embedding and its logit for
-pi(t) is ~sqrt(hidden) standard deviations above the rest. Every layer still runs at full cost.
+direction of t's embedding (pi a fixed random permutation), embeddings are scaled up to dominate
+the residual stream and the layers' output projections are scaled down, so the final hidden state
+stays close to the current token's embedding and its logit for pi(t) is ~sqrt(hidden) above the rest. Every layer still runs at full cost.
 The continuation is then mostly a walk along pi: fine for measuring machinery, not text quality.
 """
 
@@ -53,8 +53,12 @@ def build(config: Dict[str, Any], seed: int = 0, margins: bool = True) -> nn.Mod
         vocab = config["vocab_size"]
         perm = mx.random.permutation(vocab)
         inv = mx.argsort(perm)
-        embed = model.model.embed_tokens.weight
-        updates = [("lm_head.weight", embed[inv])]  # row pi(t) = embedding of t
+        embed = model.model.embed_tokens.weight  # rows of norm ~1
+        unit = embed / mx.sqrt((embed * embed).sum(-1, keepdims=True))
+        # Embeddings of norm 10 sqrt(hidden) dominate the residual stream (the quieted layers add
+        # ~sqrt(2 layers) * O(1)); the head row pi(t) is t's direction: logit ~sqrt(hidden) for pi(t).
+        updates = [("lm_head.weight", unit[inv]),
+                   ("model.embed_tokens.weight", unit * (10.0 * config["hidden_size"] ** 0.5))]
         for name, w in tree_flatten(model.parameters()):
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 updates.append((name, w * QUIET))
