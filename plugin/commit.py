@@ -23,28 +23,35 @@ How each cache type is rolled back, and why:
   mlx-lm's multi-token mask ignores the kept tokens once the window is exceeded, so the verify
   itself differs from one-token decoding: such a forward is refused (UnsupportedCache) before it
   writes, and the round falls back to plain decoding.
-- ArraysCache (GatedDeltaNet conv + recurrent state, Mamba/SSM state): the models compute the
-  recurrence inside one kernel and return only the final state, so per-step states cannot be
-  recorded without per-model code. We keep a snapshot (references, no copy) and, when fewer
-  positions are kept than written, restore every cache of the transaction and replay the kept
-  tokens through the model's ordinary forward (``replay`` callback supplied by the round). This is
-  exact (the same forward that plain decoding runs) and, among what needs no model code, the
-  cheapest: a fully accepted round costs nothing, any other round one forward over the kept tokens
-  (lazily evaluated: the logits of the replay are never computed). Because the replay runs the
-  whole model, the other caches of the transaction are restored first so that nothing is updated
-  twice. Measured (bench/commit_cost.py, CPU, B = 8): the replay is ~30-40% of round time, the one
-  cost here above 5%; per-step recording inside the recurrence kernels (dflash-mlx's "innovation
-  tape") or folding the kept tokens into the next verify forward would remove it, both need
-  changes outside this module. Positions written are counted from the layers' ``cache.advance``
-  calls (or other caches); a model that reports none gets a replay even for a full commit unless
-  ``commit(n, written=...)`` says how many positions were fed.
+- ArraysCache (GatedDeltaNet conv + recurrent state, Mamba/SSM state): a snapshot by reference
+  at begin (abort and commit(0) restore it), and an innovation tape (``recurrent_tape``) over the
+  forward: the inputs of every call of mlx-lm's shared recurrence primitives
+  (``gated_delta_update``, ``ssm_update``) and every conv input (``concatenate([cache[0], x])``),
+  matched to the cache by the identity of the state arrays it holds. Which path a commit takes:
+  * n == written (all kept): nothing to do, the forward's own state stays.
+  * 0 < n < written and the tape explains every slot the forward changed (``Tape.usable``): the
+    tape. The conv state is cut from the recorded conv input ([n : n + K-1]); the recurrent state
+    is the recorded state after n positions when the primitive stepped position by position
+    (gated_delta's ops path on CPU: bit-equal to one-token feeding), else the SAME primitive run
+    again on the recorded inputs [:, :n] from the incoming state (compiled; SSM calls of all
+    layers as one call). No model forward: the cost is the recurrence alone.
+  * otherwise (a layer whose recurrence is not a wrapped primitive, ``lengths`` set, positions that
+    do not add up): the fallback. Every cache of the transaction is restored and the kept tokens
+    replayed through the model's ordinary forward (``replay`` callback supplied by the round):
+    exact, one forward over the kept tokens (lazily evaluated: the replay's logits are never
+    computed); the other caches are restored first so that nothing is updated twice.
+  Measured (bench/commit_cost.py, CPU, B = 8, tiny models): the replay cost ~37-39% of round time,
+  the tape 3% (qwen3_5) and ~9-12% (falcon_h1, mamba2: one SSD evaluation of all layers, whose
+  launches dominate a 2-layer model on this CPU). Positions written are counted from the layers'
+  ``cache.advance`` calls (or other caches, or the tape); a model that reports none gets a replay
+  even for a full commit unless ``commit(n, written=...)`` says how many positions were fed.
 - CacheList: each child by its own handler.
 
 Batched caches take per-row commit lengths. BatchKVCache commits them exactly (ragged): the rows
 that keep fewer positions are shifted right and the rejected tail becomes left padding, mlx-lm's
 own representation of shorter rows. BatchRotatingKVCache does the same through mlx-lm's
-right-padding path (``prepare(lengths=...)`` + ``finalize``). Caches that replay through the model
-(ArraysCache) need uniform acceptance: a transaction holding one reports ``ragged == False`` and
+right-padding path (``prepare(lengths=...)`` + ``finalize``). Recurrent caches (ArraysCache: tape
+or replay) need uniform acceptance: a transaction holding one reports ``ragged == False`` and
 refuses unequal lengths; a batched round loop must then commit the minimum for every row
 (lossless: a row with a longer accepted prefix emits the target's own token at the first position
 it loses).
@@ -492,8 +499,9 @@ class CacheTransaction:
     """Wraps one verify (or draft) forward over ``caches``.
 
     ``replay(n)`` feeds the first n positions of the forward again through the model's ordinary
-    forward on these caches; it is needed only by caches that cannot be cut (ArraysCache) and is
-    called after every cache was restored to the start, so nothing is updated twice.
+    forward on these caches; it is needed only by recurrent caches (ArraysCache) whose forward the
+    innovation tape could not record, and is called after every cache was restored to the start,
+    so nothing is updated twice.
 
     Use as a context manager: an exception inside aborts, restoring the exact start state.
     """

@@ -1,6 +1,6 @@
 """The innovation tape (plugin/recurrent_tape.py): partial commits of recurrent caches without a replay.
 
-For GatedDeltaNet (qwen3_5) and Mamba-2 SSM layers (falcon_h1, mamba2), after a verify block of K
+For GatedDeltaNet (qwen3_5) and Mamba-2 SSM layers (falcon_h1, mamba2, nemotron_h), after a verify block of K
 tokens and ``commit(n)`` for n = 1, a middle n, K-1 and K, the caches must equal feeding the same n
 tokens one at a time, with no model replay. The tolerances are tight enough that a conv window off
 by one position, or a recurrent state one step early or late, fails (the mutation tests check that
@@ -17,17 +17,38 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList
 
+from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.plugin import recurrent_tape
 from mlx_speculative.plugin.commit import CacheTransaction, UnsupportedCache
 from test_commit_contract import K, exact_state, model_for, prefilled, replay_for, same, tokens, view
 
-RECURRENT = ["qwen3_5", "falcon_h1", "mamba2"]
+RECURRENT = ["qwen3_5", "falcon_h1", "mamba2", "nemotron_h"]
+# Nemotron-H (Mamba-2, attention and MLP blocks): only here, a test-local tiny config.
+NEMOTRON_H = {
+    "model_type": "nemotron_h", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+    "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "attention_bias": False, "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_proj_bias": False,
+    "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False, "layer_norm_epsilon": 1e-5,
+    "use_bias": False, "use_conv_bias": True, "hybrid_override_pattern": ["M", "*", "M", "-"],
+    "time_step_limit": [0.0, 1e4], "tie_word_embeddings": False,
+}
+_nemotron: List[Any] = []
+
+
+def model_of(arch: str) -> Any:
+    if arch != "nemotron_h":
+        return model_for(arch)
+    if not _nemotron:
+        mx.random.seed(3)
+        _nemotron.append(tm.build_model(NEMOTRON_H))
+        mx.eval(_nemotron[0].parameters())
+    return _nemotron[0]
 # qwen3_5: the gated-delta recurrence steps position by position, so the tape's state is the one
 # one-token feeding reaches, bit for bit. The SSD form of Mamba-2 (ssm_attn) sums a block at once:
 # its states differ from one-token feeding by rounding (observed <= 3.6e-7, the same for a full
 # commit, which keeps the verify forward's own state). A window or state one position off differs
 # by > 1e-2 (see the mutation tests).
-ATOL = {"qwen3_5": 0.0, "falcon_h1": 2e-6, "mamba2": 2e-6}
+ATOL = {"qwen3_5": 0.0, "falcon_h1": 2e-6, "mamba2": 2e-6, "nemotron_h": 2e-6}
 
 
 def recurrent_caches(cache: List[Any]) -> int:
@@ -60,7 +81,7 @@ def taped(model: Any, prompt: List[int], block: List[int], n: int) -> CacheTrans
 
 @pytest.mark.parametrize("arch", RECURRENT)
 def test_tape_commit_equals_one_token_feeding(arch: str) -> None:
-    model = model_for(arch)
+    model = model_of(arch)
     prompt, block = tokens(21, 31), tokens(K + 1, 32)
     for n in (1, 3, K - 1, K):
         txn = taped(model, prompt, block[:K], n)
@@ -78,7 +99,7 @@ def test_tape_commit_equals_one_token_feeding(arch: str) -> None:
 @pytest.mark.parametrize("arch", RECURRENT)
 def test_tape_equals_model_replay(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tape and the fallback (restore + replay of the kept tokens) reach the same state."""
-    model = model_for(arch)
+    model = model_of(arch)
     prompt, block = tokens(13, 33), tokens(K, 34)
     tape = taped(model, prompt, block, 3).cache_after
     monkeypatch.setattr(recurrent_tape.Tape, "usable", lambda self, n, fed: "disabled by the test")
@@ -103,7 +124,7 @@ def _mutant(shift_conv: bool) -> Callable[[Any, int], None]:
 @pytest.mark.parametrize("shift_conv", [True, False], ids=["conv-window", "recurrent-state"])
 @pytest.mark.parametrize("arch", RECURRENT)
 def test_comparison_catches_an_off_by_one_tape(arch: str, shift_conv: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = model_for(arch)
+    model = model_of(arch)
     prompt, block = tokens(21, 31), tokens(K, 32)
     monkeypatch.setattr(recurrent_tape.Tape, "apply", _mutant(shift_conv))
     for n in (1, 3, K - 1):
@@ -115,7 +136,7 @@ def test_comparison_catches_an_off_by_one_tape(arch: str, shift_conv: bool, monk
 def test_several_forwards_in_one_transaction(arch: str) -> None:
     """A draft model's pattern: a catch-up chunk, then one-token steps; keep a prefix of them.
     Whole forwards keep their own output state, so one-token steps are kept bit for bit."""
-    model = model_for(arch)
+    model = model_of(arch)
     prompt, fed = tokens(17, 35), tokens(6, 36)
     for keep in (1, 2, 3, 4, 6):
         spec = prefilled(model, prompt)
@@ -151,7 +172,7 @@ def _left_padded(model: Any, prompts: List[List[int]]) -> List[Any]:
 def test_left_padded_batch_uniform_commits(arch: str) -> None:
     """Batched rows with left padding: the layers pass a mask to the primitives and ``advance`` moves
     ``left_padding``; a uniform commit through the tape equals one-token feeding of the same batch."""
-    model = model_for(arch)
+    model = model_of(arch)
     prompts = [tokens(9, 37), tokens(5, 38), tokens(7, 39)]
     block = mx.array([tokens(K, 40 + i) for i in range(3)])  # [3, K]
     for n in (1, 3, K):
@@ -184,7 +205,7 @@ def _unwrapped(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "mamba2"])
 def test_unrecorded_recurrence_falls_back_to_replay(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = model_for(arch)
+    model = model_of(arch)
     prompt, block = tokens(13, 41), tokens(K, 42)
     recurrent_tape.install()
     _unwrapped(arch, monkeypatch)
@@ -218,3 +239,27 @@ def test_wrappers_are_installed_where_models_bind_the_primitives() -> None:
     # Outside a transaction nothing is recorded.
     assert recurrent_tape._KEYS == {}
     mx.eval(mx.concatenate([mx.zeros((1, 2)), mx.ones((1, 2))], axis=0))
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1", "mamba2", "nemotron_h"])
+def test_ssm_layers_recompute_as_one_call_bit_for_bit(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SSM layers' partial recurrences run as one ssm_update call (heads side by side): the
+    same states as running each layer's call alone."""
+    from mlx_speculative.plugin.commit import _arrays_items
+
+    model = model_of(arch)
+    cache = prefilled(model, tokens(13, 43))
+    txn = CacheTransaction(cache).begin()
+    model(mx.array([tokens(K, 44)]), cache=cache)
+    tapes = [t.tape for _, _, t in _arrays_items(txn._handlers, txn.caches, txn._starts)]
+    sizes: List[int] = []
+    run = recurrent_tape._compiled_run
+    monkeypatch.setattr(recurrent_tape, "_compiled_run", lambda *a: sizes.append(a[-1]) or run(*a))
+    for n in (1, 3, K - 1):
+        calls = [(call, m) for tape in tapes for _, call, m in tape.plan(n)]
+        assert len(calls) == len(tapes) == 2
+        together = recurrent_tape._states_after(calls)
+        alone = [recurrent_tape._states_after([c])[0] for c in calls]
+        assert all(mx.array_equal(a, b).item() for a, b in zip(together, alone))
+    assert sizes == [2, 1, 1] * 3
+    txn.abort()
