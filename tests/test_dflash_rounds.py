@@ -76,8 +76,12 @@ def scratch_hidden(model: Any, tokens: List[int], layers: List[int]) -> Dict[int
     return {i: v[0] for i, v in rec.items()}
 
 
-def concat(hidden: Dict[int, mx.array], layers: List[int], end: int) -> mx.array:
-    return mx.concatenate([hidden[i][:, :end] for i in layers], axis=-1)  # [1, end, taps*H]
+def concat(hidden: Dict[int, mx.array], layers: List[int], end: int, final_norm: Any = None) -> mx.array:
+    """The drafter's input: the layers' states side by side; HF's last hidden state is after the norm."""
+    parts = [hidden[i][:, :end] for i in layers]
+    if final_norm is not None:
+        parts = [final_norm[1](h) if i == final_norm[0] else h for i, h in zip(layers, parts)]
+    return mx.concatenate(parts, axis=-1)  # [1, end, taps*H]
 
 
 def forced_tokens(case: str, truth: List[int], vocab: int) -> tuple[List[int], int]:
@@ -109,7 +113,7 @@ def run_plan(models: Dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
         start = len(state.tokens) - 1
         hidden = scratch_hidden(target.model, state.tokens[:-1], layers)
         block = mx.array([[state.pending] + [drafter.mask_token_id] * max_drafts], dtype=mx.uint32)
-        h = drafter.model(drafter.embed(block), concat(hidden, layers, start), drafter.model.make_cache())
+        h = drafter.model(drafter.embed(block), concat(hidden, layers, start, drafter.final_norm), drafter.model.make_cache())
         logits = drafter.head(h[:, 1:])[0]
         expect = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         assert mx.allclose(proposal.logprobs, expect, atol=ATOL).item()
@@ -143,7 +147,7 @@ def run_plan(models: Dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
             kept = state.captures[i]
             assert kept.shape[1] == a + 1, (case, i, kept.shape)
             assert mx.allclose(kept, hidden[i][:, c0:n], atol=ATOL).item(), (case, i)
-        context = drafter.model.context_states(concat(hidden, layers, c0))  # [1, c0, H]
+        context = drafter.model.context_states(concat(hidden, layers, c0, drafter.final_norm))  # [1, c0, H]
         for layer, cache in zip(drafter.model.layers, session.cache):
             k_ref, v_ref = layer.self_attn.keys_values(context, 0)
             k, v = cache.keys_and_values()
@@ -204,3 +208,24 @@ def test_tied_and_untied_heads_are_the_targets(models: Dict[str, Path]) -> None:
             assert drafter.head == target.model.model.embed_tokens.as_linear
         else:
             assert drafter.head is target.model.lm_head
+
+
+def test_last_layer_tap_is_taken_after_the_final_norm(models: Dict[str, Path], tmp_path: Path) -> None:
+    import json
+
+    real = json.loads((FIXTURES / "z-lab__Qwen3-4B-DFlash-b16.config.json").read_text())
+    config = tiny.shrink_config(real, target_layer_ids=[1, 3], mask_token_id=383, num_target_layers=4)
+    host = make_host({"draft_model": str(tiny.write_checkpoint(tmp_path / "last", config)), "block_size": BLOCK})
+    target = host.load(str(models["llama"]))
+    drafter = target.attachments["speculative"].drafter
+    assert drafter.final_norm is not None and drafter.final_norm[0] == 3
+    prompt = encode(target, PROMPT)
+    state = host.new_state(target, prompt, no_stop(8))
+    host.prefill(state)
+    session = drafter.new_session(state)
+    hidden = session._new_hidden(state)  # [1, n, 2*H]
+    raw = scratch_hidden(target.model, state.tokens[:-1], [1, 3])
+    assert mx.allclose(hidden[..., :64], raw[1], atol=ATOL).item()
+    assert mx.allclose(hidden[..., 64:], target.model.model.norm(raw[3]), atol=ATOL).item()
+    out = host.generate(target, prompt, no_stop(20))
+    assert out.tokens == greedy_reference(target.model, prompt, 20)

@@ -52,6 +52,10 @@ class DFlashSession(DraftSession):
         if missing:
             raise RuntimeError(f"the target's forward did not capture layers {missing} (asked for {layers})")
         parts = [state.captures[i] for i in layers]  # each [1, n, H]
+        last = self.drafter.final_norm
+        if last is not None:
+            # HF's hidden_states[N] (the id of the last layer) is taken after the final norm.
+            parts = [last[1](h) if i == last[0] else h for i, h in zip(layers, parts)]
         return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # [1, n, taps*H]
 
     def propose(self, state: Any, max_drafts: int) -> Proposal:
@@ -108,6 +112,8 @@ class DFlashDrafter(Drafter):
         # Context K/V padded to buckets where attention compiles per key length (CUDA): the key
         # length grows every round, which would otherwise compile a kernel per round.
         self.cache_bucket: Optional[int] = None
+        # (the target's last layer, its final norm) when a tap reads the last layer's output.
+        self.final_norm: Optional[Tuple[int, Callable[[mx.array], mx.array]]] = None
 
     def capture_layers(self) -> List[int]:
         return list(self.args.capture_layers)
@@ -234,6 +240,17 @@ def target_embedding_and_head(model: nn.Module) -> Tuple[nn.Module, Callable[[mx
     )
 
 
+def target_final_norm(model: nn.Module) -> Callable[[mx.array], mx.array]:
+    for owner in (getattr(model, "language_model", None), model):
+        norm = getattr(getattr(owner, "model", None), "norm", None) if owner is not None else None
+        if norm is not None:
+            return norm
+    raise DrafterError(
+        f"a target_layer_id names the target's last layer, whose HF hidden state is taken after the final "
+        f"norm, but {type(model).__name__} has no model.norm"
+    )
+
+
 def _read_weights(path: Path) -> Dict[str, mx.array]:
     weights: Dict[str, mx.array] = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -268,6 +285,9 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
         raise DrafterError("dflash drafters borrow the target's embedding and lm_head: load the target first")
     embed, head = target_embedding_and_head(target.model)
     drafter = DFlashDrafter(model, embed, head)
+    n_layers = target.num_layers
+    if n_layers is not None and n_layers - 1 in drafter.capture_layers():
+        drafter.final_norm = (n_layers - 1, target_final_norm(target.model))
     try:
         from ...plugin import padded_cache
 
