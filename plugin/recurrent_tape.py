@@ -14,11 +14,18 @@ While a tape is open we record, per cache, the arguments of every call of a wrap
 (matched to its cache by the identity of the incoming ``state``: the array object the cache holds)
 and the output of every ``mx.concatenate`` whose first array is the cache's conv state (again by
 identity). Keeping n < T positions then needs only the recurrence itself: whole calls keep their
-recorded output state, the partly kept call is run again through the SAME primitive on its
-recorded inputs ``[:, :n]`` from its recorded incoming state. That is the computation a forward
-over those n positions does (bit for bit: gated_delta's ops loop and Metal kernel step position by
-position; the SSD form of ``ssm_attn`` is the one a forward of n positions runs), and it skips
-the projections, attention, MLPs and logits of every layer.
+recorded output state; for the partly kept call,
+
+- when the primitive stepped position by position in Python (gated_delta's ops path, used on the
+  CPU), the states its step function returned were recorded too (``STEP_STATE_BUDGET``): the state
+  after n positions is simply picked, bit-equal to one-token feeding, at no cost;
+- otherwise (Metal kernels, the SSD form of ``ssm_attn``) the SAME primitive runs again on the
+  recorded inputs ``[:, :n]`` from the call's recorded incoming state: the computation a forward
+  over those n positions does. It is compiled (the same ops, fewer launches), and calls of
+  primitives with independent heads (ssm_update) run as one call for all layers, heads side by
+  side (tested bit-equal to each call alone).
+
+Either way the projections, attention, MLPs and logits of every layer are skipped.
 
 Identity is re-established after each layer forward: the layers call ``cache.advance(S)`` last,
 where the tape re-keys every slot to what the cache now holds, so several forwards inside one
@@ -27,9 +34,12 @@ transaction (a draft model feeding one token at a time) chain. Anything the tape
 output, ``lengths`` set, positions that do not add up) makes ``usable`` say why, and the cache
 transaction falls back to restoring the snapshot and replaying the kept tokens through the model.
 
-The wrappers are installed once (``install``): ``mx.concatenate`` and the primitives in every
-loaded module that binds them by name (``from .gated_delta import gated_delta_update``). They
-record nothing unless a tape is open, i.e. only inside a cache transaction over an ArraysCache.
+The wrappers are installed once (``install``, at the first tape): ``mx.concatenate`` (process-wide:
+the conv input has no primitive of its own; the wrapper costs one dict check while no tape is
+open), the primitives in every loaded module that binds them by name (``from .gated_delta import
+gated_delta_update``; an alias is not found, and its layers take the replay) and gated_delta's step
+function in its own module. They record nothing unless a tape is open, i.e. only inside a cache
+transaction over an ArraysCache, and only calls on that cache's own arrays.
 """
 
 from __future__ import annotations
@@ -101,7 +111,6 @@ class _Conv:
 # id(array) -> (array, tape, slot): the arrays the open tapes expect to see as incoming states.
 _KEYS: Dict[int, Tuple[mx.array, "Tape", int]] = {}
 _originals: Dict[Tuple[str, str], Callable[..., Any]] = {}
-_signatures: Dict[Tuple[str, str], inspect.Signature] = {}
 _wrappers: Dict[Tuple[str, str], Callable[..., Any]] = {}
 _concatenate: Optional[Callable[..., Any]] = None
 _scanned = 0

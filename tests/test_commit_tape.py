@@ -11,7 +11,7 @@ a layer's recurrence is not one of the wrapped primitives.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import mlx.core as mx
 import pytest
