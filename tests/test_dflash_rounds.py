@@ -229,3 +229,13 @@ def test_last_layer_tap_is_taken_after_the_final_norm(models: Dict[str, Path], t
     assert mx.allclose(hidden[..., 64:], target.model.model.norm(raw[3]), atol=ATOL).item()
     out = host.generate(target, prompt, no_stop(20))
     assert out.tokens == greedy_reference(target.model, prompt, 20)
+
+
+def test_prewarm_runs_every_bucket_and_width(models: Dict[str, Path]) -> None:
+    from mlx_speculative.drafters.dflash import prewarm
+
+    target = make_host({"draft_model": str(models["drafter"])}).load(str(models["llama"]))
+    drafter = target.attachments["speculative"].drafter
+    assert drafter.cache_bucket is None and prewarm(drafter, 64, 16) == 0  # CPU: padded caches are off
+    drafter.cache_bucket = 16
+    assert prewarm(drafter, 64, 16) == 4 * 4  # spans 16..64 x widths 2, 4, 8, 16

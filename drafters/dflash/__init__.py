@@ -12,6 +12,7 @@ and the flat Muse-Glimmer assistant. DFlash2 checkpoints are recognised and refu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -68,9 +69,13 @@ class DFlashSession(DraftSession):
                 f"context out of step: {self.context_length} positions in the drafter's cache plus {n} "
                 f"new captured positions, but the target has consumed {start}"
             )
-        block = mx.array([[state.pending] + [d.mask_token_id] * max_drafts], dtype=mx.uint32)  # [1, B]
-        h = d.model(d.embed(block), hidden, self.cache)  # [1, B, H]
-        logits = d.head(h[:, 1:]).astype(mx.float32)[0]  # [k, V]
+        B = max_drafts + 1
+        # Padded caches (CUDA): the block too is padded to a power of two, so that adaptive sizes
+        # meet few attention shapes; the padding slots are masked out as keys.
+        width = 1 << (B - 1).bit_length() if d.cache_bucket else B
+        block = mx.array([[state.pending] + [d.mask_token_id] * (width - 1)], dtype=mx.uint32)  # [1, width]
+        h = d.model(d.embed(block), hidden, self.cache, width=B)  # [1, width, H]
+        logits = d.head(h[:, 1:B]).astype(mx.float32)[0]  # [k, V]
         self._consumed = n
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [k, V]
         if state.sampling.greedy:
@@ -293,9 +298,40 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
 
         if padded_cache.resolve_mode():
             drafter.cache_bucket = padded_cache.DEFAULT_BUCKET
+            tokens = int(os.environ.get("MLX_SPEC_PREWARM_TOKENS", padded_cache.DEFAULT_PREWARM_TOKENS))
+            prewarm(drafter, tokens, max(args.block_size, int(options.get("block_size") or 0)))
     except ImportError:  # an older plugin without padded caches
         pass
     return drafter
+
+
+def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
+    """One drafter forward per (context bucket, power-of-two block width) up to ``max_tokens``
+    context positions, so that rounds meet no attention shape for the first time (CUDA compiles
+    each one, 40-70 ms). Returns the number of forwards."""
+    from ...plugin.padded_cache import PaddedKVCache
+
+    bucket = drafter.cache_bucket
+    if not bucket or max_tokens <= 0:
+        return 0
+    model, args = drafter.model, drafter.args
+    dtype = model.norm.weight.dtype
+    caches = model.make_cache(lambda: PaddedKVCache(bucket))
+    widths = [1 << i for i in range(1, (max(2, block) - 1).bit_length() + 1)]
+    emb = mx.zeros((1, widths[-1], args.hidden_size), dtype)
+    model(emb[:, :2], mx.zeros((1, 1, len(args.target_layer_ids) * args.hidden_size), dtype), caches)
+    shapes = [(c.keys.shape, c.values.shape) for c in caches]
+    runs = 0
+    for span in range(bucket, max(bucket, max_tokens) + 1, bucket):
+        for c, (ks, vs) in zip(caches, shapes):
+            c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dtype)
+            c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dtype)
+            c.offset = span - 1  # keys_and_values() then returns all ``span`` slots
+        for w in widths:
+            mx.eval(model(emb[:, :w], None, caches, width=w - 1))
+            runs += 1
+    mx.clear_cache()
+    return runs
 
 
 family = DrafterFamily(

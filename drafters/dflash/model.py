@@ -162,8 +162,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def __call__(self, x: mx.array, context: Optional[mx.array], cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, context: Optional[mx.array], cache: KVCache, width: Optional[int] = None) -> mx.array:
         B, T, _ = x.shape
+        width = T if width is None else width  # block slots past ``width`` are padding
         if context is not None and context.shape[1] > 0:
             cache.update_and_fetch(*self.keys_values(context, cache.offset))
         start = cache.offset  # the block continues the context's positions
@@ -179,9 +180,9 @@ class Attention(nn.Module):
             k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
         mask = None  # non-causal: every block position sees the whole context and block
         windowed = self.window is not None and start + T > self.window
-        if slots > start or windowed:
+        if slots > start or windowed or width < T:
             cols = mx.arange(slots + T)
-            mask = ((cols < start) | (cols >= slots))[None]  # [1, slots+T]
+            mask = ((cols < start) | ((cols >= slots) & (cols < slots + width)))[None]  # [1, slots+T]
             if windowed:
                 key_pos = mx.where(cols < slots, cols, cols - slots + start)
                 q_pos = mx.arange(start, start + T)[:, None]
@@ -209,9 +210,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, context: Optional[mx.array], cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, context: Optional[mx.array], cache: KVCache, width: Optional[int] = None) -> mx.array:
         # The context is already normalised (hidden_norm); only the block goes through input_layernorm.
-        h = x + self.self_attn(self.input_layernorm(x), context, cache)
+        h = x + self.self_attn(self.input_layernorm(x), context, cache, width)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -230,14 +231,18 @@ class Model(nn.Module):
         """[B, n, n_taps*H] concatenated target hidden states -> [B, n, H] context."""
         return self.hidden_norm(self.fc(hidden))
 
-    def __call__(self, embeddings: mx.array, hidden: Optional[mx.array], cache: List[KVCache]) -> mx.array:
+    def __call__(
+        self, embeddings: mx.array, hidden: Optional[mx.array], cache: List[KVCache], width: Optional[int] = None
+    ) -> mx.array:
         """embeddings: [B, T, H] of the block; hidden: [B, n, n_taps*H] target states not yet in
         ``cache`` (or None). Appends their context K/V to ``cache``; returns [B, T, H] normed states.
+        ``width``: only the first ``width`` block positions are real (the rest pad the block to a
+        width whose attention shape was seen before; no real position attends to them).
         """
         context = self.context_states(hidden) if hidden is not None and hidden.shape[1] > 0 else None
         h = embeddings
         for layer, c in zip(self.layers, cache):
-            h = layer(h, context, c)
+            h = layer(h, context, c, width)
         return self.norm(h)
 
     def make_cache(self, factory: Callable[[], Any] = KVCache) -> List[Any]:
