@@ -153,6 +153,8 @@ class Attention(nn.Module):
             args.rope_scaling, args.max_position_embeddings,
         )
         sliding = args.layer_types[layer_idx] == "sliding_attention"
+        # Keys less than ``window`` positions behind the query, as flash-attention applies z-lab's
+        # ``sliding_window`` (their eager/sdpa paths build no mask and would attend to everything).
         self.window = args.sliding_window if sliding else None
 
     def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
