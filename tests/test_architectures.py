@@ -114,3 +114,29 @@ def test_draft_model_full_partial_zero(arch: str, checkpoints: Dict[str, Dict[st
 def test_ngram(arch: str, checkpoints: Dict[str, Dict[str, Path]]) -> None:
     totals = _generate(checkpoints[arch], {"kind": "ngram", "block_size": 6})
     assert totals["rounds"] > 0, totals
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "falcon_h1", "mamba2"])
+def test_recurrent_rounds_commit_through_the_tape(arch: str, checkpoints: Dict[str, Dict[str, Path]],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the real round loop, partial commits of recurrent caches (the target's and the draft
+    model's) go through the innovation tape. The one replay left per request: the draft model's
+    first round, whose catch-up (the prompt) starts from empty caches, where no state array exists
+    to recognise the calls by."""
+    from mlx_speculative.plugin.commit import CacheTransaction
+
+    commits: List[Any] = []
+    commit = CacheTransaction.commit
+
+    def counting(self: CacheTransaction, n: Any, written: Any = None) -> None:
+        commit(self, n, written)
+        commits.append((self.taped, self.replayed))
+
+    monkeypatch.setattr(CacheTransaction, "commit", counting)
+    pair = checkpoints[arch]
+    partial = _generate(pair, {"draft_model": str(pair["truncated"]), "block_size": 5})
+    assert partial["partial"] > 0, partial
+    taped = sum(1 for t, _ in commits if t)
+    replayed = [(t, r) for t, r in commits if r]
+    assert taped >= partial["partial"] + partial["zero"], (taped, partial)
+    assert len(replayed) <= len(PROMPTS) and all(r > 5 for _, r in replayed), replayed
