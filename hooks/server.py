@@ -9,7 +9,8 @@ Scheduling policy (one generation thread; mlx arrays and streams are not shared 
 - Every model call (loading, prefill, rounds, logprobs) runs on the generation thread.
 - Admitted requests (at most ``max_active``) are interleaved one decode step at a time, round
   robin. Each has its own caches, draft session and stop state, so its tokens are exactly those
-  it gets alone. A sampling request with a ``seed`` runs alone (the RNG is process-wide).
+  it gets alone. A seeded sampling request draws from its own key stream (hooks/state.KeyStream),
+  so it reproduces exactly whatever runs beside it.
 - Further requests wait in a FIFO queue of at most ``max_queue``; beyond that the answer is 503.
 - A client that disconnects is noticed within ~0.25 s (failed write or closed socket); its
   request is dropped from the queue or stopped, and its caches are released.
@@ -228,8 +229,6 @@ class Job:
         self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         self.out: "queue.Queue[Any]" = queue.Queue()
         self.cancelled = threading.Event()
-        # The process-wide RNG must not be shared while a seeded sample is drawn.
-        self.exclusive = request.sampling.seed is not None and not request.sampling.greedy
         # Generation-thread state.
         self.events: Optional[Iterator[HostEvent]] = None
         self.holder: List[DecodeState] = []
@@ -321,11 +320,7 @@ class Engine:
                 self.waiting.popleft()
                 self._finish(head, "cancelled")
                 continue
-            if any(j.exclusive for j in self.active) or (head.exclusive and self.active):
-                break
             self.active.append(self.waiting.popleft())
-            if head.exclusive:
-                break
         self.counters.waiting = len(self.waiting)
         self.counters.running = len(self.active)
 

@@ -87,6 +87,9 @@ def host_decode_step(state: DecodeState) -> Optional[StepOutput]:
         att: Optional[Attachment] = state.target.attachments.get(NAME)
         if att is None or att.drafter is None or state.extras.get("speculative_enabled") is False:
             state.extras[NAME] = False
+            # Nobody reads this request's captures: stop recording them.
+            state.capture_layers = []
+            state.captures.clear()
             return None
         stats = SpecStats(kind=att.drafter.kind)
         state.report[NAME] = stats
