@@ -10,6 +10,11 @@ average over rounds, so that one bad round after good ones does not shrink the b
 - growth: after ``grow_after`` consecutive rounds that accepted (nearly) everything they drafted,
   one step up (+25 %, at least +1), never past the cap (the configured or the drafter's block size).
 
+- pause: a collapse while already at the floor means even one draft token per round does not pay
+  for its drafter call and its 2-wide verify, so the next ``pause`` steps are plain one-token steps
+  (the drafter catches up afterwards); then one probe round at the floor. A probe that collapses
+  again doubles the pause (up to ``max_pause``); a round that accepts most of its drafts resets it.
+
 An explicit ``block_size`` pins the size (``adaptive=False``). ``history`` holds the size each
 round used; the stats report it (``SpecStats.block_sizes``).
 """
@@ -34,6 +39,11 @@ class BlockSizeController:
     decay: float = 0.5  # weight of the newest round in the recent averages
     recent_rate: float = -1.0  # exponential average of accepted / drafted (starts at good_rate)
     recent_accepted: float = 0.0  # exponential average of accepted per round
+    min_pause: int = 4
+    max_pause: int = 64
+    pause: int = 0  # length of the next pause, in plain steps (0: not pausing)
+    paused_left: int = 0  # plain steps still to take before the next probe round
+    plain_steps: int = 0  # plain steps taken while paused, for the stats
     _good: int = 0
 
     def __post_init__(self) -> None:
@@ -48,18 +58,31 @@ class BlockSizeController:
         self.history.append(self.size)
         return self.size
 
+    def take_plain_step(self) -> bool:
+        """True while paused: the caller runs a plain one-token step instead of a round."""
+        if self.paused_left > 0:
+            self.paused_left -= 1
+            self.plain_steps += 1
+            return True
+        return False
+
     def update(self, accepted: int, draft_tokens: int) -> None:
         if not self.adaptive or draft_tokens == 0:
             return
         rate = accepted / draft_tokens
         self.recent_rate = self.decay * rate + (1 - self.decay) * self.recent_rate
         self.recent_accepted = self.decay * accepted + (1 - self.decay) * self.recent_accepted
-        if self.recent_rate < self.collapse_rate:
+        if self.recent_rate < self.collapse_rate and self.size == self.floor and rate < self.collapse_rate:
+            self.pause = min(self.max_pause, self.pause * 2) if self.pause else self.min_pause
+            self.paused_left = self.pause
+            self._good = 0
+        elif self.recent_rate < self.collapse_rate:
             # Blocks of about twice what was recently accepted, the pending token included.
             fit = 2 * math.ceil(self.recent_accepted) + 2
             self.size = max(self.floor, min(self.size // 2, fit))
             self._good = 0
         elif rate >= self.good_rate:
+            self.pause = 0
             self._good += 1
             if self._good >= self.grow_after and self.size < self.cap:
                 self.size = min(self.cap, self.size + max(1, self.size // 4))

@@ -22,6 +22,7 @@ class SpecStats:
     block_sizes: List[int] = field(default_factory=list)
     # rounds whose drafts were all rejected / partly accepted / all accepted
     rounds_by_acceptance: Dict[str, int] = field(default_factory=lambda: {"zero": 0, "partial": 0, "full": 0})
+    plain_steps: int = 0  # one-token steps the adaptive controller took instead of rounds
     fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
     seconds: Dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "commit": 0.0})
 
@@ -57,6 +58,7 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "rounds_by_acceptance": dict(self.rounds_by_acceptance),
             "block_sizes": list(self.block_sizes),
+            "plain_steps": self.plain_steps,
             "fallback": self.fallback,
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
         }

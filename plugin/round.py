@@ -74,7 +74,7 @@ def _accept(state: DecodeState, req: RequestRounds, proposal: Proposal, logprobs
 
 def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
     """Run one round, or return None for a plain one-token step (nothing to draft, or fallen back)."""
-    if req.failed is not None:
+    if req.failed is not None or req.controller.take_plain_step():
         return None
     block = req.controller.size
     max_drafts = min(block - 1, state.remaining - 1)
@@ -124,6 +124,7 @@ def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
     req.controller.update(outcome.accepted, outcome.draft_tokens)
     req.stats.record(outcome)
     req.stats.block_sizes = req.controller.history
+    req.stats.plain_steps = req.controller.plain_steps
     req.stats.seconds["draft"] += t1 - t0
     req.stats.seconds["verify"] += t2 - t1
     req.stats.seconds["commit"] += t3 - t2

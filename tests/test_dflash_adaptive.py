@@ -57,3 +57,23 @@ def test_pinned_block_size_never_moves() -> None:
 def test_cap_below_floor() -> None:
     c = BlockSizeController(cap=2)
     assert run(c, 0.0, 3) == [2, 2, 2] and run(c, 1.0, 5) == [2] * 5
+
+
+def test_collapse_at_the_floor_pauses_with_backoff_and_probes() -> None:
+    c = BlockSizeController(cap=8)
+    c.size = c.floor
+    c.recent_rate = 0.0
+    c.update(0, 1)
+    assert c.paused_left == 4 and [c.take_plain_step() for _ in range(5)] == [True] * 4 + [False]
+    c.update(0, 1)  # the probe collapses again: twice as long
+    assert c.paused_left == 8
+    while c.take_plain_step():
+        pass
+    c.update(1, 1)  # a good probe ends the backoff
+    assert c.pause == 0 and c.plain_steps == 12
+    c.update(0, 1)
+    c.update(0, 1)
+    assert c.paused_left == 4
+    pinned = BlockSizeController(cap=2, adaptive=False)
+    pinned.update(0, 1)
+    assert not pinned.take_plain_step()
