@@ -73,3 +73,29 @@ def test_adaptive_block_size_shrinks_then_pauses_on_rejection(qwen3_pair: Dict[s
     # Rounds that keep failing at the floor give way to plain steps; nothing is lost or repeated.
     assert stats.plain_steps > 0 and stats.rounds + stats.plain_steps < 59
     assert result.tokens == greedy_reference(target.model, prompt, 60)
+
+
+@pytest.mark.parametrize("speculative", [{"kind": "ngram", "block_size": 6}, "drafter"])
+def test_logits_processors_apply_per_verified_position(speculative: Any, llama_pair: Dict[str, Any]) -> None:
+    """Repetition penalty and logit bias see each position's own history, as in one-token decoding."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    if speculative == "drafter":
+        speculative = {"draft_model": str(llama_pair["drafter"]), "block_size": 4}
+    host = make_host(speculative)
+    target = host.load(str(llama_pair["target"]))
+    changed = False
+    for text in PROMPTS[:8]:
+        prompt = encode(target, text)
+        processors = make_logits_processors({5: 2.0, 17: -1.0}, repetition_penalty=1.5, repetition_context_size=8)
+        ref = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=30,
+                                                logits_processors=processors)]
+        params = no_stop(30, logits_processors=make_logits_processors({5: 2.0, 17: -1.0}, repetition_penalty=1.5,
+                                                                      repetition_context_size=8))
+        result = host.generate(target, prompt, params)
+        assert result.tokens == ref, text
+        assert result.report["speculative"].rounds > 0
+        changed = changed or result.tokens != greedy_reference(target.model, prompt, 30)
+    assert changed, "the processors must change some outputs, or this test proves nothing"
