@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -33,16 +33,7 @@ from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.plugin import recurrent_tape
 from mlx_speculative.plugin.commit import CacheTransaction
 
-ARCHS: Dict[str, Callable[..., Dict[str, Any]]] = {
-    "llama": tm.llama_config,
-    "qwen3": tm.qwen3_config,
-    "gemma3_text": tm.gemma3_text_config,
-    "qwen3_5": tm.qwen3_5_config,
-    "falcon_h1": tm.falcon_h1_config,
-    "mamba2": tm.mamba2_config,
-    "deepseek_v3": tm.deepseek_v3_config,
-    "gpt_oss": tm.gpt_oss_config,
-}
+ARCHS = tm.ARCH_CONFIGS
 
 
 def arrays(cache: List[Any]) -> List[mx.array]:

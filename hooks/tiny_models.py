@@ -287,3 +287,16 @@ EXTRA_CONFIGS = {
     "deepseek_v3": deepseek_v3_config,
     "gpt_oss": gpt_oss_config,
 }
+
+
+# The architectures the cache-transaction tests and benchmarks cover, one tiny config each.
+ARCH_CONFIGS = {
+    "llama": llama_config,
+    "qwen3": qwen3_config,
+    "gemma3_text": gemma3_text_config,
+    "qwen3_5": qwen3_5_config,
+    "falcon_h1": falcon_h1_config,
+    "mamba2": mamba2_config,
+    "deepseek_v3": deepseek_v3_config,
+    "gpt_oss": gpt_oss_config,
+}

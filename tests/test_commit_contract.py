@@ -25,16 +25,7 @@ from mlx_lm.models.cache import (
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.plugin.commit import HANDLERS, CacheTransaction, UnsupportedCache, check_supported, handler_for
 
-ARCHS: Dict[str, Callable[[], Dict[str, Any]]] = {
-    "llama": tm.llama_config,
-    "qwen3": tm.qwen3_config,
-    "gemma3_text": tm.gemma3_text_config,
-    "qwen3_5": tm.qwen3_5_config,
-    "falcon_h1": tm.falcon_h1_config,
-    "mamba2": tm.mamba2_config,
-    "deepseek_v3": tm.deepseek_v3_config,
-    "gpt_oss": tm.gpt_oss_config,
-}
+ARCHS = tm.ARCH_CONFIGS
 EXPECTED = {  # the cache types each architecture's make_cache creates
     "llama": {KVCache}, "qwen3": {KVCache}, "gemma3_text": {RotatingKVCache, KVCache},
     "qwen3_5": {ArraysCache, KVCache}, "falcon_h1": {CacheList}, "mamba2": {ArraysCache}, "deepseek_v3": {KVCache},
