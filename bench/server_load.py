@@ -6,8 +6,11 @@ greedy), then runs N streaming clients for D seconds and checks:
   - zero errors,
   - every output equal to its sequential greedy output (text and completion token count),
   - server memory (VmRSS) stable: growth between the end of the first and the last fifth of the run.
-With --compare it runs the same load under both scheduling policies: FIFO (one request at a
-time, --max-active 1) and interleaved (--max-active N), and prints both.
+The default policy is batched decode steps (server.batching: one target forward per step for all
+active requests, speculative rounds with per-row acceptance). With --compare it runs the same load
+under the other policies too: interleaved (server.batching: false, --max-active N: one request's
+step at a time, round robin) and FIFO (one request at a time, --max-active 1), and prints all.
+--kind picks the drafter (draft_model, ngram) or plain decoding (none).
 
     python bench/server_load.py --clients 16 --duration 60 --compare
 """
@@ -194,15 +197,22 @@ def load_run(server: Server, reqs: List[Dict[str, Any]], refs: List[Tuple[str, i
 def bench(policy: str, max_active: int, args: argparse.Namespace, target: Path, drafter: Path, root: Path) -> Dict[str, Any]:
     import openai
 
-    config = {"model": str(target), "server": {"max_tokens": args.max_tokens},
-              "speculative": {"draft_model": str(drafter), "block_size": 4}}
+    config: Dict[str, Any] = {"model": str(target), "server": {"max_tokens": args.max_tokens,
+                                                               "batching": policy == "batched"}}
+    if args.kind == "draft_model":
+        config["speculative"] = {"draft_model": str(drafter), "block_size": 4}
+    elif args.kind == "ngram":
+        config["speculative"] = {"kind": "ngram", "block_size": 4}
     server = Server(root / policy, config, ["--max-active", str(max_active), "--max-queue", str(4 * args.clients)])
     try:
         reqs = requests_list(args.max_tokens)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         refs = [run_one(client, r)[:2] for r in reqs]  # sequential greedy outputs
         result = load_run(server, reqs, refs, args.clients, args.duration)
-        result.update(policy=policy, max_active=max_active)
+        after = server.metrics()
+        steps = after.get("mlx_spec_batched_steps_total", 0)
+        result.update(policy=policy, max_active=max_active, kind=args.kind,
+                      mean_rows_per_batched_step=round(after.get("mlx_spec_batched_rows_total", 0) / steps, 2) if steps else None)
         return result
     finally:
         server.stop()
@@ -213,7 +223,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load per policy")
     ap.add_argument("--max-tokens", type=int, default=64, help="longest request (requests use 16..this)")
-    ap.add_argument("--compare", action="store_true", help="also run the FIFO policy (--max-active 1)")
+    ap.add_argument("--compare", action="store_true",
+                    help="also run the interleaved policy (server.batching: false) and FIFO (--max-active 1)")
+    ap.add_argument("--kind", choices=["draft_model", "ngram", "none"], default="draft_model",
+                    help="the drafter (none: plain decoding)")
     ap.add_argument("--models", type=Path, default=None, help="where to make/keep the tiny models")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -221,8 +234,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         target, drafter = make_models(args.models or root / "models")
-        results = [bench("interleaved", args.clients, args, target, drafter, root)]
+        results = [bench("batched", args.clients, args, target, drafter, root)]
         if args.compare:
+            results.append(bench("interleaved", args.clients, args, target, drafter, root))
             results.append(bench("fifo", 1, args, target, drafter, root))
     for r in results:
         print(json.dumps(r))

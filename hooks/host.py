@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from . import loading, taps
+from .batch import DecodeBatch, cache_refusal
 from .manager import make_plugin_manager
 from .state import (
     DecodeState,
@@ -25,6 +26,7 @@ from .state import (
     LoadedTarget,
     LogitsProcessor,
     SamplingParams,
+    StepOutput,
     keyed_sampler,
 )
 
@@ -161,6 +163,20 @@ class Host:
             n_step += 1
             if n_step % 256 == 0:
                 mx.clear_cache()
+
+    def batch_refusal(self, target: LoadedTarget) -> Optional[str]:
+        """Why ``target``'s requests cannot decode in one ``DecodeBatch`` (host caches or a plugin), or None."""
+        reasons = [cache_refusal(target)] + list(self.pm.hook.host_batch_refusal(target=target))
+        return "; ".join(r for r in reasons if r) or None
+
+    def decode_batch(self, batch: DecodeBatch) -> List[StepOutput]:
+        """One decode step for every row of a ``DecodeBatch``: a plugin's batched step or the host's own."""
+        out = self.pm.hook.host_decode_batch(batch=batch)
+        if out is None:
+            return batch.plain_step()
+        if len(out) != len(batch.rows) or not all(o.tokens for o in out):
+            raise RuntimeError(f"host_decode_batch returned {len(out)} steps for {len(batch.rows)} rows, or an empty step")
+        return out
 
     def stream(
         self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams,

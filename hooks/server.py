@@ -7,10 +7,15 @@ mean (parameters, chat templates, stop words, response shapes) is mlx-lm's, thro
 
 Scheduling policy (one generation thread; mlx arrays and streams are not shared across threads):
 - Every model call (loading, prefill, rounds, logprobs) runs on the generation thread.
-- Admitted requests (at most ``max_active``) are interleaved one decode step at a time, round
-  robin. Each has its own caches, draft session and stop state, so its tokens are exactly those
-  it gets alone. A seeded sampling request draws from its own key stream (hooks/state.KeyStream),
-  so it reproduces exactly whatever runs beside it.
+- Batched (``server.batching``, default, where ``Host.batch_refusal`` finds nothing against it):
+  admitted requests (at most ``max_active``) are prefilled alone, then join one ``DecodeBatch``
+  (hooks/batch.py) and every step is one forward of the target for all of them
+  (``host_decode_batch``: the plugin's batched round, per-row acceptance and commits). Seeded
+  sampling requests are interleaved beside the batch.
+- Interleaved (otherwise): admitted requests take one decode step at a time, round robin.
+- Either way each request has its own draft session and stop state and its rows of the caches, so
+  its tokens are exactly those it gets alone. A seeded sampling request draws from its own key
+  stream (hooks/state.KeyStream), so it reproduces exactly whatever runs beside it.
 - Further requests wait in a FIFO queue of at most ``max_queue``; beyond that the answer is 503.
 - A client that disconnects is noticed within ~0.25 s (failed write or closed socket); its
   request is dropped from the queue or stopped, and its caches are released.
@@ -37,14 +42,15 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from . import openai_compat as oc
 from .config import HostConfigError, load_host_config
+from .batch import DecodeBatch, RowEvents
 from .host import GenerationParams, Host, HostEvent
 from .manager import make_plugin_manager
-from .state import DecodeState, HostConfig, LoadedTarget
+from .state import DecodeState, GeneratedToken, HostConfig, LoadedTarget
 
 log = logging.getLogger("mlx_speculative.server")
 
 SERVER_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue",
-               "model_name", "chat_template_args", "prefill_step_size")
+               "model_name", "chat_template_args", "prefill_step_size", "batching")
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 MAX_BODY_BYTES = 16 << 20
 POLL_SECONDS = 0.25
@@ -64,6 +70,7 @@ class ServerSettings:
     model_name: Optional[str] = None  # the id clients send as "model"; default: the model spec
     chat_template_args: Dict[str, Any] = field(default_factory=dict)
     prefill_step_size: int = 2048
+    batching: bool = True  # batched decode steps (one target forward for all rows) where the target allows
     sources: Dict[str, str] = field(default_factory=dict)
 
 
@@ -97,6 +104,9 @@ def server_settings(config: HostConfig, environ: Optional[Dict[str, str]] = None
                 value = value.strip()
             elif key == "port":
                 value = _int_setting(key, value, 0, 65535)
+            elif key == "batching":
+                if not isinstance(value, bool):
+                    raise HostConfigError(f"server.{key}: got {value!r}; allowed: true or false")
             elif key == "chat_template_args":
                 if not isinstance(value, dict):
                     raise HostConfigError(f"server.{key}: got {value!r}; allowed: a mapping of template arguments")
@@ -122,6 +132,9 @@ class HostCounters:
         self.startup_fallback = 0  # 1: the drafter could not be attached at start, serving plain
         self.running = 0
         self.waiting = 0
+        self.batching = 0  # 1: batched decode steps (see Engine)
+        self.batched_steps = 0
+        self.batched_rows = 0  # rows over all batched steps: / batched_steps = mean rows per forward
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:
@@ -174,6 +187,12 @@ def render_metrics(counters: HostCounters, speculative_active: bool) -> str:
            "1 when speculative decoding was configured but the drafter could not be attached.",
            [("", values["startup_fallback"])])
     metric("mlx_spec_speculative_active", "gauge", "1 when a drafter is attached.", [("", int(speculative_active))])
+    metric("mlx_spec_batched_scheduling", "gauge", "1 when requests share batched decode steps, 0 when interleaved.",
+           [("", values["batching"])])
+    metric("mlx_spec_batched_steps_total", "counter", "Batched decode steps (one target forward each).",
+           [("", values["batched_steps"])])
+    metric("mlx_spec_batched_rows_total", "counter", "Request rows over all batched decode steps.",
+           [("", values["batched_rows"])])
     metric("mlx_spec_requests_running", "gauge", "Requests being generated.", [("", values["running"])])
     metric("mlx_spec_requests_waiting", "gauge", "Requests queued.", [("", values["waiting"])])
     return "\n".join(lines) + "\n"
@@ -237,6 +256,9 @@ class Job:
         self.t_start = 0.0
         self.t_first: Optional[float] = None
         self.checked = time.monotonic()  # when the HTTP thread last looked for a disconnect
+        # A row of the engine's DecodeBatch (batched scheduling): its state and its stop/text handling.
+        self.row: Optional[DecodeState] = None
+        self.row_events: Optional[RowEvents] = None
 
 
 class Engine:
@@ -255,6 +277,9 @@ class Engine:
         self.ready = threading.Event()
         self.load_error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run, name="mlx-spec-generation", daemon=True)
+        # Batched scheduling: the rows decoded together, or why the target's requests are interleaved.
+        self.batch: Optional[DecodeBatch] = None
+        self.batch_reason: Optional[str] = None
 
     def start(self) -> None:
         self.thread.start()
@@ -298,6 +323,14 @@ class Engine:
             self.load_error = e
             self.ready.set()
             return
+        try:
+            self.batch_reason = (self.host.batch_refusal(self.target) if self.settings.batching
+                                 else "server.batching is false")
+        except Exception as e:  # noqa: BLE001 - interleaving always works
+            self.batch_reason = f"{type(e).__name__}: {e}"
+        if self.batch_reason is None:
+            self.batch = DecodeBatch(self.target)
+            self.counters.batching = 1
         self.ready.set()
         import mlx.core as mx
 
@@ -312,6 +345,8 @@ class Engine:
                 jobs = list(self.active)
             for job in jobs:
                 self._advance(job)
+            if self.batch is not None and self.batch.rows:
+                self._batch_step()
 
     def _admit(self) -> None:
         while self.waiting and len(self.active) < self.settings.max_active:
@@ -324,24 +359,81 @@ class Engine:
         self.counters.waiting = len(self.waiting)
         self.counters.running = len(self.active)
 
-    def _start(self, job: Job) -> None:
-        assert self.host is not None and self.target is not None
+    def _params(self, job: Job) -> GenerationParams:
+        assert self.target is not None
         req = job.request
         stops, _ = oc.stop_machinery(self.target.tokenizer, req.stop_words)
         job.matcher = stops.matcher()
-        params = GenerationParams(
+        job.t_start = time.perf_counter()
+        return GenerationParams(
             max_tokens=req.max_tokens, sampling=req.sampling, logits_processors=oc.logits_processors(req),
             prefill_step_size=self.settings.prefill_step_size,
             extras={"speculative_enabled": False} if req.speculative is False else {},
         )
-        job.t_start = time.perf_counter()
-        job.events = self.host.stream(self.target, req.prompt, params, state_out=job.holder)
+
+    def _start(self, job: Job) -> None:
+        assert self.host is not None and self.target is not None
+        params = self._params(job)
+        job.events = self.host.stream(self.target, job.request.prompt, params, state_out=job.holder)
+
+    def _batchable(self, job: Job) -> bool:
+        # A seeded sampling request stays interleaved: its draws then come from the same per-request
+        # forwards as alone, bit for bit (a batched forward may differ in the last bits of a logit).
+        sampling = job.request.sampling
+        return self.batch is not None and (sampling.greedy or sampling.seed is None)
+
+    def _start_row(self, job: Job) -> None:
+        """Prefill the request on its own caches, emit its first token, then join the batch."""
+        assert self.host is not None and self.target is not None and self.batch is not None
+        params = self._params(job)
+        state = self.host.new_state(self.target, job.request.prompt, params)
+        job.holder = [state]
+        if params.max_tokens <= 0:  # as Host.stream: nothing to emit
+            self._finish(job, "ok")
+            return
+        job.row_events = RowEvents(self.target, params.max_tokens, params.stop_token_ids)
+        self.host.prefill(state, params.prefill_step_size)
+        if self._emit(job, job.row_events.event(GeneratedToken(state.pending, state.pending_logprobs))):
+            return
+        self.batch.join(state)
+        job.row = state
+
+    def _batch_step(self) -> None:
+        """One decode step (a batched round or one-token step) for every row of the batch."""
+        assert self.host is not None and self.batch is not None
+        by_row = {id(j.row): j for j in self.active if j.row is not None}
+        jobs = [by_row[id(s)] for s in self.batch.rows]
+        try:
+            outs = self.host.decode_batch(self.batch)
+        except Exception as e:  # noqa: BLE001 - the rows fail, the server keeps serving
+            log.exception("batched step of %d requests failed", len(jobs))
+            for job in jobs:
+                self._finish(job, "error", f"{type(e).__name__}: {e}")
+            self.batch = DecodeBatch(self.batch.target)  # nothing of the failed step's caches is reused
+            return
+        with self.counters._lock:
+            self.counters.batched_steps += 1
+            self.counters.batched_rows += len(jobs)
+        if self.counters.batched_steps % 256 == 0:
+            import mlx.core as mx
+
+            mx.clear_cache()
+        for job, out in zip(jobs, outs):
+            for gen in out.tokens:
+                assert job.row_events is not None
+                if self._emit(job, job.row_events.event(gen)):
+                    break
 
     def _advance(self, job: Job) -> None:
         if job.cancelled.is_set():
             self._finish(job, "cancelled")
             return
+        if job.row is not None:
+            return  # a batch row: advanced by _batch_step
         try:
+            if job.events is None and job.row_events is None and self._batchable(job):
+                self._start_row(job)
+                return
             if job.events is None:
                 self._start(job)
             event = next(job.events)
@@ -352,6 +444,10 @@ class Engine:
             log.exception("request %s failed", job.id)
             self._finish(job, "error", f"{type(e).__name__}: {e}")
             return
+        self._emit(job, event)
+
+    def _emit(self, job: Job, event: HostEvent) -> bool:
+        """Send one token to the client; True when the request finished with it."""
         if job.t_first is None:
             job.t_first = time.perf_counter()
         finish = event.finish_reason
@@ -366,10 +462,15 @@ class Engine:
         job.out.put(TokenOut(event.token, event.text, finish, entry))
         if finish is not None:
             self._finish(job, "ok")
+            return True
+        return False
 
     def _finish(self, job: Job, outcome: str, error: Optional[str] = None) -> None:
         if job.events is not None:
             job.events.close()  # unwinds Host.stream; with holder cleared the caches are freed
+        if job.row is not None and self.batch is not None:
+            self.batch.leave(job.row)  # its positions leave the batch caches
+        job.row, job.row_events = None, None
         state = job.holder[0] if job.holder else None
         spec = state.report.get("speculative") if state is not None else None
         now = time.perf_counter()
@@ -742,9 +843,16 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings) -> Se
     models = [{"id": limits.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlx-speculative",
                "context_length": ctx, "speculative": spec}]
     server = Server((settings.host, settings.port), engine, counters, limits, settings, models, spec)
-    log.info("model %s (id %r), context %s tokens; up to %d requests interleaved, %d queued (503 beyond)%s",
+    log.info("model %s (id %r), context %s tokens; up to %d requests active, %d queued (503 beyond)%s",
              model, limits.model_id, ctx, settings.max_active, settings.max_queue,
              "; API key required" if settings.api_key else "")
+    if engine.batch is not None:
+        log.info("scheduling: batched decode steps (one target forward per step for all active requests; "
+                 "speculative rounds with per-row acceptance and per-row cache commits; seeded sampling "
+                 "requests interleaved)")
+    else:
+        log.info("scheduling: interleaved, one request's decode step at a time, round robin (no batched steps: %s)",
+                 engine.batch_reason)
     return server
 
 

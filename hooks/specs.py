@@ -11,6 +11,12 @@ Life of one request, seen from a plugin::
     host_prefill_captures(target)            before each prefill; the host taps those layers
     host_decode_step(state)                  before every decode step, until max_tokens or a stop token
 
+A host that decodes several requests of one target together (the server's batched scheduling,
+``hooks.batch.DecodeBatch``) asks instead::
+
+    host_batch_refusal(target)               once per target: may its requests share a batch?
+    host_decode_batch(batch)                 before every decode step of the batch (all its rows)
+
 Who may change what:
 - ``target.attachments[name]``: a plugin stores what it loaded for a target under its own name.
 - ``state.extras[name]`` / ``state.report[name]``: per-request scratch and the request's report
@@ -22,11 +28,12 @@ Who may change what:
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import pluggy
 
 if TYPE_CHECKING:
+    from .batch import DecodeBatch
     from .state import CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
 
 PROJECT = "mlx_speculative"
@@ -87,4 +94,34 @@ def host_decode_step(state: "DecodeState") -> Optional["StepOutput"]:
     truncates the emitted tokens at a stop token or at ``max_tokens`` (then generation ends, so
     the caches' extra positions are never read). ``state.remaining`` tells how many tokens may
     still be emitted; a step should not return more.
+    """
+
+
+@hookspec
+def host_batch_refusal(target: "LoadedTarget") -> Optional[str]:
+    """Called once per target by a host that can decode requests in a batch (the server).
+
+    Return a reason (str) why this plugin's decode steps for ``target`` cannot run as batched
+    steps (``host_decode_batch``), or None. Any reason, or a target whose caches the host cannot
+    batch (``hooks.batch.cache_refusal``), keeps every request of the target on per-request
+    ``host_decode_step`` calls; the host logs the reason.
+    """
+
+
+@hookspec(firstresult=True)
+def host_decode_batch(batch: "DecodeBatch") -> Optional[List["StepOutput"]]:
+    """Called before each decode step of a batch of requests of one target; the first non-None wins.
+
+    ``batch.rows`` are the requests' ``DecodeState``s; ``batch.cache`` (one ``BatchKVCache`` per
+    layer, left-padded rows) holds their positions and ``batch.forward(inputs)`` runs the target's
+    ordinary forward over one equally long token list per row ([B, W] -> logits [B, W, V]),
+    recording each row's captures into its ``last_captures``. The invariant of ``host_decode_step``
+    holds per row on entry and must hold again on return.
+
+    Return None to let the host run its own one-token step for every row (``batch.plain_step``),
+    or a list of one ``StepOutput`` per row, in row order, each as ``host_decode_step`` would
+    return it for that row alone (one or more tokens, at most ``state.remaining``). Rows may emit
+    different numbers of tokens: the positions a row does not keep must be taken out of
+    ``batch.cache`` for that row only (``plugin.commit.CacheTransaction`` commits per-row lengths).
+    The host ends a row at a stop token or ``max_tokens`` and removes it from the batch.
     """

@@ -10,9 +10,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..drafters import registry
 from ..drafters.base import Drafter, DraftTarget
+from ..hooks.batch import DecodeBatch
 from ..hooks.specs import hookimpl
 from ..hooks.state import CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
-from . import commit, padded_cache
+from . import batch_round, commit, padded_cache
 from .adaptive import BlockSizeController
 from .metrics import SpecStats
 from .round import RequestRounds, run_round
@@ -80,8 +81,8 @@ def host_prefill_captures(target: LoadedTarget) -> Optional[CaptureRequest]:
     return CaptureRequest(layers=list(layers)) if layers else None
 
 
-@hookimpl
-def host_decode_step(state: DecodeState) -> Optional[StepOutput]:
+def rounds_for(state: DecodeState) -> Optional[RequestRounds]:
+    """The request's speculative state, made at its first decode step; None: plain decoding."""
     req = state.extras.get(NAME)
     if req is None:
         att: Optional[Attachment] = state.target.attachments.get(NAME)
@@ -103,9 +104,31 @@ def host_decode_step(state: DecodeState) -> Optional[StepOutput]:
             vocab_size=int(state.pending_logprobs.shape[-1]) if state.pending_logprobs is not None else 0,
         )
         state.extras[NAME] = req
-    if req is False:
+    return req or None
+
+
+@hookimpl
+def host_decode_step(state: DecodeState) -> Optional[StepOutput]:
+    req = rounds_for(state)
+    if req is None:
         return None
     return run_round(state, req)
+
+
+@hookimpl
+def host_batch_refusal(target: LoadedTarget) -> Optional[str]:
+    att: Optional[Attachment] = target.attachments.get(NAME)
+    if att is None or att.drafter is None:
+        return None
+    return batch_round.refusal(att.drafter.kind)
+
+
+@hookimpl
+def host_decode_batch(batch: DecodeBatch) -> Optional[List[StepOutput]]:
+    att: Optional[Attachment] = batch.target.attachments.get(NAME)
+    if att is None or att.drafter is None:
+        return None  # the host's own batched one-token step
+    return batch_round.run_batch_round(batch, [rounds_for(s) for s in batch.rows])
 
 
 @hookimpl

@@ -17,7 +17,8 @@ from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.state import CaptureRequest, DecodeState, GeneratedToken, HostConfig, StepOutput
 
 hookimpl = specs.hookimpl
-SPEC_NAMES = ["host_model_loaded", "host_add_commands", "host_prefill_captures", "host_decode_step"]
+SPEC_NAMES = ["host_model_loaded", "host_add_commands", "host_prefill_captures", "host_decode_step",
+              "host_batch_refusal", "host_decode_batch"]
 
 
 def test_every_hookspec_is_documented_with_its_signature() -> None:
@@ -151,3 +152,43 @@ def test_plain_host_equals_generate_step_with_stop_token(llama_pair: Dict[str, A
     params.stop_token_ids = [stop]
     result = host.generate(target, prompt, params)
     assert result.finish_reason == "stop" and result.tokens == ref[: ref.index(stop)]
+
+
+def test_host_batch_refusal_and_host_decode_batch(llama_pair: Dict[str, Any]) -> None:
+    """A plugin may refuse batching; host_decode_batch returning None gives the host's own batched step."""
+    from mlx_speculative.hooks.batch import DecodeBatch
+
+    class Batcher:
+        def __init__(self) -> None:
+            self.calls: List[int] = []
+            self.reason: Optional[str] = None
+
+        @hookimpl
+        def host_batch_refusal(self, target: Any) -> Optional[str]:
+            return self.reason
+
+        @hookimpl
+        def host_decode_batch(self, batch: Any) -> Optional[List[StepOutput]]:
+            self.calls.append(len(batch.rows))
+            return None
+
+    plugin = Batcher()
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [plugin]))
+    target = host.load(str(llama_pair["target"]))
+    assert host.batch_refusal(target) is None
+    plugin.reason = "not today"
+    assert host.batch_refusal(target) == "not today"
+    prompts = [encode(target, t) for t in ("the model token draft", "red green blue one two three red")]
+    batch = DecodeBatch(target)
+    got = []
+    for p in prompts:
+        state = host.new_state(target, p, no_stop(12))
+        host.prefill(state)
+        batch.join(state)
+        got.append([state.pending])
+    for _ in range(11):
+        for g, out in zip(got, host.decode_batch(batch)):
+            g.extend(t.token for t in out.tokens)
+    assert plugin.calls == [2] * 11
+    for g, p in zip(got, prompts):
+        assert g == greedy_reference(target.model, p, 12)
