@@ -169,3 +169,14 @@ def test_interleaved_policy_is_kept_and_agrees(batched: Dict[str, ServerProc]) -
     for prompt, n, extra in JOBS[:5]:
         a, b = _run(inter, prompt, n, extra, stream=False), _run(server, prompt, n, extra, stream=False)
         assert a["ids"] == b["ids"] and a["timings"]["draft_n"] == b["timings"]["draft_n"]
+
+
+def test_batching_setting() -> None:
+    from mlx_speculative.hooks.config import HostConfigError
+    from mlx_speculative.hooks.server import server_settings
+    from mlx_speculative.hooks.state import HostConfig
+
+    assert server_settings(HostConfig(), environ={}).batching is True
+    assert server_settings(HostConfig(sections={"server": {"batching": False}}), environ={}).batching is False
+    with pytest.raises(HostConfigError, match="server.batching: got 'yes'; allowed: true or false"):
+        server_settings(HostConfig(sections={"server": {"batching": "yes"}}), environ={})
