@@ -73,6 +73,24 @@ class DecodeBatch:
         for c in self.cache or []:
             c.filter(keep)
 
+    def compact(self, at_least: int = 16) -> int:
+        """Drop the left padding every row shares (at least ``at_least`` positions): returns how many.
+
+        Ragged commits pad each row by what it rejects while the batch keeps the longest row's
+        positions, so padding common to all rows builds up; it is never read (masked) but costs
+        attention work and memory.
+        """
+        if self.cache is None:
+            return 0
+        pad = int(mx.min(self.cache[0].left_padding).item())
+        if pad < at_least:
+            return 0
+        for c in self.cache:
+            c.keys, c.values = c.keys[..., pad:, :], c.values[..., pad:, :]
+            c._idx -= pad
+            c.left_padding = c.left_padding - pad
+        return pad
+
     def forward(self, inputs: Sequence[Sequence[int]]) -> mx.array:
         """The target's ordinary forward over one token list per row (equal lengths): logits [B, W, V].
 

@@ -176,6 +176,7 @@ class Host:
             return batch.plain_step()
         if len(out) != len(batch.rows) or not all(o.tokens for o in out):
             raise RuntimeError(f"host_decode_batch returned {len(out)} steps for {len(batch.rows)} rows, or an empty step")
+        batch.compact()
         return out
 
     def stream(

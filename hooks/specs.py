@@ -123,5 +123,6 @@ def host_decode_batch(batch: "DecodeBatch") -> Optional[List["StepOutput"]]:
     return it for that row alone (one or more tokens, at most ``state.remaining``). Rows may emit
     different numbers of tokens: the positions a row does not keep must be taken out of
     ``batch.cache`` for that row only (``plugin.commit.CacheTransaction`` commits per-row lengths).
-    The host ends a row at a stop token or ``max_tokens`` and removes it from the batch.
+    The host ends a row at a stop token or ``max_tokens`` and removes it from the batch; after a
+    step it drops the left padding all rows share (``batch.compact``).
     """
