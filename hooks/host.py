@@ -150,10 +150,53 @@ class Host:
         state.pending_logprobs = out.logprobs
         return out
 
+    def _pipelined_plain_steps(self, state: DecodeState) -> Iterator[GeneratedToken]:
+        """One-token steps with the next forward queued before the current token is read.
+
+        The same operations as ``_plain_step``, so the same tokens; only the synchronisation moves.
+        The target's caches then run one token ahead of ``pending`` between yields, which is why
+        this runs only once no plugin will take a step for the request.
+        """
+        history = mx.array(state.tokens, dtype=mx.uint32)  # ends with the pending token
+
+        def step(token: mx.array, extend: bool) -> tuple:
+            nonlocal history
+            if extend and state.logits_processors:
+                history = mx.concatenate([history, token])
+            logits = state.model(token[None], cache=state.cache)[:, -1, :]  # [1, V]
+            for processor in state.logits_processors:
+                logits = processor(history, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return state.sampler(logprobs), logprobs
+
+        y, logprobs = step(mx.array([state.pending], dtype=mx.uint32), extend=False)
+        mx.async_eval(y, logprobs)
+        n = 0
+        while True:
+            last = state.remaining <= 1
+            if not last:
+                next_y, next_logprobs = step(y, extend=True)
+                mx.async_eval(next_y, next_logprobs)
+            out = GeneratedToken(int(y.item()), logprobs[0])
+            state.tokens.append(out.token)
+            state.pending_logprobs = out.logprobs
+            yield out
+            if last:
+                return
+            y, logprobs = next_y, next_logprobs
+            n += 1
+            if n % 256 == 0:
+                mx.clear_cache()
+
     def decode_steps(self, state: DecodeState) -> Iterator[GeneratedToken]:
         """Tokens after the first one, one decode step (plain or a plugin's) at a time."""
         n_step = 0
         while state.remaining > 0:
+            if not state.capture_layers and all(
+                impl.plugin in state.idle_plugins for impl in self.pm.hook.host_decode_step.get_hookimpls()
+            ):
+                yield from self._pipelined_plain_steps(state)
+                return
             out = self.pm.hook.host_decode_step(state=state)
             if out is None:
                 yield self._plain_step(state)

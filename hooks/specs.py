@@ -94,6 +94,11 @@ def host_decode_step(state: "DecodeState") -> Optional["StepOutput"]:
     truncates the emitted tokens at a stop token or at ``max_tokens`` (then generation ends, so
     the caches' extra positions are never read). ``state.remaining`` tells how many tokens may
     still be emitted; a step should not return more.
+
+    A plugin that will return None for every remaining step of this request adds itself (the
+    object it registered) to ``state.idle_plugins``; once all implementers have, the host
+    pipelines its own one-token steps like mlx-lm's ``generate_step`` (the next forward is queued
+    before the current token is read) and stops calling this hook for the request.
     """
 
 

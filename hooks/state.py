@@ -6,7 +6,7 @@ import hashlib
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -159,6 +159,9 @@ class DecodeState:
     # mlx-lm). The drafter draws from its own stream, so its draws never move the target's.
     rng: Optional[KeyStream] = None
     draft_rng: Optional[KeyStream] = None
+    # Plugins (the registered objects) that will return None from host_decode_step for the rest
+    # of this request. Once every implementer is here, the host pipelines its one-token steps.
+    idle_plugins: Set[Any] = field(default_factory=set)
 
     @property
     def model(self) -> nn.Module:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -110,9 +111,10 @@ def rounds_for(state: DecodeState) -> Optional[RequestRounds]:
 @hookimpl
 def host_decode_step(state: DecodeState) -> Optional[StepOutput]:
     req = rounds_for(state)
-    if req is None:
-        return None
-    return run_round(state, req)
+    out = run_round(state, req) if req is not None else None
+    if req is None or req.failed is not None:
+        state.idle_plugins.add(sys.modules[__name__])  # no more rounds for this request
+    return out
 
 
 @hookimpl

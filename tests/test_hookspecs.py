@@ -192,3 +192,50 @@ def test_host_batch_refusal_and_host_decode_batch(llama_pair: Dict[str, Any]) ->
     assert plugin.calls == [2] * 11
     for g, p in zip(got, prompts):
         assert g == greedy_reference(target.model, p, 12)
+
+
+class NeverIdle:
+    """Takes no step but never promises so: the host keeps its unpipelined one-token steps."""
+
+    @hookimpl
+    def host_decode_step(self, state: DecodeState) -> Optional[StepOutput]:
+        return None
+
+
+class IdleAfter:
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.calls = 0
+
+    @hookimpl
+    def host_decode_step(self, state: DecodeState) -> Optional[StepOutput]:
+        self.calls += 1
+        if self.calls >= self.steps:
+            state.idle_plugins.add(self)
+        return None
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.9, seed=11)])
+def test_idle_plugins_let_the_host_pipeline_the_same_tokens(sampling: Dict[str, Any], llama_pair: Dict[str, Any]) -> None:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlx_speculative.hooks.state import SamplingParams
+
+    def run(plugins: List[Any]) -> List[int]:
+        host = Host(HostConfig(), pm=make_plugin_manager(False, plugins))
+        target = host.load(str(llama_pair["target"]))
+        params = no_stop(40, logits_processors=make_logits_processors({3: 1.5}, repetition_penalty=1.3))
+        params.sampling = SamplingParams(**sampling)
+        return host.generate(target, encode(target, "river stone light night"), params).tokens
+
+    idle = IdleAfter(5)
+    unpipelined, pipelined, switched = run([NeverIdle()]), run([]), run([idle])
+    assert unpipelined == pipelined == switched
+    assert idle.calls == 5  # asked until it went idle, never after
+    if not sampling:
+        target = Host(HostConfig(), pm=make_plugin_manager(False)).load(str(llama_pair["target"]))
+        prompt = encode(target, "river stone light night")
+        ref = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=40,
+                                                logits_processors=make_logits_processors({3: 1.5}, repetition_penalty=1.3))]
+        assert pipelined == ref
