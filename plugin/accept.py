@@ -7,17 +7,17 @@ applies them), q the drafter's; x_1..x_k the draft tokens.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 
-def leading_matches(drafts: mx.array, target: mx.array) -> int:
-    """Length of the longest prefix where drafts[i] == target[i]. drafts, target: [k]."""
-    if drafts.size == 0:
-        return 0
-    hits = (drafts == target).astype(mx.int32)  # [k]
-    return int(mx.cumprod(hits).sum().item())
+def accept_prefix(drafts: Sequence[int], target: Sequence[int]) -> Tuple[int, int]:
+    """Keep drafts while x_i == y_i (y: the target's tokens, [k+1]); the bonus is y after them."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target[a]:
+        a += 1
+    return a, int(target[a])
 
 
 def greedy_accept(drafts: mx.array, target_logprobs: mx.array) -> Tuple[int, int]:
@@ -25,9 +25,7 @@ def greedy_accept(drafts: mx.array, target_logprobs: mx.array) -> Tuple[int, int
 
     drafts: [k]; target_logprobs: [k+1, V]. Returns (accepted, bonus token).
     """
-    target = mx.argmax(target_logprobs, axis=-1)  # [k+1]
-    a = leading_matches(drafts, target[: drafts.size])
-    return a, int(target[a].item())
+    return accept_prefix(drafts.tolist(), mx.argmax(target_logprobs, axis=-1).tolist())
 
 
 def exact_accept(
@@ -38,9 +36,7 @@ def exact_accept(
     Each emitted token is a sample of p given the tokens before it, so the output distribution
     is the target's; acceptance is low at temperature > 0 (see ``rejection_accept``).
     """
-    target = sampler(target_logprobs)  # [k+1]
-    a = leading_matches(drafts, target[: drafts.size])
-    return a, int(target[a].item())
+    return accept_prefix(drafts.tolist(), sampler(target_logprobs).tolist())  # y: [k+1]
 
 
 def residual(p: mx.array, q: mx.array) -> mx.array:

@@ -20,9 +20,10 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from ..hooks.batch import DecodeBatch
-from ..hooks.state import DecodeState, GeneratedToken, StepOutput
+from ..hooks.state import StepOutput
+from . import accept
 from .commit import CacheTransaction
-from .round import RequestRounds, _accept, _propose, _session_commit
+from .round import RequestRounds, _accept, draft_block, emit, finish_round
 from .types import Proposal, RoundOutcome
 
 # Drafter kinds whose sessions hold only per-request state (their own caches, the row's tokens, its
@@ -41,14 +42,14 @@ def run_batch_round(batch: DecodeBatch, reqs: Sequence[Optional[RequestRounds]])
     rows = batch.rows
     if len(reqs) != len(rows):
         raise ValueError(f"expected one RequestRounds (or None) per row: {len(rows)} rows, got {len(reqs)}")
-    t0 = time.perf_counter()
     proposals: List[Proposal] = []
     draft_txns: List[Optional[CacheTransaction]] = []
     blocks: List[int] = []
     draft_seconds: List[float] = []
     for state, req in zip(rows, reqs):
         ts = time.perf_counter()
-        proposal, txn, block = _draft(state, req)
+        drafted = draft_block(state, req) if req is not None else None
+        proposal, txn, block = drafted if drafted is not None else (Proposal([]), None, 0)
         proposals.append(proposal)
         draft_txns.append(txn)
         blocks.append(block)
@@ -71,11 +72,8 @@ def run_batch_round(batch: DecodeBatch, reqs: Sequence[Optional[RequestRounds]])
             for b, (state, req, proposal) in enumerate(zip(rows, reqs, proposals)):
                 drafts = proposal.tokens
                 if b in greedy:
-                    target = greedy[b].tolist()  # [k+1]
-                    a = 0
-                    while a < len(drafts) and drafts[a] == target[a]:
-                        a += 1
-                    outcomes[b] = RoundOutcome(draft_tokens=len(drafts), accepted=a, tokens=drafts[:a] + [target[a]])
+                    a, bonus = accept.accept_prefix(drafts, greedy[b].tolist())  # y: [k+1]
+                    outcomes[b] = RoundOutcome(draft_tokens=len(drafts), accepted=a, tokens=drafts[:a] + [bonus])
                 elif drafts:
                     outcomes[b] = _accept(state, req, proposal, logprobs[b])
                 else:
@@ -94,44 +92,8 @@ def run_batch_round(batch: DecodeBatch, reqs: Sequence[Optional[RequestRounds]])
     out: List[StepOutput] = []
     for b, (state, req, outcome) in enumerate(zip(rows, reqs, outcomes)):
         assert outcome is not None
-        ts = time.perf_counter()
-        state.keep_captures(outcome.emitted)
-        emitted = [GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(outcome.tokens)]
-        state.tokens.extend(outcome.tokens)
-        state.pending_logprobs = emitted[-1].logprobs
-        out.append(StepOutput(emitted))
+        out.append(emit(state, outcome, logprobs[b]))
         if outcome.draft_tokens:
-            _session_commit(state, req, draft_txns[b], outcome.accepted, outcome.draft_tokens)
-            req.controller.history.append(blocks[b])
-            req.controller.update(outcome.accepted, outcome.draft_tokens)
-            req.stats.record(outcome)
-            req.stats.block_sizes = req.controller.history
-            req.stats.plain_steps = req.controller.plain_steps
-            req.stats.seconds["draft"] += draft_seconds[b]
             # The verify forward is shared: each row is charged its share.
-            req.stats.seconds["verify"] += (t2 - t1) / len(rows)
-            req.stats.seconds["commit"] += time.perf_counter() - ts
+            finish_round(state, req, draft_txns[b], blocks[b], outcome, draft_seconds[b], (t2 - t1) / len(rows))
     return out
-
-
-def _draft(state: DecodeState, req: Optional[RequestRounds]) -> "tuple[Proposal, Optional[CacheTransaction], int]":
-    """Row ``state``'s proposal (empty: a one-token step), its open draft transaction and block size."""
-    empty = Proposal([])
-    if req is None or req.failed is not None or req.controller.take_plain_step():
-        return empty, None, 0
-    block = req.controller.size
-    max_drafts = min(block - 1, state.remaining - 1)
-    if max_drafts < 1:
-        return empty, None, 0
-    txn = CacheTransaction(req.session.caches(), replay=getattr(req.session, "replay", None)).begin()
-    try:
-        proposal = _propose(state, req, max_drafts)
-    except Exception as e:  # noqa: BLE001 - this row falls back to plain steps, the others go on
-        txn.abort()
-        req.fall_back("drafting", e)
-        return empty, None, 0
-    if not proposal.tokens:
-        # Nothing to verify: keep what the drafter fed (catching up); a plain step for this row.
-        _session_commit(state, req, txn, 0, 0)
-        return empty, None, 0
-    return proposal, txn, block

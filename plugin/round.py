@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -72,16 +72,18 @@ def _accept(state: DecodeState, req: RequestRounds, proposal: Proposal, logprobs
     return RoundOutcome(draft_tokens=len(proposal.tokens), accepted=a, tokens=proposal.tokens[:a] + [bonus])
 
 
-def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
-    """Run one round, or return None for a plain one-token step (nothing to draft, or fallen back)."""
+def draft_block(state: DecodeState, req: RequestRounds) -> Optional[Tuple[Proposal, CacheTransaction, int]]:
+    """Draft this round: the proposal, the drafter caches' open transaction and the block size.
+
+    None when this step is a plain one-token step (fallen back, paused, nothing left to draft or
+    nothing drafted); the drafter's caches are then already committed or rolled back.
+    """
     if req.failed is not None or req.controller.take_plain_step():
         return None
     block = req.controller.size
     max_drafts = min(block - 1, state.remaining - 1)
     if max_drafts < 1:
         return None
-
-    t0 = time.perf_counter()
     # replay: recurrent caches (ArraysCache) keep a partial commit by feeding the kept tokens again.
     draft_txn = CacheTransaction(req.session.caches(), replay=getattr(req.session, "replay", None)).begin()
     try:
@@ -94,6 +96,42 @@ def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
         # Nothing to verify: keep what the drafter fed (catching up), let the host step.
         _session_commit(state, req, draft_txn, 0, 0)
         return None
+    return proposal, draft_txn, block
+
+
+def emit(state: DecodeState, outcome: RoundOutcome, logprobs: mx.array) -> StepOutput:
+    """Append the verified tokens to the request; the target's caches already hold the kept positions."""
+    state.keep_captures(outcome.emitted)
+    emitted = [GeneratedToken(t, logprobs[i]) for i, t in enumerate(outcome.tokens)]
+    state.tokens.extend(outcome.tokens)
+    state.pending_logprobs = emitted[-1].logprobs
+    return StepOutput(emitted)
+
+
+def finish_round(
+    state: DecodeState, req: RequestRounds, draft_txn: CacheTransaction, block: int, outcome: RoundOutcome,
+    draft_seconds: float, verify_seconds: float,
+) -> None:
+    """After ``emit``: the drafter's commit, the block-size controller and the stats."""
+    t = time.perf_counter()
+    _session_commit(state, req, draft_txn, outcome.accepted, outcome.draft_tokens)
+    req.controller.history.append(block)
+    req.controller.update(outcome.accepted, outcome.draft_tokens)
+    req.stats.record(outcome)
+    req.stats.block_sizes = req.controller.history
+    req.stats.plain_steps = req.controller.plain_steps
+    req.stats.seconds["draft"] += draft_seconds
+    req.stats.seconds["verify"] += verify_seconds
+    req.stats.seconds["commit"] += time.perf_counter() - t
+
+
+def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
+    """Run one round, or return None for a plain one-token step (nothing to draft, or fallen back)."""
+    t0 = time.perf_counter()
+    drafted = draft_block(state, req)
+    if drafted is None:
+        return None
+    proposal, draft_txn, block = drafted
     t1 = time.perf_counter()
 
     try:
@@ -111,24 +149,9 @@ def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
     except BaseException:
         draft_txn.abort()
         raise
-    state.keep_captures(outcome.emitted)
-    t2 = time.perf_counter()
-
-    emitted: List[GeneratedToken] = [GeneratedToken(t, logprobs[i]) for i, t in enumerate(outcome.tokens)]
-    state.tokens.extend(outcome.tokens)
-    state.pending_logprobs = emitted[-1].logprobs
-    _session_commit(state, req, draft_txn, outcome.accepted, outcome.draft_tokens)
-    t3 = time.perf_counter()
-
-    req.controller.history.append(block)
-    req.controller.update(outcome.accepted, outcome.draft_tokens)
-    req.stats.record(outcome)
-    req.stats.block_sizes = req.controller.history
-    req.stats.plain_steps = req.controller.plain_steps
-    req.stats.seconds["draft"] += t1 - t0
-    req.stats.seconds["verify"] += t2 - t1
-    req.stats.seconds["commit"] += t3 - t2
-    return StepOutput(emitted)
+    out = emit(state, outcome, logprobs)
+    finish_round(state, req, draft_txn, block, outcome, t1 - t0, time.perf_counter() - t1)
+    return out
 
 
 def _session_commit(
