@@ -163,9 +163,7 @@ class Host:
             nonlocal history
             if extend and state.logits_processors:
                 history = mx.concatenate([history, token])
-            logits = state.model(token[None], cache=state.cache)[:, -1, :]  # [1, V]
-            for processor in state.logits_processors:
-                logits = processor(history, logits)
+            logits = state.apply_processors(history, state.model(token[None], cache=state.cache)[:, -1, :])  # [1, V]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return state.sampler(logprobs), logprobs
 

@@ -216,12 +216,14 @@ class DecodeState:
         """
         rows = logits[0]  # [n, V]
         if self.logits_processors:
-            processed = []
-            for i in range(rows.shape[0]):
-                history = mx.array(self.tokens + list(drafts[: start + i]), dtype=mx.uint32)
-                row = rows[i : i + 1]
-                for processor in self.logits_processors:
-                    row = processor(history, row)
-                processed.append(row)
-            rows = mx.concatenate(processed, axis=0)
+            rows = mx.concatenate([
+                self.apply_processors(mx.array(self.tokens + list(drafts[: start + i]), dtype=mx.uint32), rows[i : i + 1])
+                for i in range(rows.shape[0])
+            ], axis=0)
         return rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+
+    def apply_processors(self, history: mx.array, row: mx.array) -> mx.array:
+        """The logits processors, in order, on one position's logits [1, V] given its history."""
+        for processor in self.logits_processors:
+            row = processor(history, row)
+        return row
