@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any, Dict, List, Optional
 
-from .config import load_host_config
+from .config import load_host_config, model_or_demo
 from .host import GenerationParams, Host
 from .manager import make_plugin_manager
 from .state import SamplingParams
@@ -59,16 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     config = load_host_config(args.config, overrides)
     gen = config.section("generation")
-    model = args.model or config.sections.get("model")
-    if model is None:
-        from .tiny_models import ensure_demo_pair
-
-        target_dir, drafter_dir = ensure_demo_pair(announce=lambda m: print(m, file=sys.stderr))
-        model = str(target_dir)
-        spec = overrides["speculative"]
-        if "speculative" not in config.sections and not spec.get("draft_model") and spec.get("enabled") is not False:
-            spec.setdefault("draft_model", str(drafter_dir))
-        print(f"[mlx-spec] target {model}", file=sys.stderr)
+    model = model_or_demo(args.model, config, overrides["speculative"])
     host = Host(config, pm=getattr(args, "pm", None))
     target = host.load(model)
     prompt_text = args.prompt if args.prompt is not None else DEFAULT_PROMPT

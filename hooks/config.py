@@ -39,3 +39,23 @@ def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str
             if name in sections and not isinstance(sections[name], dict):
                 raise HostConfigError(f"{name}: got {sections[name]!r}; allowed: a mapping")
     return HostConfig(sections=sections, overrides=overrides or {}, source=path, strict=strict)
+
+
+def model_or_demo(model: Optional[str], config: HostConfig, speculative_overrides: Dict[str, Any]) -> str:
+    """The target to load: the flag, else the config's ``model``, else the embedded tiny demo.
+
+    For the demo, its drafter is used unless speculation was configured or switched off.
+    """
+    model = model or config.sections.get("model")
+    if model is not None:
+        return model
+    import sys
+
+    from .tiny_models import ensure_demo_pair
+
+    target_dir, drafter_dir = ensure_demo_pair(announce=lambda m: print(m, file=sys.stderr))
+    spec = speculative_overrides
+    if "speculative" not in config.sections and not spec.get("draft_model") and spec.get("enabled") is not False:
+        spec.setdefault("draft_model", str(drafter_dir))
+    print(f"[mlx-spec] target {target_dir}", file=sys.stderr)
+    return str(target_dir)

@@ -41,7 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from . import openai_compat as oc
-from .config import HostConfigError, load_host_config
+from .config import HostConfigError, load_host_config, model_or_demo
 from .batch import DecodeBatch, RowEvents
 from .host import GenerationParams, Host, HostEvent
 from .manager import make_plugin_manager
@@ -863,22 +863,13 @@ def serve_overrides(args: argparse.Namespace) -> Dict[str, Any]:
 
 def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -> int:
     warning = oc.check_mlx_lm_version()
-    for name in ("mlx_speculative",):
-        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    logging.getLogger("mlx_speculative").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if warning:
         log.warning("%s", warning)
     overrides = {"speculative": speculative_overrides, "server": serve_overrides(args)}
     config = load_host_config(args.config, overrides, strict=False)
     settings = server_settings(config)
-    model = args.model or config.sections.get("model")
-    if model is None:
-        from .tiny_models import ensure_demo_pair
-
-        target_dir, drafter_dir = ensure_demo_pair(announce=lambda m: print(m, file=sys.stderr))
-        model = str(target_dir)
-        if "speculative" not in config.sections and not speculative_overrides.get("draft_model") and \
-                speculative_overrides.get("enabled") is not False:
-            speculative_overrides.setdefault("draft_model", str(drafter_dir))
+    model = model_or_demo(args.model, config, speculative_overrides)
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", settings.host,
                     "" if settings.api_key else " and no API key is set")
