@@ -150,12 +150,16 @@ class Host:
         state.pending_logprobs = out.logprobs
         return out
 
-    def _pipelined_plain_steps(self, state: DecodeState) -> Iterator[GeneratedToken]:
+    def _pipelined_plain_steps(self, state: DecodeState, limit: Optional[int] = None,
+                               keep_captures: bool = False) -> Iterator[GeneratedToken]:
         """One-token steps with the next forward queued before the current token is read.
 
         The same operations as ``_plain_step``, so the same tokens; only the synchronisation moves.
-        The target's caches then run one token ahead of ``pending`` between yields, which is why
-        this runs only once no plugin will take a step for the request.
+        While a run is under way the target's caches are one token ahead of ``pending`` between
+        yields, so it runs only when no plugin will take a step in the meantime: to the end of the
+        request once every plugin is idle, or for ``limit`` steps a plugin granted (``plain_run``);
+        the last step of a run queues nothing, so the caches then match ``pending`` again.
+        ``keep_captures``: record the tapped layers of every fed position (a drafter catches up).
         """
         history = mx.array(state.tokens, dtype=mx.uint32)  # ends with the pending token
 
@@ -163,7 +167,12 @@ class Host:
             nonlocal history
             if extend and state.logits_processors:
                 history = mx.concatenate([history, token])
-            logits = state.apply_processors(history, state.model(token[None], cache=state.cache)[:, -1, :])  # [1, V]
+            if keep_captures:
+                logits = state.forward(token)
+                state.keep_captures(1)
+            else:
+                logits = state.model(token[None], cache=state.cache)
+            logits = state.apply_processors(history, logits[:, -1, :])  # [1, V]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return state.sampler(logprobs), logprobs
 
@@ -171,7 +180,8 @@ class Host:
         mx.async_eval(y, logprobs)
         n = 0
         while True:
-            last = state.remaining <= 1
+            n += 1
+            last = state.remaining <= 1 or (limit is not None and n >= limit)
             if not last:
                 next_y, next_logprobs = step(y, extend=True)
                 mx.async_eval(next_y, next_logprobs)
@@ -182,7 +192,6 @@ class Host:
             if last:
                 return
             y, logprobs = next_y, next_logprobs
-            n += 1
             if n % 256 == 0:
                 mx.clear_cache()
 
@@ -190,14 +199,17 @@ class Host:
         """Tokens after the first one, one decode step (plain or a plugin's) at a time."""
         n_step = 0
         while state.remaining > 0:
-            if not state.capture_layers and all(
-                impl.plugin in state.idle_plugins for impl in self.pm.hook.host_decode_step.get_hookimpls()
-            ):
-                yield from self._pipelined_plain_steps(state)
+            if all(impl.plugin in state.idle_plugins for impl in self.pm.hook.host_decode_step.get_hookimpls()):
+                yield from self._pipelined_plain_steps(state, keep_captures=bool(state.capture_layers))
                 return
+            state.plain_run = 0
             out = self.pm.hook.host_decode_step(state=state)
             if out is None:
-                yield self._plain_step(state)
+                run, state.plain_run = state.plain_run, 0
+                if run > 1:
+                    yield from self._pipelined_plain_steps(state, limit=run, keep_captures=bool(state.capture_layers))
+                else:
+                    yield self._plain_step(state)
             else:
                 assert out.tokens, "a decode step must emit at least one token"
                 yield from out.tokens

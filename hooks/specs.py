@@ -99,6 +99,11 @@ def host_decode_step(state: "DecodeState") -> Optional["StepOutput"]:
     object it registered) to ``state.idle_plugins``; once all implementers have, the host
     pipelines its own one-token steps like mlx-lm's ``generate_step`` (the next forward is queued
     before the current token is read) and stops calling this hook for the request.
+
+    A plugin returning None may also set ``state.plain_run = n`` (the host resets it to 0 before
+    each call): the host then takes up to n plain one-token steps, pipelined the same way and
+    recording ``state.capture_layers`` for every fed position, before calling this hook again.
+    Between those steps the caches run one token ahead; after the last one the invariant holds.
     """
 
 

@@ -6,7 +6,7 @@ import hashlib
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -162,6 +162,9 @@ class DecodeState:
     # Plugins (the registered objects) that will return None from host_decode_step for the rest
     # of this request. Once every implementer is here, the host pipelines its one-token steps.
     idle_plugins: Set[Any] = field(default_factory=set)
+    # Set by a plugin that returns None from host_decode_step: the host may take this many plain
+    # one-token steps (pipelined, captures kept) before it asks again. Reset before each ask.
+    plain_run: int = 0
 
     @property
     def model(self) -> nn.Module:
@@ -179,12 +182,17 @@ class DecodeState:
     def remaining(self) -> int:
         return self.max_tokens - self.generated
 
-    def forward(self, tokens: Sequence[int]) -> mx.array:
+    def forward(self, tokens: Union[Sequence[int], mx.array]) -> mx.array:
         """The target's ordinary forward over ``tokens`` on ``cache``: logits [1, n, V].
 
-        Records the requested layers of the fed positions into ``last_captures``.
+        ``tokens``: ints, or a [n] integer array that may still be lazy (a round then queues its
+        verify before the draft is evaluated). Records the requested layers of the fed positions
+        into ``last_captures``.
         """
-        inputs = mx.array([list(tokens)], dtype=mx.uint32)
+        if isinstance(tokens, mx.array):
+            inputs = tokens.astype(mx.uint32).reshape(1, -1)
+        else:
+            inputs = mx.array([list(tokens)], dtype=mx.uint32)
         with taps.record(self.capture_layers) as rec:
             logits = self.model(inputs, cache=self.cache)
         self.last_captures = {i: mx.concatenate(v, axis=1) if len(v) > 1 else v[0] for i, v in rec.items() if v}

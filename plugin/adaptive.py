@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 
 @dataclass
@@ -39,8 +39,8 @@ class BlockSizeController:
     decay: float = 0.5  # weight of the newest round in the recent averages
     recent_rate: float = -1.0  # exponential average of accepted / drafted (starts at good_rate)
     recent_accepted: float = 0.0  # exponential average of accepted per round
-    min_pause: int = 4
-    max_pause: int = 64
+    min_pause: int = 8
+    max_pause: int = 128
     pause: int = 0  # length of the next pause, in plain steps (0: not pausing)
     paused_left: int = 0  # plain steps still to take before the next probe round
     plain_steps: int = 0  # plain steps taken while paused, for the stats
@@ -58,13 +58,12 @@ class BlockSizeController:
         self.history.append(self.size)
         return self.size
 
-    def take_plain_step(self) -> bool:
-        """True while paused: the caller runs a plain one-token step instead of a round."""
-        if self.paused_left > 0:
-            self.paused_left -= 1
-            self.plain_steps += 1
-            return True
-        return False
+    def take_plain_steps(self, limit: Optional[int] = None) -> int:
+        """While paused: the plain one-token steps to take now instead of rounds (else 0), at most ``limit``."""
+        n = self.paused_left if limit is None else min(limit, self.paused_left)
+        self.paused_left -= n
+        self.plain_steps += n
+        return n
 
     def update(self, accepted: int, draft_tokens: int) -> None:
         if not self.adaptive or draft_tokens == 0:
@@ -77,8 +76,9 @@ class BlockSizeController:
             self.paused_left = self.pause
             self._good = 0
         elif self.recent_rate < self.collapse_rate:
-            # Blocks of about twice what was recently accepted, the pending token included.
-            fit = 2 * math.ceil(self.recent_accepted) + 2
+            # Blocks of about twice what was recently accepted, the pending token included; a
+            # collapse round that accepted nothing goes straight to the floor.
+            fit = 2 * math.ceil(min(self.recent_accepted, accepted)) + 2
             self.size = max(self.floor, min(self.size // 2, fit))
             self._good = 0
         elif rate >= self.good_rate:

@@ -48,7 +48,7 @@ def run_batch_round(batch: DecodeBatch, reqs: Sequence[Optional[RequestRounds]])
     draft_seconds: List[float] = []
     for state, req in zip(rows, reqs):
         ts = time.perf_counter()
-        drafted = draft_block(state, req) if req is not None else None
+        drafted = draft_block(state, req, plain_run=False) if req is not None else None
         proposal, txn, block = drafted if drafted is not None else (Proposal([]), None, 0)
         proposals.append(proposal)
         draft_txns.append(txn)

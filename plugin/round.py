@@ -7,6 +7,7 @@ request goes on with plain one-token decoding.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
@@ -24,6 +25,8 @@ from .types import Proposal, RoundOutcome
 from .verify import verify
 
 log = logging.getLogger("mlx_speculative")
+# MLX_SPEC_LAZY_DRAFTS=0: evaluate each proposal before the verify is built (for measurements).
+LAZY_DRAFTS = os.environ.get("MLX_SPEC_LAZY_DRAFTS", "1").strip() != "0"
 
 
 @dataclass
@@ -45,17 +48,44 @@ class RequestRounds:
         log.warning("speculative decoding: %s; continuing with plain decoding", self.failed)
 
 
-def _propose(state: DecodeState, req: RequestRounds, max_drafts: int) -> Proposal:
+def _propose(state: DecodeState, req: RequestRounds, max_drafts: int, lazy: bool = False) -> Proposal:
+    """The drafter's proposal, checked. ``lazy``: a drafter's token array may stay unevaluated
+    (checked after the verify, ``check_lazy_drafts``); otherwise tokens become ints here."""
     proposal = req.session.propose(state, max_drafts)
-    drafts = [int(t) for t in proposal.tokens[:max_drafts]]
-    bad = [t for t in drafts if not 0 <= t < req.vocab_size]
-    if bad:
-        raise ValueError(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
-    q = proposal.logprobs[: len(drafts)] if proposal.logprobs is not None else None
-    if q is not None and req.vocab_size and tuple(q.shape) != (len(drafts), req.vocab_size):
+    tokens = proposal.tokens
+    if isinstance(tokens, mx.array):
+        if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
+            raise ValueError(f"draft tokens: expected a list of ints or a 1-d integer array; got an array of shape "
+                             f"{tuple(tokens.shape)} and dtype {tokens.dtype}")
+        tokens = tokens[:max_drafts]
+        if not lazy:
+            tokens = tokens.tolist()
+    if not isinstance(tokens, mx.array):
+        tokens = [int(t) for t in tokens[:max_drafts]]
+        bad = [t for t in tokens if not 0 <= t < req.vocab_size]
+        if bad:
+            raise ValueError(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
+    k = len(tokens)
+    q = proposal.logprobs[:k] if proposal.logprobs is not None else None
+    if q is not None and req.vocab_size and tuple(q.shape) != (k, req.vocab_size):
         raise ValueError(f"draft log-probabilities q have shape {tuple(q.shape)}; expected "
-                         f"({len(drafts)}, {req.vocab_size}): one row per draft token over the target's vocabulary")
-    return Proposal(drafts, q)
+                         f"({k}, {req.vocab_size}): one row per draft token over the target's vocabulary")
+    return Proposal(tokens, q)
+
+
+class DraftError(ValueError):
+    """A drafter's output found unusable after the verify was queued (the round is rolled back)."""
+
+
+def check_lazy_drafts(req: RequestRounds, proposal: Proposal) -> Proposal:
+    """After the verify: the drafts as ints; out-of-vocabulary drafts raise ``DraftError``."""
+    if not isinstance(proposal.tokens, mx.array):
+        return proposal
+    tokens = proposal.tokens.tolist()
+    bad = [t for t in tokens if not 0 <= t < req.vocab_size]
+    if bad:
+        raise DraftError(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
+    return Proposal(tokens, proposal.logprobs)
 
 
 def _accept(state: DecodeState, req: RequestRounds, proposal: Proposal, logprobs: mx.array) -> RoundOutcome:
@@ -72,13 +102,22 @@ def _accept(state: DecodeState, req: RequestRounds, proposal: Proposal, logprobs
     return RoundOutcome(draft_tokens=len(proposal.tokens), accepted=a, tokens=proposal.tokens[:a] + [bonus])
 
 
-def draft_block(state: DecodeState, req: RequestRounds) -> Optional[Tuple[Proposal, CacheTransaction, int]]:
+def draft_block(
+    state: DecodeState, req: RequestRounds, lazy: bool = False, plain_run: bool = True
+) -> Optional[Tuple[Proposal, CacheTransaction, int]]:
     """Draft this round: the proposal, the drafter caches' open transaction and the block size.
 
     None when this step is a plain one-token step (fallen back, paused, nothing left to draft or
-    nothing drafted); the drafter's caches are then already committed or rolled back.
+    nothing drafted); the drafter's caches are then already committed or rolled back. While the
+    block-size controller pauses rounds, ``plain_run`` hands the host the whole pause at once
+    (``state.plain_run``, pipelined plain steps); otherwise one plain step is taken per call.
+    ``lazy``: the proposal's tokens may be an unevaluated array (see ``_propose``).
     """
-    if req.failed is not None or req.controller.take_plain_step():
+    if req.failed is not None:
+        return None
+    paused = req.controller.take_plain_steps(None if plain_run else 1)
+    if paused:
+        state.plain_run = paused
         return None
     block = req.controller.size
     max_drafts = min(block - 1, state.remaining - 1)
@@ -87,12 +126,12 @@ def draft_block(state: DecodeState, req: RequestRounds) -> Optional[Tuple[Propos
     # replay: recurrent caches (ArraysCache) keep a partial commit by feeding the kept tokens again.
     draft_txn = CacheTransaction(req.session.caches(), replay=getattr(req.session, "replay", None)).begin()
     try:
-        proposal = _propose(state, req, max_drafts)
+        proposal = _propose(state, req, max_drafts, lazy)
     except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
         draft_txn.abort()
         req.fall_back("drafting", e)
         return None
-    if not proposal.tokens:
+    if not len(proposal.tokens):
         # Nothing to verify: keep what the drafter fed (catching up), let the host step.
         _session_commit(state, req, draft_txn, 0, 0)
         return None
@@ -128,16 +167,22 @@ def finish_round(
 def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
     """Run one round, or return None for a plain one-token step (nothing to draft, or fallen back)."""
     t0 = time.perf_counter()
-    drafted = draft_block(state, req)
+    # Lazy drafts: the verify is queued behind the drafter's kernels, so the CPU builds the verify
+    # graph while the GPU drafts (one synchronisation per round). Logits processors need the
+    # drafts as ints to build their per-position histories.
+    drafted = draft_block(state, req, lazy=LAZY_DRAFTS and not state.logits_processors)
     if drafted is None:
         return None
     proposal, draft_txn, block = drafted
     t1 = time.perf_counter()
 
+    def fed(n: int) -> list:
+        return ([state.pending] + list(proposal.tokens))[:n]
+
     try:
-        fed = [state.pending, *proposal.tokens]
-        with CacheTransaction(state.cache, replay=lambda n: state.forward(fed[:n])) as txn:
-            logprobs = verify(state, proposal.tokens)  # [k+1, V]
+        with CacheTransaction(state.cache, replay=lambda n: state.forward(fed(n))) as txn:
+            logprobs = verify(state, proposal.tokens, req.vocab_size)  # [k+1, V]
+            proposal = check_lazy_drafts(req, proposal)
             outcome = _accept(state, req, proposal, logprobs)
             txn.commit(outcome.emitted)
     except UnsupportedCache as e:
@@ -145,6 +190,12 @@ def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
         # restored its start state, so the request goes on with plain decoding, losing nothing.
         draft_txn.abort()
         req.fall_back("verifying (target cache)", e)
+        return None
+    except DraftError as e:
+        # Out-of-vocabulary lazy drafts, found after the verify: everything rolled back, as for
+        # any drafter failure.
+        draft_txn.abort()
+        req.fall_back("drafting", e)
         return None
     except BaseException:
         draft_txn.abort()

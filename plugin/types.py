@@ -15,7 +15,7 @@ Terms, used everywhere in this project:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import mlx.core as mx
 
@@ -24,7 +24,9 @@ import mlx.core as mx
 class Proposal:
     """A drafter's proposal for one round."""
 
-    tokens: List[int]
+    # The k draft tokens: ints, or a [k] integer array that may still be unevaluated (the round
+    # then queues its verify behind the drafter's kernels and checks the tokens afterwards).
+    tokens: Union[List[int], mx.array]
     # [k, V] log-probabilities the tokens were drawn from (q in the papers); None = one-hot q.
     logprobs: Optional[mx.array] = None
 

@@ -42,6 +42,16 @@ class FlakySession(DraftSession):
 
     def propose(self, state: Any, max_drafts: int) -> Proposal:
         self.calls += 1
+        if self.where == "lazy":
+            # Every proposal as an (unevaluated) array; round fail_at carries an out-of-vocabulary
+            # token, found only after the verify was queued.
+            if self.calls == self.fail_at:
+                self.before = {"target": exact_state(state.cache), "own": exact_state(self.caches()),
+                               "tokens": list(state.tokens)}
+            tokens = list(self.inner.propose(state, max_drafts).tokens)
+            if self.calls == self.fail_at:
+                tokens[-1] = 10**6
+            return Proposal(mx.array(tokens, dtype=mx.int32) + 0)
         if self.calls == self.fail_at and self.where == "propose":
             self.before = {"target": exact_state(state.cache), "own": exact_state(self.caches()),
                            "tokens": list(state.tokens)}
@@ -125,6 +135,18 @@ def test_drafter_raising_mid_round_falls_back_without_losing_tokens(arch: str, c
         assert stats.rounds == 2 and "drafter exploded" in stats.fallback
         assert "RuntimeError" in stats.fallback
     assert CheckingHost.checked == before + 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
+def test_lazy_out_of_vocabulary_drafts_roll_the_round_back(arch: str, checkpoints: Dict[str, Any]) -> None:
+    host, target, drafter = _host(checkpoints[arch], fail_at=3, layers=[], where="lazy")
+    before = CheckingHost.checked
+    prompt = encode(target, "red green blue one two three red green blue one two")
+    result = host.generate(target, prompt, no_stop(MAX_TOKENS))
+    assert result.tokens == greedy_reference(target.model, prompt, MAX_TOKENS)
+    stats = result.report["speculative"]
+    assert stats.rounds == 2 and "outside the target's vocabulary" in stats.fallback
+    assert CheckingHost.checked == before + 1  # target and drafter caches as before round 3
 
 
 def test_drafter_raising_in_commit_keeps_the_round_and_falls_back(checkpoints: Dict[str, Any]) -> None:

@@ -64,16 +64,17 @@ def test_collapse_at_the_floor_pauses_with_backoff_and_probes() -> None:
     c.size = c.floor
     c.recent_rate = 0.0
     c.update(0, 1)
-    assert c.paused_left == 4 and [c.take_plain_step() for _ in range(5)] == [True] * 4 + [False]
-    c.update(0, 1)  # the probe collapses again: twice as long
-    assert c.paused_left == 8
-    while c.take_plain_step():
-        pass
+    assert c.paused_left == 8 and [c.take_plain_steps(1) for _ in range(9)] == [1] * 8 + [0]
+    c.update(0, 1)  # the probe collapses again: twice as long, handed out at once
+    assert c.paused_left == 16 and c.take_plain_steps() == 16 and c.take_plain_steps() == 0
+    for expect in (32, 64, 128, 128):  # doubling up to max_pause
+        c.update(0, 1)
+        assert c.take_plain_steps() == expect
     c.update(1, 1)  # a good probe ends the backoff
-    assert c.pause == 0 and c.plain_steps == 12
+    assert c.pause == 0 and c.plain_steps == 8 + 16 + 32 + 64 + 128 + 128
     c.update(0, 1)
     c.update(0, 1)
-    assert c.paused_left == 4
+    assert c.paused_left == 8
     pinned = BlockSizeController(cap=2, adaptive=False)
     pinned.update(0, 1)
-    assert not pinned.take_plain_step()
+    assert not pinned.take_plain_steps()

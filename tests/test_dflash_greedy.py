@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any, Dict, List
 
+import mlx.core as mx
 import pytest
 
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
@@ -87,7 +88,8 @@ class Oracle:
             proposal = original(session, state, max_drafts)
             g = len(state.tokens) - oracle.prompt_len
             drafts = list(oracle.ref[g: g + max_drafts])
-            drafts += proposal.tokens[len(drafts):]  # past the reference's end: the drafter's own
+            own = proposal.tokens.tolist() if isinstance(proposal.tokens, mx.array) else list(proposal.tokens)
+            drafts += own[len(drafts):]  # past the reference's end: the drafter's own
             case = oracle.rng.choice(["zero", "partial", "full", "full"])
             if case != "full":
                 j = 0 if case == "zero" else oracle.rng.randrange(len(drafts))

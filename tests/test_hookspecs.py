@@ -239,3 +239,44 @@ def test_idle_plugins_let_the_host_pipeline_the_same_tokens(sampling: Dict[str, 
         ref = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=40,
                                                 logits_processors=make_logits_processors({3: 1.5}, repetition_penalty=1.3))]
         assert pipelined == ref
+
+
+class PlainRuns:
+    """Declines every step, granting plain runs of ``run`` steps; records the captures it is handed."""
+
+    def __init__(self, run: int, layers: List[int]) -> None:
+        self.run, self.layers, self.calls = run, layers, 0
+
+    @hookimpl
+    def host_prefill_captures(self, target: Any) -> Optional[CaptureRequest]:
+        return CaptureRequest(self.layers)
+
+    @hookimpl
+    def host_decode_step(self, state: DecodeState) -> Optional[StepOutput]:
+        assert state.plain_run == 0  # reset by the host before every call
+        self.calls += 1
+        state.plain_run = self.run
+        return None
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.9, seed=5)])
+def test_plain_run_takes_pipelined_steps_with_captures(sampling: Dict[str, Any], llama_pair: Dict[str, Any]) -> None:
+    from mlx_speculative.hooks.state import SamplingParams
+
+    plugin = PlainRuns(7, [1])
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [plugin]))
+    target = host.load(str(llama_pair["target"]))
+    prompt = encode(target, "river stone light night river")
+    params = no_stop(30)
+    params.sampling = SamplingParams(**sampling)
+    states: List[DecodeState] = []
+    tokens = [e.token for e in host.stream(target, prompt, params, state_out=states)]
+    reference = Host(HostConfig(), pm=make_plugin_manager(False, [NeverIdle()]))
+    assert tokens == reference.generate(target, prompt, params).tokens
+    assert plugin.calls == -(-29 // 7)  # 29 steps after the first token, asked once per run of 7
+    fed = prompt + tokens[:-1]
+    got = states[0].captures[1]
+    assert got.shape[1] == len(fed)  # every fed position captured, none twice
+    assert mx.allclose(got, _reference_hidden(target.model, fed, 1), atol=1e-4).item()
+    # the last step of a run queues nothing: the caches hold exactly the fed tokens (the invariant)
+    assert states[0].cache[0].offset == len(fed)

@@ -77,10 +77,11 @@ class DFlashSession(DraftSession):
         h = d.model(d.embed(block), hidden, self.cache, width=B)  # [1, width, H]
         logits = d.head(h[:, 1:B]).astype(mx.float32)[0]  # [k, V]
         self._consumed = n
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [k, V]
         if state.sampling.greedy:
-            tokens = mx.argmax(logprobs, axis=-1)
+            # Greedy rounds compare tokens only: no q to hand back.
+            tokens, logprobs = mx.argmax(logits, axis=-1), None
         else:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [k, V]
             # Drafts must be drawn from the q handed back, or rejection sampling is not lossless;
             # q goes through the request's sampling filters as the target's p does.
             process = getattr(state.sampling, "process", None)
@@ -91,8 +92,9 @@ class DFlashSession(DraftSession):
                 logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
             next_key = getattr(state, "next_draft_key", None)
             tokens = mx.random.categorical(logprobs, axis=-1, key=next_key() if next_key else None)
-        mx.eval(tokens, logprobs, [c.state for c in self.cache])
-        return Proposal([int(t) for t in tokens.tolist()], logprobs)  # q: [k, V]
+        # Queued, not awaited: the round builds its verify forward while the GPU drafts.
+        mx.async_eval(tokens, *([logprobs] if logprobs is not None else []), [c.state for c in self.cache])
+        return Proposal(tokens, logprobs)  # tokens: [k] (lazy); q: [k, V] or None (greedy)
 
     def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
         # The context K/V written by propose are committed positions: all stay. The captured

@@ -182,7 +182,8 @@ class Attention(nn.Module):
             k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
         mask = None  # non-causal: every block position sees the whole context and block
         windowed = self.window is not None and start + T > self.window
-        if slots > start or windowed or width < T:
+        # A padded cache (CUDA) always gets a mask: one attention kernel per shape, whatever the offset.
+        if slots > start or windowed or width < T or (start > 0 and hasattr(cache, "bucket")):
             cols = mx.arange(slots + T)
             mask = ((cols < start) | ((cols >= slots) & (cols < slots + width)))[None]  # [1, slots+T]
             if windowed:

@@ -194,26 +194,6 @@ class PaddedModel:
         return self.model(inputs, cache=cache)
 
 
-def prewarm_dflash(drafter: Any, max_len: int, bucket: int, block: int) -> None:
-    """One drafter forward per context bucket at the full block width, on padded context caches
-    (the shape a round meets: block queries over the padded context plus the block)."""
-    model = drafter.model
-    caches = model.make_cache()
-    if not all(isinstance(c, padded_cache.PaddedKVCache) for c in caches):
-        return
-    dtype = model.norm.weight.dtype
-    emb = mx.zeros((1, block, model.args.hidden_size), dtype)
-    n_taps = len(model.args.target_layer_ids or [])
-    model(emb, mx.zeros((1, 1, n_taps * model.args.hidden_size), dtype), caches)  # learn K/V shapes
-    shapes = [(c.keys.shape, c.values.shape) for c in caches]
-    for span in range(bucket, max_len + 1, bucket):
-        for c, (ks, vs) in zip(caches, shapes):
-            c.keys, c.values = mx.zeros((ks[0], ks[1], span, ks[3]), dtype), mx.zeros((vs[0], vs[1], span, vs[3]), dtype)
-            c.offset = span - 1
-        mx.eval(model(emb, None, caches))
-    mx.clear_cache()
-
-
 # -- references, divergence, prompts --------------------------------------------------------------
 
 def reference(target: LoadedTarget, prompt: List[int], max_tokens: int, padded: bool, bucket: int) -> Reference:
@@ -335,9 +315,8 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
     if "dflash" in kinds:
         try:
             drafter, ddesc = synthetic.dflash_drafter(target.model, config, max(s.block_sizes), s.dflash_layers, s.seed + 2)
-            if padded:  # the drafter's context cache too: one attention shape per bucket
-                n_layers = len(drafter.model.layers)
-                drafter.model.make_cache = lambda: [padded_cache.PaddedKVCache(s.bucket) for _ in range(n_layers)]
+            if padded:  # as drafters.dflash.load does on CUDA: padded context cache, power-of-two blocks
+                drafter.cache_bucket = s.bucket
                 ddesc += ", padded context cache"
             out["dflash"] = (drafter, None, ddesc)
         except Exception as e:  # noqa: BLE001 - the DFlash family may be missing in this build
@@ -401,7 +380,9 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress) 
         if "draft_model" in drafters:
             padded_cache.prewarm(drafters["draft_model"][1], max_len, [1, 2], s.bucket)
         if "dflash" in drafters:
-            prewarm_dflash(drafters["dflash"][0], max_len, s.bucket, cap)
+            from ...drafters.dflash import prewarm as prewarm_dflash
+
+            prewarm_dflash(drafters["dflash"][0], max_len, cap)
         prewarm_s = time.perf_counter() - t
 
     # warm-up: every method once, on a length shorter than any timed range

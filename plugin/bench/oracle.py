@@ -105,7 +105,7 @@ class OracleSession(CountingSession):
         real = self.inner.propose(state, max_drafts)  # its cost counts; its tokens do not
         self._inner_k = len(real.tokens)
         if real.logprobs is not None:
-            mx.eval(real.logprobs)
+            mx.async_eval(real.logprobs)
         # state.tokens ends with the pending token at position len - 1: drafts start at len.
         return Proposal(self.oracle.drafts(len(state.tokens), max_drafts))
 
