@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Type
 
 import mlx.core as mx
 
@@ -61,10 +61,7 @@ def _propose(state: DecodeState, req: RequestRounds, max_drafts: int, lazy: bool
         if not lazy:
             tokens = tokens.tolist()
     if not isinstance(tokens, mx.array):
-        tokens = [int(t) for t in tokens[:max_drafts]]
-        bad = [t for t in tokens if not 0 <= t < req.vocab_size]
-        if bad:
-            raise ValueError(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
+        tokens = _in_vocabulary(req, [int(t) for t in tokens[:max_drafts]], ValueError)
     k = len(tokens)
     q = proposal.logprobs[:k] if proposal.logprobs is not None else None
     if q is not None and req.vocab_size and tuple(q.shape) != (k, req.vocab_size):
@@ -77,15 +74,18 @@ class DraftError(ValueError):
     """A drafter's output found unusable after the verify was queued (the round is rolled back)."""
 
 
+def _in_vocabulary(req: RequestRounds, tokens: List[int], error: Type[Exception]) -> List[int]:
+    bad = [t for t in tokens if not 0 <= t < req.vocab_size]
+    if bad:
+        raise error(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
+    return tokens
+
+
 def check_lazy_drafts(req: RequestRounds, proposal: Proposal) -> Proposal:
     """After the verify: the drafts as ints; out-of-vocabulary drafts raise ``DraftError``."""
     if not isinstance(proposal.tokens, mx.array):
         return proposal
-    tokens = proposal.tokens.tolist()
-    bad = [t for t in tokens if not 0 <= t < req.vocab_size]
-    if bad:
-        raise DraftError(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
-    return Proposal(tokens, proposal.logprobs)
+    return Proposal(_in_vocabulary(req, proposal.tokens.tolist(), DraftError), proposal.logprobs)
 
 
 def _accept(state: DecodeState, req: RequestRounds, proposal: Proposal, logprobs: mx.array) -> RoundOutcome:
