@@ -42,6 +42,10 @@ class FlakySession(DraftSession):
 
     def propose(self, state: Any, max_drafts: int) -> Proposal:
         self.calls += 1
+        if self.where == "oov" and self.calls == self.fail_at:  # a list with an out-of-vocabulary token
+            self.before = {"target": exact_state(state.cache), "own": exact_state(self.caches()),
+                           "tokens": list(state.tokens)}
+            return Proposal(list(self.inner.propose(state, max_drafts).tokens)[:-1] + [10**6])
         if self.where == "lazy":
             # Every proposal as an (unevaluated) array; round fail_at carries an out-of-vocabulary
             # token, found only after the verify was queued.
@@ -137,9 +141,11 @@ def test_drafter_raising_mid_round_falls_back_without_losing_tokens(arch: str, c
     assert CheckingHost.checked == before + 2
 
 
+@pytest.mark.parametrize("where", ["lazy", "oov"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
-def test_lazy_out_of_vocabulary_drafts_roll_the_round_back(arch: str, checkpoints: Dict[str, Any]) -> None:
-    host, target, drafter = _host(checkpoints[arch], fail_at=3, layers=[], where="lazy")
+def test_out_of_vocabulary_drafts_roll_the_round_back(arch: str, where: str, checkpoints: Dict[str, Any]) -> None:
+    """Lazy arrays are checked after the queued verify, lists before it: both leave every cache as before."""
+    host, target, drafter = _host(checkpoints[arch], fail_at=3, layers=[], where=where)
     before = CheckingHost.checked
     prompt = encode(target, "red green blue one two three red green blue one two")
     result = host.generate(target, prompt, no_stop(MAX_TOKENS))
