@@ -150,8 +150,7 @@ class Host:
         state.pending_logprobs = out.logprobs
         return out
 
-    def _pipelined_plain_steps(self, state: DecodeState, limit: Optional[int] = None,
-                               keep_captures: bool = False) -> Iterator[GeneratedToken]:
+    def _pipelined_plain_steps(self, state: DecodeState, limit: Optional[int] = None) -> Iterator[GeneratedToken]:
         """One-token steps with the next forward queued before the current token is read.
 
         The same operations as ``_plain_step``, so the same tokens; only the synchronisation moves.
@@ -159,7 +158,7 @@ class Host:
         yields, so it runs only when no plugin will take a step in the meantime: to the end of the
         request once every plugin is idle, or for ``limit`` steps a plugin granted (``plain_run``);
         the last step of a run queues nothing, so the caches then match ``pending`` again.
-        ``keep_captures``: record the tapped layers of every fed position (a drafter catches up).
+        The tapped layers (``state.capture_layers``) of every fed position are kept, as ``_plain_step`` does.
         """
         history = mx.array(state.tokens, dtype=mx.uint32)  # ends with the pending token
 
@@ -167,11 +166,8 @@ class Host:
             nonlocal history
             if extend and state.logits_processors:
                 history = mx.concatenate([history, token])
-            if keep_captures:
-                logits = state.forward(token)
-                state.keep_captures(1)
-            else:
-                logits = state.model(token[None], cache=state.cache)
+            logits = state.forward(token)
+            state.keep_captures(1)
             logits = state.apply_processors(history, logits[:, -1, :])  # [1, V]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return state.sampler(logprobs), logprobs
@@ -200,14 +196,14 @@ class Host:
         n_step = 0
         while state.remaining > 0:
             if all(impl.plugin in state.idle_plugins for impl in self.pm.hook.host_decode_step.get_hookimpls()):
-                yield from self._pipelined_plain_steps(state, keep_captures=bool(state.capture_layers))
+                yield from self._pipelined_plain_steps(state)
                 return
             state.plain_run = 0
             out = self.pm.hook.host_decode_step(state=state)
             if out is None:
                 run, state.plain_run = state.plain_run, 0
                 if run > 1:
-                    yield from self._pipelined_plain_steps(state, limit=run, keep_captures=bool(state.capture_layers))
+                    yield from self._pipelined_plain_steps(state, limit=run)
                 else:
                     yield self._plain_step(state)
             else:
