@@ -40,6 +40,8 @@ class RequestRounds:
     failed: Optional[str] = None
     vocab_size: int = 0
     extras: dict = field(default_factory=dict)
+    # (perf_counter, steps) when plain steps were handed out: their cost is measured at the next call.
+    plain_clock: Optional[Tuple[float, int]] = None
 
     def fall_back(self, where: str, error: BaseException) -> None:
         self.failed = f"drafter failed while {where}: {type(error).__name__}: {error}"
@@ -115,9 +117,15 @@ def draft_block(
     """
     if req.failed is not None:
         return None
-    paused = req.controller.take_plain_steps(None if plain_run else 1)
+    now = time.perf_counter()
+    if req.plain_clock is not None:
+        req.controller.record_plain(req.plain_clock[1], now - req.plain_clock[0])
+        req.plain_clock = None
+    paused = req.controller.take_plain_steps(state.remaining if plain_run else 1)
     if paused:
         state.plain_run = paused
+        req.plain_clock = (now, paused)
+        req.stats.plain_steps = req.controller.plain_steps
         return None
     block = req.controller.size
     max_drafts = min(block - 1, state.remaining - 1)
@@ -155,6 +163,7 @@ def finish_round(
     t = time.perf_counter()
     _session_commit(state, req, draft_txn, outcome.accepted, outcome.draft_tokens)
     req.controller.history.append(block)
+    req.controller.record_round(draft_seconds + verify_seconds)
     req.controller.update(outcome.accepted, outcome.draft_tokens)
     req.stats.record(outcome)
     req.stats.block_sizes = req.controller.history

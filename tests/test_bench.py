@@ -44,3 +44,13 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert set(spec["ms_per_round"]) == {"draft", "verify", "commit", "host_overhead"}
         assert rows["mlx_lm.generate_step"]["speedup_vs_mlx_lm_plain"] == 1.0
     assert report["versions"]["mlx"] and report["machine"]["backend"] == "cpu"
+    costs = report["kernel_costs"]  # bare forwards: the target over 1 and 4 positions, the draft LM's block
+    assert set(costs["target_forward_ms"]) == {"1", "4"} and costs["cache"] == "KVCache"
+    bare = costs["target_forward_ms"]["4"] + costs["draft_ms"]["draft_model"]["4"]
+    for regime in ("fresh", "warm"):
+        rows = report["results"][regime]
+        spec = rows["plugin draft_model b4 tau3"]
+        assert spec["bare_round_ms"] == pytest.approx(bare, abs=1e-3)
+        step_ms = 1000.0 / rows["mlx_lm.generate_step"]["tok_s"]
+        assert spec["kernel_bound_vs_mlx_lm_plain"] == pytest.approx(spec["tau"] * step_ms / bare, rel=1e-2)
+        assert "kernel_bound_vs_mlx_lm_plain" not in rows["mlx_lm.speculative_generate_step b4 tau3"]

@@ -1,4 +1,5 @@
-"""The adaptive block-size controller: quick shrink on collapse, slow growth to the cap, pinning."""
+"""The adaptive block-size controller: quick shrink on collapse, slow growth to the cap, pinning,
+pauses for plain steps sized by the measured costs."""
 
 from __future__ import annotations
 
@@ -15,11 +16,53 @@ def run(c: BlockSizeController, accepted_share: float, rounds: int) -> list[int]
     return sizes
 
 
-def test_collapse_shrinks_quickly_to_the_floor() -> None:
+def run_accepting(c: BlockSizeController, accepted: int, rounds: int) -> list[int]:
+    sizes = []
+    for _ in range(rounds):
+        sizes.append(c.next())
+        c.update(min(accepted, c.size - 1), c.size - 1)
+    return sizes
+
+
+def test_low_acceptance_shrinks_quickly() -> None:
     c = BlockSizeController(cap=16)
-    sizes = run(c, 0.0, 6)
+    sizes = run_accepting(c, 1, 6)
     assert sizes[:2] == [16, 16]  # one bad round alone does not shrink
-    assert sizes[2] <= 8 and sizes[4] == 2 and c.size == 2
+    assert sizes[2] <= 4 and sizes[-1] == sizes[2] and c.paused_left == 0
+
+
+def test_a_collapse_accepting_nothing_pauses_at_the_same_size() -> None:
+    c = BlockSizeController(cap=16)
+    assert run(c, 0.0, 2) == [16, 16]
+    # Shrinking cannot help when nothing was accepted; the probe meets the shapes already seen.
+    assert c.size == 16 and c.paused_left == c.min_pause
+
+
+def test_measured_costs_size_the_pause() -> None:
+    c = BlockSizeController(cap=16)
+    c.record_round(0.025)
+    c.record_plain(8, 0.040)  # 5 ms a plain step: a probe round costs 4 plain steps more
+    run(c, 0.0, 2)
+    assert c.paused_left == 80  # 4 extra steps are 5 % of 80
+    c.record_plain(4, 0.080)  # slower plain steps now: averaged, 12.5 ms
+    c.take_plain_steps()
+    c.update(0, 15)
+    assert c.paused_left == 160  # backoff (twice the last pause) beats the cost rule (ceil(1 / .05) = 20)
+
+
+def test_rounds_losing_to_plain_steps_pause() -> None:
+    # 2 of 15 drafts accepted: 3 tokens a round. 20 ms rounds against 5 ms plain steps lose,
+    # 10 ms rounds win; without a measured plain step only the acceptance rules apply.
+    for round_s, plain_s, pauses in ((0.020, 0.005, True), (0.010, 0.005, False), (0.020, 0.0, False)):
+        c = BlockSizeController(cap=16)
+        c.record_round(round_s)
+        c.record_plain(1, plain_s)
+        paused = []
+        for _ in range(12):
+            c.next()
+            c.update(min(2, c.size - 1), c.size - 1)
+            paused.append(c.take_plain_steps() > 0)
+        assert any(paused) == pauses, (round_s, plain_s)
 
 
 def test_one_bad_round_after_good_ones_keeps_the_block() -> None:
@@ -31,7 +74,7 @@ def test_one_bad_round_after_good_ones_keeps_the_block() -> None:
 
 def test_growth_is_slow_and_capped() -> None:
     c = BlockSizeController(cap=16)
-    run(c, 0.0, 6)
+    c.size = c.floor
     sizes = run(c, 1.0, 40)
     assert sizes == sorted(sizes) and max(sizes) == 16 and c.size == 16
     steps = [i for i in range(1, len(sizes)) if sizes[i] > sizes[i - 1]]
@@ -42,10 +85,9 @@ def test_growth_is_slow_and_capped() -> None:
 
 def test_partial_acceptance_holds_the_size() -> None:
     c = BlockSizeController(cap=8)
-    run(c, 0.0, 5)
-    small = c.size
+    c.size = 4
     run(c, 0.5, 10)
-    assert c.size == small
+    assert c.size == 4 and c.paused_left == 0
 
 
 def test_pinned_block_size_never_moves() -> None:
@@ -67,11 +109,11 @@ def test_collapse_at_the_floor_pauses_with_backoff_and_probes() -> None:
     assert c.paused_left == 8 and [c.take_plain_steps(1) for _ in range(9)] == [1] * 8 + [0]
     c.update(0, 1)  # the probe collapses again: twice as long, handed out at once
     assert c.paused_left == 16 and c.take_plain_steps() == 16 and c.take_plain_steps() == 0
-    for expect in (32, 64, 128, 128):  # doubling up to max_pause
+    for expect in (32, 64, 128, 256, 256):  # doubling up to max_pause
         c.update(0, 1)
         assert c.take_plain_steps() == expect
     c.update(1, 1)  # a good probe ends the backoff
-    assert c.pause == 0 and c.plain_steps == 8 + 16 + 32 + 64 + 128 + 128
+    assert c.pause == 0 and c.plain_steps == 8 + 16 + 32 + 64 + 128 + 256 + 256
     c.update(0, 1)
     c.update(0, 1)
     assert c.paused_left == 8

@@ -106,6 +106,7 @@ def test_greedy_equals_plain_with_zero_partial_full(arch: str, models: Dict[str,
     target = host.load(str(models[arch]))
     totals = {"zero": 0, "partial": 0, "full": 0}
     sizes: List[int] = []
+    plain_steps = 0
     for text in PROMPTS[:6]:
         prompt = encode(target, text)
         for n in (5, 40):
@@ -118,8 +119,10 @@ def test_greedy_equals_plain_with_zero_partial_full(arch: str, models: Dict[str,
             for k, v in stats.rounds_by_acceptance.items():
                 totals[k] += v
             sizes += stats.block_sizes
+            plain_steps += stats.plain_steps
     assert all(v > 0 for v in totals.values()), totals
-    assert max(sizes) == 16 and min(sizes) < 16  # adaptive: shrinks on collapse, back to the cap
+    # adaptive: a collapse shrinks the block or (nothing accepted) pauses for plain steps; back to the cap
+    assert max(sizes) == 16 and (min(sizes) < 16 or plain_steps > 0)
 
 
 def _cli_json(capsys: pytest.CaptureFixture, *args: str) -> Dict[str, Any]:

@@ -63,15 +63,17 @@ def test_random_drafter_still_exact(qwen3_pair: Dict[str, Any]) -> None:
     assert totals["zero"] > totals["full"]
 
 
-def test_adaptive_block_size_shrinks_then_pauses_on_rejection(qwen3_pair: Dict[str, Any]) -> None:
+def test_adaptive_block_size_pauses_on_rejection(qwen3_pair: Dict[str, Any]) -> None:
     host = make_host({"draft_model": str(qwen3_pair["random_drafter"])})
     target = host.load(str(qwen3_pair["target"]))
     prompt = encode(target, PROMPTS[0])
     result = host.generate(target, prompt, no_stop(60))
     stats = result.report["speculative"]
-    assert stats.block_sizes[0] == 4 and min(stats.block_sizes) == 2
-    # Rounds that keep failing at the floor give way to plain steps; nothing is lost or repeated.
-    assert stats.plain_steps > 0 and stats.rounds + stats.plain_steps < 59
+    assert stats.block_sizes[0] == 4
+    # Rounds that keep failing give way to plain steps (timed: the next pauses are sized by the
+    # measured costs); nothing is lost or repeated.
+    assert stats.plain_steps > 0 and stats.rounds + stats.accepted_tokens + stats.plain_steps == 59
+    assert stats.block_sizes == [4] * stats.rounds and stats.rounds <= 4  # paused at the same size, backing off
     assert result.tokens == greedy_reference(target.model, prompt, 60)
 
 

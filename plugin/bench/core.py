@@ -424,8 +424,34 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress) 
                 runs.append(r)
                 tau = f" tau {1 + r.spec['accepted_tokens'] / r.spec['rounds']:.2f}" if r.spec and r.spec["rounds"] else ""
                 print(f"[run] {regime} L={L} {m.name}: {r.tok_s:.1f} tok/s{tau}", flush=True)
+    on_progress("bare forward costs (kernel bound)")
+    timed_lens = sorted(L for row in lengths for L in row)
+    costs = kernel_costs(s, target, drafters, methods, timed_lens[len(timed_lens) // 2] + s.max_tokens // 2, padded)
     on_progress("done\n")
-    return summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start)
+    return summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start,
+                     costs)
+
+
+def kernel_costs(s: BenchSettings, target: LoadedTarget, drafters: Dict[str, Any], methods: List[Method],
+                 key_length: int, padded: bool, iters: int = 10) -> Dict[str, Any]:
+    """Bare, warm, synchronised forward costs after ``key_length`` positions (plugin/bench/kernels.py):
+    the target over 1 position and over each block, and each drafter's block."""
+    from . import kernels
+
+    bucket = s.bucket if padded else None
+    blocks = sorted({m.block for m in methods if m.family == "spec" and m.block})
+    target_ms = kernels.target_forward_ms(target.model, key_length, [1] + blocks, iters, bucket)
+    draft_ms: Dict[str, Dict[int, float]] = {}
+    for kind in sorted({m.kind for m in methods if m.family == "spec" and m.kind in drafters}):
+        drafter, draft_lm, _ = drafters[kind]
+        if kind == "dflash":
+            draft_ms[kind] = {b: kernels.dflash_block_ms(drafter, key_length, b, iters) for b in blocks}
+        elif kind == "draft_model" and draft_lm is not None:
+            draft_ms[kind] = {b: kernels.draft_lm_ms(draft_lm, key_length, b, iters, bucket) for b in blocks}
+    return {"key_length": key_length, "cache": "padded" if padded else "KVCache", "iters": iters,
+            "target_forward_ms": {str(w): v["ms"] for w, v in target_ms.items()},
+            "target_graph_build_ms": {str(w): v["build_ms"] for w, v in target_ms.items()},
+            "draft_ms": {k: {str(b): ms for b, ms in v.items()} for k, v in draft_ms.items()}}
 
 
 # -- summary --------------------------------------------------------------------------------------
@@ -440,7 +466,8 @@ def _per_position(spec: Dict[str, Any], drafted: List[int]) -> List[float]:
 
 
 def summarize(s: BenchSettings, methods: List[Method], runs: List[Run], lengths: List[List[int]], note: str,
-              drafters: Dict[str, Any], padded: bool, prewarm_s: float, wall_s: float) -> Dict[str, Any]:
+              drafters: Dict[str, Any], padded: bool, prewarm_s: float, wall_s: float,
+              costs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     import importlib.metadata as md
 
     def med(xs: List[float]) -> float:
@@ -496,6 +523,12 @@ def summarize(s: BenchSettings, methods: List[Method], runs: List[Run], lengths:
                 ideal = r["tau"] * t_step / t_round if t_round else 0.0
                 r["ideal_bound"] = round(ideal, 3)
                 r["share_of_ideal"] = round(r["speedup_vs_best_project_plain"] / ideal, 3) if ideal else None
+            bare = _bare_round_ms(costs, r)
+            if bare and r.get("tau") and base and project_plain:
+                # No machinery at all: tau tokens for one bare draft + one bare verify.
+                r["bare_round_ms"] = round(bare, 3)
+                r["kernel_bound_vs_mlx_lm_plain"] = round(r["tau"] * (1000.0 / base) / bare, 3)
+                r["kernel_bound_vs_best_project_plain"] = round(r["tau"] * (1000.0 / project_plain) / bare, 3)
         results[regime] = rows
 
     def version(name: str) -> str:
@@ -519,23 +552,41 @@ def summarize(s: BenchSettings, methods: List[Method], runs: List[Run], lengths:
         "padded_cache": {"on": padded, "bucket": s.bucket, "prewarm_seconds": round(prewarm_s, 2)},
         "prompt_lengths": {"bases": s.prompt_lengths, "per_method": {m.name: [lengths[p][i] for p in range(len(lengths))] for i, m in enumerate(methods)}},
         "regimes": {"fresh": "key lengths never run before in this process", "warm": "the same lengths replayed"},
+        "kernel_costs": costs,
         "results": results,
         "wall_seconds": round(wall_s, 1),
     }
+
+
+def _bare_round_ms(costs: Optional[Dict[str, Any]], row: Dict[str, Any]) -> Optional[float]:
+    if not costs or row.get("family") != "spec" or not row.get("block") or row["name"].startswith("mlx_lm"):
+        return None
+    verify = costs["target_forward_ms"].get(str(row["block"]))
+    draft = costs["draft_ms"].get(row.get("kind"), {}).get(str(row["block"]))
+    return verify + draft if verify is not None and draft is not None else None
 
 
 def format_table(report: Dict[str, Any]) -> str:
     lines = []
     for regime, rows in report["results"].items():
         lines.append(f"{regime} shapes:")
-        lines.append(f"  {'method':<44} {'tok/s':>8} {'x mlx-lm':>8} {'x proj':>7} {'tau':>6} {'ideal%':>7} {'same':>5}  ms/round d/v/c/host")
+        lines.append(f"  {'method':<44} {'tok/s':>8} {'x mlx-lm':>8} {'x proj':>7} {'tau':>6} {'ideal%':>7} {'bound':>6} {'same':>5}  ms/round d/v/c/host")
         for name, r in rows.items():
             ms = r.get("ms_per_round")
             split = "/".join(f"{ms[k]:.1f}" for k in ("draft", "verify", "commit", "host_overhead")) if ms else ""
             share = f"{100 * r['share_of_ideal']:.0f}" if r.get("share_of_ideal") else ""
             tau = f"{r['tau']:.2f}" if r.get("tau") is not None else ""
+            bound = f"{r['kernel_bound_vs_mlx_lm_plain']:.2f}" if r.get("kernel_bound_vs_mlx_lm_plain") else ""
             lines.append(f"  {name:<44} {r['tok_s']:>8.1f} {r['speedup_vs_mlx_lm_plain']:>8.2f} "
-                         f"{r['speedup_vs_best_project_plain'] or 0:>7.2f} {tau:>6} {share:>7} {'' if r['identical_share'] is None else format(r['identical_share'], '.0%'):>5}  {split}")
+                         f"{r['speedup_vs_best_project_plain'] or 0:>7.2f} {tau:>6} {share:>7} {bound:>6} {'' if r['identical_share'] is None else format(r['identical_share'], '.0%'):>5}  {split}")
+    costs = report.get("kernel_costs")
+    if costs:
+        fwd = ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["target_forward_ms"].items())
+        drafts = "; ".join(f"{k} " + ", ".join(f"b{b}: {ms:.2f}" for b, ms in v.items()) for k, v in costs["draft_ms"].items())
+        lines.append(f"bare forwards after {costs['key_length']} keys ({costs['cache']}), ms: target by positions {fwd}; "
+                     f"drafters {drafts}")
+        lines.append("bound: tau * T(mlx-lm plain step) / (bare draft + bare verify), the speed-up over mlx-lm "
+                     "with no machinery at all")
     return "\n".join(lines)
 
 
