@@ -63,7 +63,6 @@ def target_forward_ms(model: Any, key_length: int, widths: List[int], iters: int
 
         ms = timed(fwd, iters)
         out[n] = {"ms": round(ms, 3), "build_ms": round(statistics.median(builds), 3)}
-    del cache
     mx.clear_cache()
     return out
 
@@ -90,7 +89,6 @@ def dflash_block_ms(drafter: Any, key_length: int, block: int, iters: int, new_c
         return drafts
 
     ms = timed(fwd, iters)
-    del caches
     mx.clear_cache()
     return round(ms, 3)
 
@@ -110,6 +108,5 @@ def draft_lm_ms(draft_lm: Any, key_length: int, block: int, iters: int, bucket: 
         return y
 
     ms = timed(fwd, iters)
-    del cache
     mx.clear_cache()
     return round(ms, 3)
