@@ -53,4 +53,6 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert spec["bare_round_ms"] == pytest.approx(bare, abs=1e-3)
         step_ms = 1000.0 / rows["mlx_lm.generate_step"]["tok_s"]
         assert spec["kernel_bound_vs_mlx_lm_plain"] == pytest.approx(spec["tau"] * step_ms / bare, rel=1e-2)
+        verify = costs["target_forward_ms"]["4"]
+        assert spec["verify_ceiling_vs_mlx_lm_plain"] == pytest.approx(spec["tau"] * step_ms / verify, rel=1e-2)
         assert "kernel_bound_vs_mlx_lm_plain" not in rows["mlx_lm.speculative_generate_step b4 tau3"]

@@ -525,10 +525,14 @@ def summarize(s: BenchSettings, methods: List[Method], runs: List[Run], lengths:
                 r["share_of_ideal"] = round(r["speedup_vs_best_project_plain"] / ideal, 3) if ideal else None
             bare = _bare_round_ms(costs, r)
             if bare and r.get("tau") and base and project_plain:
-                # No machinery at all: tau tokens for one bare draft + one bare verify.
+                # No machinery at all: tau tokens for one bare draft + one bare verify; the ceiling
+                # counts the verify alone (a drafter that costs nothing).
+                verify = costs["target_forward_ms"][str(r["block"])]
                 r["bare_round_ms"] = round(bare, 3)
                 r["kernel_bound_vs_mlx_lm_plain"] = round(r["tau"] * (1000.0 / base) / bare, 3)
                 r["kernel_bound_vs_best_project_plain"] = round(r["tau"] * (1000.0 / project_plain) / bare, 3)
+                r["verify_ceiling_vs_mlx_lm_plain"] = round(r["tau"] * (1000.0 / base) / verify, 3)
+                r["verify_ceiling_vs_best_project_plain"] = round(r["tau"] * (1000.0 / project_plain) / verify, 3)
         results[regime] = rows
 
     def version(name: str) -> str:
@@ -586,7 +590,8 @@ def format_table(report: Dict[str, Any]) -> str:
         lines.append(f"bare forwards after {costs['key_length']} keys ({costs['cache']}), ms: target by positions {fwd}; "
                      f"drafters {drafts}")
         lines.append("bound: tau * T(mlx-lm plain step) / (bare draft + bare verify), the speed-up over mlx-lm "
-                     "with no machinery at all")
+                     "with no machinery at all (each forward timed alone and synchronised; a round overlaps the "
+                     "drafter's kernels with building the verify, so it can beat this)")
     return "\n".join(lines)
 
 

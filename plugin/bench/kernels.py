@@ -1,9 +1,10 @@
 """Bare forward costs, timed alone: what a round costs with no machinery at all.
 
 A round is one drafter call and one target forward over the block, one after the other (the
-verify needs the drafts). Timed warm and synchronised, they bound what any round loop can reach:
-``kernel bound = tau * T(one-token step) / (T(draft) + T(verify))``. ``mlx-spec bench`` reports it
-beside the measured speed-ups; bench/verify_cost.py breaks the same forwards down further.
+verify needs the drafts). Timed warm and synchronised, they give what a round loop with no
+machinery reaches: ``kernel bound = tau * T(one-token step) / (T(draft) + T(verify))``, and with a
+drafter that costs nothing, ``verify ceiling = tau * T(one-token step) / T(verify)``. ``mlx-spec
+bench`` reports both beside the measured speed-ups; bench/verify_cost.py breaks the forwards down.
 """
 
 from __future__ import annotations
