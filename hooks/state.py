@@ -135,76 +135,6 @@ class StepOutput:
     tokens: List[GeneratedToken]
 
 
-class Captures(dict):
-    """layer -> [1, L, H] tapped outputs. ``append`` only queues a chunk: reading a layer joins its
-    chunks in one concatenation, so a run of one-token steps adds no copy of the growing array
-    per step. Assigning a layer replaces it, queued chunks included."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._chunks: Dict[int, List[mx.array]] = {}
-
-    def append(self, layer: int, h: mx.array) -> None:
-        self._chunks.setdefault(layer, []).append(h)
-
-    def _join(self, layer: int) -> None:
-        chunks = self._chunks.pop(layer, None)
-        if chunks:
-            parts = ([dict.__getitem__(self, layer)] if dict.__contains__(self, layer) else []) + chunks
-            dict.__setitem__(self, layer, mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
-
-    def _join_all(self) -> None:
-        for layer in list(self._chunks):
-            self._join(layer)
-
-    def __getitem__(self, layer: int) -> mx.array:
-        self._join(layer)
-        return dict.__getitem__(self, layer)
-
-    def __setitem__(self, layer: int, value: mx.array) -> None:
-        self._chunks.pop(layer, None)
-        dict.__setitem__(self, layer, value)
-
-    def __delitem__(self, layer: int) -> None:
-        had = self._chunks.pop(layer, None) is not None
-        if dict.__contains__(self, layer) or not had:
-            dict.__delitem__(self, layer)
-
-    def __contains__(self, layer: object) -> bool:
-        return dict.__contains__(self, layer) or layer in self._chunks
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        self._join_all()
-        return dict.__iter__(self)
-
-    def __len__(self) -> int:
-        self._join_all()
-        return dict.__len__(self)
-
-    def get(self, layer: int, default: Any = None) -> Any:
-        return self[layer] if layer in self else default
-
-    def keys(self):  # type: ignore[no-untyped-def]
-        self._join_all()
-        return dict.keys(self)
-
-    def values(self):  # type: ignore[no-untyped-def]
-        self._join_all()
-        return dict.values(self)
-
-    def items(self):  # type: ignore[no-untyped-def]
-        self._join_all()
-        return dict.items(self)
-
-    def pop(self, layer: int, *default: Any) -> Any:
-        self._join(layer)
-        return dict.pop(self, layer, *default)
-
-    def clear(self) -> None:
-        self._chunks.clear()
-        dict.clear(self)
-
-
 @dataclass
 class DecodeState:
     """One request's decode state, shared by the host and the plugins."""
@@ -219,7 +149,7 @@ class DecodeState:
     max_tokens: int
     capture_layers: List[int] = field(default_factory=list)
     # layer -> [1, L, H]: outputs for positions fed to the target and not yet consumed.
-    captures: Captures = field(default_factory=Captures)
+    captures: Dict[int, mx.array] = field(default_factory=dict)
     # layer -> [1, n, H]: outputs of the positions fed by the latest ``forward``.
     last_captures: Dict[int, mx.array] = field(default_factory=dict)
     pending_logprobs: Optional[mx.array] = None
@@ -271,7 +201,8 @@ class DecodeState:
     def keep_captures(self, n: int) -> None:
         """Append the first n positions of ``last_captures`` to ``captures``."""
         for i, h in self.last_captures.items():
-            self.captures.append(i, h if h.shape[1] == n else h[:, :n])
+            h = h[:, :n]
+            self.captures[i] = mx.concatenate([self.captures[i], h], axis=1) if i in self.captures else h
         self.last_captures = {}
 
     def next_key(self) -> Optional[mx.array]:

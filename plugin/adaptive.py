@@ -76,6 +76,11 @@ class BlockSizeController:
         self.plain_steps += n
         return n
 
+    def plain_to_end(self, steps: int) -> int:
+        """Plain steps instead of a probe round (too few tokens left for one to pay off)."""
+        self.plain_steps += steps
+        return steps
+
     def _average(self, old: float, new: float) -> float:
         return new if old <= 0 else self.decay * new + (1 - self.decay) * old
 

@@ -173,7 +173,7 @@ def prewarm(
     shapes = [(c.keys.shape, c.values.shape, c.keys.dtype) for c in padded]
     others = [c for c in caches if not isinstance(c, PaddedKVCache)]
     runs = 0
-    for span in range(bucket, max(bucket, max_tokens) + 1, bucket):
+    for span in range(bucket, -(-max(bucket, max_tokens) // bucket) * bucket + 1, bucket):
         for q in sorted(set(widths)):
             if q > span or (q == 1 and not padded[0].pad_steps):
                 continue  # one-token steps keep exact lengths: nothing to warm

@@ -244,4 +244,6 @@ def test_prewarm_runs_every_bucket_and_width(models: Dict[str, Path]) -> None:
     drafter = target.attachments["speculative"].drafter
     assert drafter.cache_bucket is None and prewarm(drafter, 64, 16) == 0  # CPU: padded caches are off
     drafter.cache_bucket = 16
-    assert prewarm(drafter, 64, 16) == 4 * 4  # spans 16..64 x widths 2, 4, 8, 16
+    # spans 16..64 x widths 2, 4, 8, 16, and context counts 1, 2, 4 .. 512
+    assert prewarm(drafter, 64, 16) == 4 * 4 + 10
+    assert prewarm(drafter, 50, 16) == 4 * 4 + 10  # 50 keys need the 64-key span too

@@ -281,33 +281,3 @@ def test_plain_run_takes_pipelined_steps_with_captures(sampling: Dict[str, Any],
     # the last step of a run queues nothing: the caches hold exactly the fed tokens (the invariant)
     assert states[0].cache[0].offset == len(fed)
 
-
-def test_captures_join_queued_chunks_on_read() -> None:
-    """``state.captures`` reads as layer -> [1, L, H]; appended steps are joined once, on read."""
-    import mlx.core as mx
-
-    from mlx_speculative.hooks.state import Captures
-
-    c = Captures()
-    a, b, d = (mx.full((1, n, 2), float(n)) for n in (3, 1, 2))
-    c[5] = a
-    c.append(5, b)
-    c.append(5, d)
-    c.append(7, b)
-    assert 5 in c and 7 in c and 9 not in c and sorted(c) == [5, 7] and len(c) == 2
-    assert c[5].shape == (1, 6, 2) and c[5][0, :, 0].tolist() == [3, 3, 3, 1, 2, 2]
-    assert c.get(7).shape == (1, 1, 2) and c.get(9) is None
-    c.append(5, b)
-    c[5] = c[5][:, 4:]  # a drafter consuming positions: the queued chunk is read first
-    assert c[5][0, :, 0].tolist() == [2, 2, 1]
-    c.append(7, d)
-    c[7] = a  # assigning replaces the layer, queued chunks included
-    assert c[7].shape == (1, 3, 2)
-    c.append(8, b)
-    assert [v.shape[1] for v in c.values()] == [3, 3, 1] and dict(c.items()).keys() == {5, 7, 8}
-    c.append(9, b)
-    del c[9]
-    assert 9 not in c
-    c.append(9, b)
-    c.clear()
-    assert not c and 9 not in c

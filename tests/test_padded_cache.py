@@ -128,3 +128,10 @@ def test_round_loop_padded_full_acceptance(llama_pair: Dict[str, Any]) -> None:
 def test_round_loop_padded_zero_acceptance(qwen3_pair: Dict[str, Any]) -> None:
     totals = _compare(qwen3_pair, {"draft_model": str(qwen3_pair["random_drafter"]), "block_size": 4}, lengths=(17,))
     assert totals["zero"] > 0, totals
+
+
+def test_prewarm_covers_the_bucket_holding_the_last_key(llama_pair: Dict[str, Any]) -> None:
+    model = make_host(None, plugins=False).load(str(llama_pair["target"])).model
+    # 50 keys end in the 49..64 bucket: spans 16, 32, 48, 64 x widths 2 and 4
+    assert padded_cache.prewarm(model, 50, widths=[2, 4], bucket=16) == 8
+    assert padded_cache.prewarm(model, 48, widths=[2, 4], bucket=16) == 6

@@ -74,7 +74,13 @@ class DFlashSession(DraftSession):
         # meet few attention shapes; the padding slots are masked out as keys.
         width = 1 << (B - 1).bit_length() if d.cache_bucket else B
         block = mx.array([[state.pending] + [d.mask_token_id] * (width - 1)], dtype=mx.uint32)  # [1, width]
-        h = d.model(d.embed(block), hidden, self.cache, width=B)  # [1, width, H]
+        if d.cache_bucket and n > 1:
+            # The context too: a catch-up after plain steps feeds any number of positions, and each
+            # new count would build new kernels; the padding rows are trimmed off the cache.
+            n_pad = 1 << (n - 1).bit_length()
+            if n_pad > n:
+                hidden = mx.concatenate([hidden, mx.zeros((1, n_pad - n, hidden.shape[2]), hidden.dtype)], axis=1)
+        h = d.model(d.embed(block), hidden, self.cache, width=B, context_len=n)  # [1, width, H]
         logits = d.head(h[:, 1:B]).astype(mx.float32)[0]  # [k, V]
         self._consumed = n
         if state.sampling.greedy:
@@ -307,10 +313,13 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     return drafter
 
 
+CONTEXT_PREWARM = 512  # padded context counts pre-warmed: 1, 2, 4 .. 512 (a catch-up after a pause)
+
+
 def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
     """One drafter forward per (context bucket, power-of-two block width) up to ``max_tokens``
-    context positions, so that rounds meet no attention shape for the first time (CUDA compiles
-    each one, 40-70 ms). Returns the number of forwards."""
+    context positions, and one per power-of-two context count, so that rounds meet no attention
+    shape for the first time (CUDA compiles each one, 40-70 ms). Returns the number of forwards."""
     from ...plugin.padded_cache import PaddedKVCache
 
     bucket = drafter.cache_bucket
@@ -321,10 +330,16 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
     caches = model.make_cache(lambda: PaddedKVCache(bucket))
     widths = [1 << i for i in range(1, (max(2, block) - 1).bit_length() + 1)]
     emb = mx.zeros((1, widths[-1], args.hidden_size), dtype)
-    model(emb[:, :2], mx.zeros((1, 1, len(args.target_layer_ids) * args.hidden_size), dtype), caches)
-    shapes = [(c.keys.shape, c.values.shape) for c in caches]
+    taps = len(args.target_layer_ids) * args.hidden_size
     runs = 0
-    for span in range(bucket, max(bucket, max_tokens) + 1, bucket):
+    for n in (1 << i for i in range(CONTEXT_PREWARM.bit_length())):  # padded context counts (propose)
+        mx.eval(model(emb[:, :2], mx.zeros((1, n, taps), dtype), caches, width=1))
+        for c in caches:
+            c.trim(c.offset)
+        runs += 1
+    model(emb[:, :2], mx.zeros((1, 1, taps), dtype), caches)
+    shapes = [(c.keys.shape, c.values.shape) for c in caches]
+    for span in range(bucket, -(-max(bucket, max_tokens) // bucket) * bucket + 1, bucket):
         for c, (ks, vs) in zip(caches, shapes):
             c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dtype)
             c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dtype)

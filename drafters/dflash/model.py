@@ -164,11 +164,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def __call__(self, x: mx.array, context: Optional[mx.array], cache: KVCache, width: Optional[int] = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, context: Optional[mx.array], cache: KVCache, width: Optional[int] = None,
+        context_len: Optional[int] = None,
+    ) -> mx.array:
         B, T, _ = x.shape
         width = T if width is None else width  # block slots past ``width`` are padding
         if context is not None and context.shape[1] > 0:
             cache.update_and_fetch(*self.keys_values(context, cache.offset))
+            if context_len is not None and context_len < context.shape[1]:
+                cache.trim(context.shape[1] - context_len)  # padding rows: past the offset, masked
         start = cache.offset  # the block continues the context's positions
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
@@ -213,9 +218,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, context: Optional[mx.array], cache: KVCache, width: Optional[int] = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, context: Optional[mx.array], cache: KVCache, width: Optional[int] = None,
+        context_len: Optional[int] = None,
+    ) -> mx.array:
         # The context is already normalised (hidden_norm); only the block goes through input_layernorm.
-        h = x + self.self_attn(self.input_layernorm(x), context, cache, width)
+        h = x + self.self_attn(self.input_layernorm(x), context, cache, width, context_len)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -235,17 +243,20 @@ class Model(nn.Module):
         return self.hidden_norm(self.fc(hidden))
 
     def __call__(
-        self, embeddings: mx.array, hidden: Optional[mx.array], cache: List[KVCache], width: Optional[int] = None
+        self, embeddings: mx.array, hidden: Optional[mx.array], cache: List[KVCache], width: Optional[int] = None,
+        context_len: Optional[int] = None,
     ) -> mx.array:
         """embeddings: [B, T, H] of the block; hidden: [B, n, n_taps*H] target states not yet in
         ``cache`` (or None). Appends their context K/V to ``cache``; returns [B, T, H] normed states.
         ``width``: only the first ``width`` block positions are real (the rest pad the block to a
         width whose attention shape was seen before; no real position attends to them).
+        ``context_len``: only the first ``context_len`` rows of ``hidden`` are real; the cache
+        keeps those (the rest pad the count to one whose kernels were built before).
         """
         context = self.context_states(hidden) if hidden is not None and hidden.shape[1] > 0 else None
         h = embeddings
         for layer, c in zip(self.layers, cache):
-            h = layer(h, context, c, width)
+            h = layer(h, context, c, width, context_len)
         return self.norm(h)
 
     def make_cache(self, factory: Callable[[], Any] = KVCache) -> List[Any]:
