@@ -115,7 +115,7 @@ class DecodeBatch:
             lp = s.logprobs(logits[b : b + 1, -1:])  # [1, V]
             logprobs.append(lp)
             sampled.append(s.sampler(lp))
-        mx.eval(sampled, logprobs)
+        mx.eval(sampled, logprobs, [list(s.captures.values()) for s in self.rows])  # captures: see Host._plain_step
         out = []
         for s, t, lp in zip(self.rows, sampled, logprobs):
             gen = GeneratedToken(int(t.item()), lp[0])

@@ -144,7 +144,9 @@ class Host:
         state.keep_captures(1)
         logprobs = state.logprobs(logits[:, -1:])  # [1, V]
         sampled = state.sampler(logprobs)
-        mx.eval(sampled, logprobs)
+        # The captures too: left lazy, a run of steps would leave a chain of concatenations for the
+        # next round to build and run on its critical path.
+        mx.eval(sampled, logprobs, list(state.captures.values()))
         out = GeneratedToken(int(sampled.item()), logprobs[0])
         state.tokens.append(out.token)
         state.pending_logprobs = out.logprobs
@@ -173,14 +175,14 @@ class Host:
             return state.sampler(logprobs), logprobs
 
         y, logprobs = step(mx.array([state.pending], dtype=mx.uint32), extend=False)
-        mx.async_eval(y, logprobs)
+        mx.async_eval(y, logprobs, list(state.captures.values()))
         n = 0
         while True:
             n += 1
             last = state.remaining <= 1 or (limit is not None and n >= limit)
             if not last:
                 next_y, next_logprobs = step(y, extend=True)
-                mx.async_eval(next_y, next_logprobs)
+                mx.async_eval(next_y, next_logprobs, list(state.captures.values()))
             out = GeneratedToken(int(y.item()), logprobs[0])
             state.tokens.append(out.token)
             state.pending_logprobs = out.logprobs
