@@ -4,43 +4,28 @@
 
 Builds the synthetic target (plugin/bench/synthetic.py) in memory and times, warm and synchronised
 (median of ``--iters``): each weight shape's ``x @ W.T`` for 1..32 rows (as mlx-lm's Linear runs it)
-and against a pre-transposed copy; attention for 1 and 16 queries; the whole target forward for
-1..32 positions after ``--key-length`` cached positions, with ``KVCache`` and the padded cache; and
-the DFlash-shape drafter's block forward. Run it on the GPU machine; CPU figures only check it runs.
+and against a pre-transposed copy; attention for 1 and 16 queries; the whole target forward (and its
+log-softmax) for 1..32 positions after ``--key-length`` cached positions, with ``KVCache`` and the
+padded cache; and the DFlash-shape drafter's block forward (plugin/bench/kernels.py, as the bench's
+kernel bound times them). Run it on the GPU machine; CPU figures only check it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_lm.models.cache import KVCache  # noqa: E402
-
 from mlx_speculative.plugin import padded_cache  # noqa: E402
-from mlx_speculative.plugin.bench import synthetic  # noqa: E402
-
-
-def timed(fn: Callable[[], Any], iters: int) -> float:
-    """Median milliseconds of ``fn`` (evaluated and synchronised), after two warm-up calls."""
-    for _ in range(2):
-        mx.eval(fn())
-    mx.synchronize()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
+from mlx_speculative.plugin.bench.kernels import timed  # noqa: E402
 
 
 def matmuls(config: Dict[str, Any], widths: List[int], iters: int, dtype: mx.Dtype) -> List[Dict[str, Any]]:
@@ -88,62 +73,25 @@ def attention(config: Dict[str, Any], key_length: int, iters: int, dtype: mx.Dty
     return rows
 
 
-def forwards(model: Any, config: Dict[str, Any], key_length: int, widths: List[int], iters: int) -> List[Dict[str, Any]]:
+def forwards(model: Any, key_length: int, widths: List[int], iters: int) -> List[Dict[str, Any]]:
     rows = []
-    layers = config["num_hidden_layers"]
-    prompt = mx.array([list(range(2, 2 + key_length))], dtype=mx.uint32)
-    for cache_name, make in (("KVCache", lambda: KVCache()),
-                             ("padded", lambda: padded_cache.PaddedKVCache(padded_cache.DEFAULT_BUCKET))):
-        cache = [make() for _ in range(layers)]
-        for i in range(0, key_length, 512):
-            mx.eval(model(prompt[:, i:i + 512], cache=cache)[:, -1])
-        for n in widths:
-            toks = mx.array([[3 + (i % 50) for i in range(n)]], dtype=mx.uint32)
-
-            builds: List[float] = []
-
-            def fwd() -> mx.array:
-                t = time.perf_counter()
-                out = model(toks, cache=cache)
-                builds.append((time.perf_counter() - t) * 1e3)  # the graph, built on the CPU
-                mx.eval(out)
-                for c in cache:
-                    c.trim(n)
-                return out
-
-            ms = timed(fwd, iters)
-            build = statistics.median(builds)
-            rows.append({"cache": cache_name, "positions": n, "keys": key_length, "ms": round(ms, 3), "build_ms": round(build, 3)})
-            print(f"forward {cache_name:7s} positions {n:2d} after {key_length}: {ms:7.3f} ms (graph build {build:.3f} ms)", flush=True)
+    for cache_name, bucket in (("KVCache", None), ("padded", padded_cache.DEFAULT_BUCKET)):
+        for n, r in kernels.target_forward_ms(model, key_length, widths, iters, bucket).items():
+            rows.append({"cache": cache_name, "positions": n, "keys": key_length, **r})
+            print(f"forward {cache_name:7s} positions {n:2d} after {key_length}: {r['ms']:7.3f} ms "
+                  f"(graph build {r['build_ms']:.3f} ms)", flush=True)
     return rows
 
 
 def drafter_forward(model: Any, config: Dict[str, Any], key_length: int, iters: int) -> List[Dict[str, Any]]:
     """A DFlash round's draft: 7 new context positions (tau ~6.5) + a block through the drafter + the head."""
     drafter, desc = synthetic.dflash_drafter(model, config)
-    inner, rows = drafter.model, []
-    dtype = model.model.embed_tokens.weight.dtype
-    taps = len(inner.args.target_layer_ids) * config["hidden_size"]
+    rows = []
     for cache_name, bucket in (("KVCache", None), ("padded", padded_cache.DEFAULT_BUCKET)):
-        caches = inner.make_cache(lambda: padded_cache.PaddedKVCache(bucket)) if bucket else inner.make_cache()
-        ctx = (mx.random.normal((1, key_length, taps)) * 0.1).astype(dtype)
-        new = (mx.random.normal((1, 7, taps)) * 0.1).astype(dtype)
-        mx.eval(inner(drafter.embed(mx.array([[5, 6]], dtype=mx.uint32)), ctx, caches), new)
-        for c in caches:
-            c.trim(0)
+        drafter.cache_bucket = bucket
         for block in (2, 4, 8, 16):
-            toks = mx.array([[5] * block], dtype=mx.uint32)
-
-            def fwd() -> mx.array:
-                h = inner(drafter.embed(toks), new, caches, width=block)
-                out = mx.argmax(drafter.head(h[:, 1:block]).astype(mx.float32), axis=-1)
-                mx.eval(out)
-                for c in caches:
-                    c.trim(7)
-                return out
-
-            ms = timed(fwd, iters)
-            rows.append({"cache": cache_name, "block": block, "context": key_length, "ms": round(ms, 3), "drafter": desc})
+            ms = kernels.dflash_block_ms(drafter, key_length, block, iters)
+            rows.append({"cache": cache_name, "block": block, "context": key_length, "ms": ms, "drafter": desc})
             print(f"drafter {cache_name:7s} block {block:2d} context {key_length} (+7 new): {ms:7.3f} ms", flush=True)
     return rows
 
@@ -172,7 +120,7 @@ def main() -> None:
         model = synthetic.build(config)
         print(f"built {args.spec} in {time.perf_counter() - t:.1f} s", flush=True)
         if "forward" not in skip:
-            result["forward"] = forwards(model, config, args.key_length, widths, args.iters)
+            result["forward"] = forwards(model, args.key_length, widths, args.iters)
         if "drafter" not in skip:
             result["drafter"] = drafter_forward(model, config, args.key_length, args.iters)
     if args.json:

@@ -517,6 +517,8 @@ def summarize(s: BenchSettings, methods: List[Method], runs: List[Run], lengths:
             r["speedup_vs_mlx_lm_plain"] = round(r["tok_s"] / base, 3) if base else None
             r["speedup_vs_best_project_plain"] = round(r["tok_s"] / project_plain, 3) if project_plain else None
             r["speedup_vs_best_plain"] = round(r["tok_s"] / best_plain, 3) if best_plain else None
+            if r.get("adaptive"):
+                continue  # per-round bounds say nothing about a run that is mostly plain steps
             if "ms_per_round" in r and project_plain:
                 t_step = 1000.0 / project_plain
                 t_round = r["ms_per_round"]["draft"] + r["ms_per_round"]["verify"]
