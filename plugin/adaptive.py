@@ -19,6 +19,7 @@ average over rounds, so that one bad round after good ones does not shrink the b
   that collapses again doubles the pause (up to ``max_pause``); a round that accepts most of its
   drafts resets it. Once both costs are measured a pause is at least long enough that its probe
   round costs no more than ``probe_budget`` of it: (round / plain step - 1) / probe_budget steps.
+  No probe when fewer tokens are left than the pause before it (``skip_probe``).
 
 Costs are the round loop's wall-clock measurements (``record_round``, ``record_plain``), averaged
 like the rates; before a plain step was measured only the acceptance rules apply.
@@ -55,6 +56,7 @@ class BlockSizeController:
     pause: int = 0  # length of the next pause, in plain steps (0: not pausing)
     paused_left: int = 0  # plain steps still to take before the next probe round
     plain_steps: int = 0  # plain steps taken while paused, for the stats
+    probing: bool = False  # a pause is over: the next round is its probe
     _good: int = 0
 
     def __post_init__(self) -> None:
@@ -74,10 +76,16 @@ class BlockSizeController:
         n = self.paused_left if limit is None else min(limit, self.paused_left)
         self.paused_left -= n
         self.plain_steps += n
+        if n and not self.paused_left:
+            self.probing = True
         return n
 
+    def skip_probe(self, remaining: int) -> bool:
+        """The next round would probe after a pause, with no more tokens left than that pause:
+        it could not pay for itself, so the rest are plain steps (``plain_to_end``)."""
+        return self.probing and remaining <= self.pause
+
     def plain_to_end(self, steps: int) -> int:
-        """Plain steps instead of a probe round (too few tokens left for one to pay off)."""
         self.plain_steps += steps
         return steps
 
@@ -110,6 +118,7 @@ class BlockSizeController:
         self._good = 0
 
     def update(self, accepted: int, draft_tokens: int) -> None:
+        self.probing = False
         if not self.adaptive or draft_tokens == 0:
             return
         rate = accepted / draft_tokens

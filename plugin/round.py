@@ -122,9 +122,7 @@ def draft_block(
         req.controller.record_plain(req.plain_clock[1], now - req.plain_clock[0])
         req.plain_clock = None
     paused = req.controller.take_plain_steps(state.remaining if plain_run else 1)
-    if not paused and req.controller.pause and state.remaining <= req.controller.pause:
-        # Backing off, and fewer tokens left than the last pause: a probe round could not pay
-        # for itself, so the rest are plain steps.
+    if not paused and req.controller.skip_probe(state.remaining):
         paused = req.controller.plain_to_end(state.remaining if plain_run else 1)
     if paused:
         state.plain_run = paused

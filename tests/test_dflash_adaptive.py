@@ -120,3 +120,13 @@ def test_collapse_at_the_floor_pauses_with_backoff_and_probes() -> None:
     pinned = BlockSizeController(cap=2, adaptive=False)
     pinned.update(0, 1)
     assert not pinned.take_plain_steps()
+
+
+def test_no_probe_when_fewer_tokens_are_left_than_the_pause() -> None:
+    c = BlockSizeController(cap=16)
+    run(c, 0.0, 2)  # paused for 8 steps
+    assert not c.skip_probe(5)  # still pausing: no probe due yet
+    assert c.take_plain_steps() == 8
+    assert c.skip_probe(8) and not c.skip_probe(9)  # the probe would come with 8 tokens left
+    c.update(3, 15)  # the probe ran (partial): later rounds are not probes
+    assert c.pause and not c.skip_probe(1)
