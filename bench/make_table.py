@@ -41,8 +41,9 @@ forward passes, measured in the same runs (bound and ceiling columns).
   in one machine (s10-env-B* vs -A*) and in session 9 (s9-ab-B vs -A): no consistent gain, defaults kept;
   s9-ab-C: drafts evaluated before the verify (251 vs 273 tok/s with lazy drafts).
 cpu-tiny.json: the CPU (2 cores, tiny fp32 models) verifies B positions at ~B times the cost of one, so
-speculative decoding loses there by design (see its bound column); the adaptive controller measures that and
-pauses (tau 1 rows); the file shows the bench runs and stays lossless.
+speculative decoding loses there by design (see its bound column). At tau 1 the adaptive controller pauses
+after two rounds, but with 64 new tokens those two 16-wide rounds (each ~20 plain steps) dominate. The file
+shows the bench runs and stays lossless.
 
 | file | regime | method | tok/s | per prompt | x mlx-lm | x host plain | tau | bound | ceiling | same |
 | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |
