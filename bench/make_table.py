@@ -20,7 +20,8 @@ forward passes, measured in the same runs (bound and ceiling columns).
 - h200-llama8b-s10.json (all methods in one run, prompts near 128/512/1024): fresh shapes, oracle tau 6.38:
   251 tok/s = 1.91x over mlx-lm's generate_step (131 tok/s; target 4.0x), 1.70x over the best plain decoding
   of this project (host, padded cache, 148 tok/s; target 2.5x), 105% of the ideal bound (target 90%: met).
-  tau 3: 0.93x. tau 1 adaptive: -21% fresh, -17% warm against the best plain decoding (target <= 15%).
+  tau 3: 0.93x. tau 1 adaptive: -21% fresh, -17% warm against the best plain decoding (target <= 15%;
+  this run predates evaluating captures with each plain step).
   draft_model kind 170 tok/s vs mlx-lm's speculative_generate_step 70 tok/s at the same oracle acceptance.
 - Bound: tau x T(mlx-lm plain step) / (bare drafter + bare 16-position verify), each forward timed alone
   after the run (kernel_costs in the JSON): 2.57x over mlx-lm fresh for the DFlash-shape drafter. Ceiling:
@@ -30,11 +31,15 @@ forward passes, measured in the same runs (bound and ceiling columns).
 - h200-llama8b-s10-dflash.json (final code, prompts 512/1024, tau 5.79): 1.54x / 1.58x fresh, 2.07x / 1.90x
   warm; tau 1 adaptive -12% fresh, -23% warm. h200-llama8b-s10-long.json: prompts up to 10k keys (its tau 1
   rows ran with chunked captures, since reverted).
+- h200-llama8b-s10-tau1.json (final code, 4 prompts near 128/384/640/896, all rejected): tau 1 adaptive
+  165 tok/s fresh = -15.1% against the best plain decoding (host, padded, 194 tok/s; -7% against mlx-lm's
+  178), 171 warm = -10%; with the block pinned at 16, tau 1 runs at 61 / 56 tok/s (0.31x). ~5 rounds per
+  256 tokens.
 - tau 1 rounds: the adaptive controller now pauses at the same block size when a collapse accepts nothing,
   sizes its pauses by the measured round and plain-step costs (a probe costs <= 5% of its pause) and skips
   probes near the end: ~5 rounds per 256 tokens (profiles/h200-round-trace-tau1-adaptive.json: catch-up
-  rounds 16-29 ms, like the others, after evaluating captures with each plain step;
-  ...-lazy-captures.json: 30-154 ms before). Expected loss from the rounds ~7%; the rest is noise.
+  rounds 16-30 ms, like the others, after evaluating captures with each plain step;
+  ...-lazy-captures.json: 29-154 ms before). Expected loss from the rounds ~7%; the rest is noise.
 - Noise: one plain method ranges 108-198 tok/s from prompt to prompt in one process (per-prompt column), whole
   runs differ up to 1.5x between machines, and "best plain" is the best of three noisy medians.
 - ab/: MLX_CUDA_GRAPH_CACHE_SIZE=4000/4096 + MLX_MAX_OPS_PER_BUFFER=60 against MLX's defaults, twice each
