@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import inspect
 from typing import Any, Dict, List, Optional
 
