@@ -525,11 +525,12 @@ def summarize(s: BenchSettings, methods: List[Method], runs: List[Run], lengths:
                 ideal = r["tau"] * t_step / t_round if t_round else 0.0
                 r["ideal_bound"] = round(ideal, 3)
                 r["share_of_ideal"] = round(r["speedup_vs_best_project_plain"] / ideal, 3) if ideal else None
-            bare = _bare_round_ms(costs, r)
+            bare = _bare_costs_ms(costs, r)
             if bare and r.get("tau") and base and project_plain:
                 # No machinery at all: tau tokens for one bare draft + one bare verify; the ceiling
                 # counts the verify alone (a drafter that costs nothing).
-                verify = costs["target_forward_ms"][str(r["block"])]
+                draft, verify = bare
+                bare = draft + verify
                 r["bare_round_ms"] = round(bare, 3)
                 r["kernel_bound_vs_mlx_lm_plain"] = round(r["tau"] * (1000.0 / base) / bare, 3)
                 r["kernel_bound_vs_best_project_plain"] = round(r["tau"] * (1000.0 / project_plain) / bare, 3)
@@ -564,12 +565,13 @@ def summarize(s: BenchSettings, methods: List[Method], runs: List[Run], lengths:
     }
 
 
-def _bare_round_ms(costs: Optional[Dict[str, Any]], row: Dict[str, Any]) -> Optional[float]:
+def _bare_costs_ms(costs: Optional[Dict[str, Any]], row: Dict[str, Any]) -> Optional[Tuple[float, float]]:
+    """(bare draft, bare verify) milliseconds of a plugin row's block, when both were timed."""
     if not costs or row.get("family") != "spec" or not row.get("block") or row["name"].startswith("mlx_lm"):
         return None
     verify = costs["target_forward_ms"].get(str(row["block"]))
     draft = costs["draft_ms"].get(row.get("kind"), {}).get(str(row["block"]))
-    return verify + draft if verify is not None and draft is not None else None
+    return (draft, verify) if verify is not None and draft is not None else None
 
 
 def format_table(report: Dict[str, Any]) -> str:

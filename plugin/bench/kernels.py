@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import make_prompt_cache
 
 from .. import padded_cache
 
@@ -34,8 +34,7 @@ def timed(fn: Callable[[], Any], iters: int) -> float:
 
 
 def _filled_caches(model: Any, key_length: int, bucket: Optional[int]) -> List[Any]:
-    n = len(model.layers)
-    cache = [padded_cache.PaddedKVCache(bucket) if bucket else KVCache() for _ in range(n)]
+    cache = padded_cache.make_padded_cache(model, bucket=bucket) if bucket else make_prompt_cache(model)
     prompt = mx.array([[2 + i % 1000 for i in range(key_length)]], dtype=mx.uint32)
     for i in range(0, key_length, 512):
         mx.eval(model(prompt[:, i:i + 512], cache=cache)[:, -1])
