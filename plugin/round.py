@@ -121,9 +121,10 @@ def draft_block(
     if req.plain_clock is not None:
         req.controller.record_plain(req.plain_clock[1], now - req.plain_clock[0])
         req.plain_clock = None
-    paused = req.controller.take_plain_steps(state.remaining if plain_run else 1)
+    limit = state.remaining if plain_run else 1
+    paused = req.controller.take_plain_steps(limit)
     if not paused and req.controller.skip_probe(state.remaining):
-        paused = req.controller.plain_to_end(state.remaining if plain_run else 1)
+        paused = req.controller.plain_to_end(limit)
     if paused:
         state.plain_run = paused
         req.plain_clock = (now, paused)
