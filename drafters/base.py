@@ -6,6 +6,22 @@ entry-point group ``mlx_speculative.drafters``::
 
     [project.entry-points."mlx_speculative.drafters"]
     my_family = "my_package:family"
+
+A loaded ``Drafter`` drafts for the rows of a batch through a ``DraftBatch``. Drafters whose rows
+are independent (a lookup rule, a table) implement only ``new_session`` (one ``DraftSession`` per
+request) and get the batch for free (``SessionBatch``); drafters with a forward implement
+``new_batch`` so that one drafter forward serves every row.
+
+Terms, used everywhere in this project:
+- **round**: draft a block, verify it with one ordinary forward of the target, accept, commit.
+- **block size B**: positions verified per round: the pending token plus up to B-1 draft tokens.
+- **draft tokens**: the drafter's proposals in a round (k <= B-1 of them).
+- **accepted**: draft tokens the target agrees with (greedy: equal to its argmax; sampling: kept
+  by rejection sampling, or equal to its sample under ``acceptance: exact``).
+- **bonus**: the one target token emitted after the accepted prefix (the correction at the first
+  rejection, or the next token after a fully accepted block). A round emits accepted + 1 tokens.
+- **mean acceptance length** tau = tokens emitted per round = 1 + accepted / rounds (bonus included).
+- **acceptance rate** = accepted / draft tokens.
 """
 
 from __future__ import annotations
@@ -13,13 +29,35 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..plugin.types import Proposal
+import mlx.core as mx
 
 
 class DrafterError(ValueError):
     """A drafter that cannot be used; the message names the field, the value and what was expected."""
+
+
+@dataclass
+class Proposal:
+    """A drafter's proposal for one row in one round."""
+
+    # The k draft tokens: ints, or a [k] integer array that may still be unevaluated (the round
+    # then queues its verify behind the drafter's kernels and checks the tokens afterwards).
+    tokens: Union[List[int], mx.array]
+    # [k, V] log-probabilities the tokens were drawn from (q in the papers); None = one-hot q.
+    logprobs: Optional[mx.array] = None
+
+
+@dataclass
+class Verified:
+    """What a round committed for one row, handed to the drafter's ``commit``."""
+
+    accepted: int  # draft tokens kept
+    drafted: int  # draft tokens proposed (k)
+    # layer -> [1, accepted + 1, H]: the target's outputs at the committed positions (the pending
+    # token and the accepted drafts), for the layers the drafter captures.
+    captures: Dict[int, mx.array] = field(default_factory=dict)
 
 
 @dataclass
@@ -31,6 +69,9 @@ class DraftTarget:
     model: Any = None  # the loaded mlx-lm model, when loading (None for config-only checks)
     tokenizer: Any = None
     num_layers: Optional[int] = None
+    # The host's cache policy (hooks.state.CachePolicy): a drafter makes its own attention caches
+    # with ``cache_policy.kv_cache()`` where it has one, so they are shape-stable like the target's.
+    cache_policy: Any = None
 
 
 @dataclass
@@ -47,27 +88,81 @@ class Compatibility:
 
 
 class DraftSession(abc.ABC):
-    """One request's drafting state (e.g. the drafter's own KV cache)."""
+    """One request's drafting state, for drafters whose rows are independent."""
 
     @abc.abstractmethod
     def propose(self, state: Any, max_drafts: int) -> Proposal:
         """Up to ``max_drafts`` draft tokens to follow ``state.tokens`` (which end in the pending token)."""
 
     def caches(self) -> List[Any]:
-        """The drafter's own caches; the round wraps them in a cache transaction."""
+        """The session's own caches; the round rolls them back with the round."""
         return []
 
-    def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
-        """After verification: keep what matches the committed tokens.
-
-        Returns how many of the positions this round wrote into ``caches()`` stay (the
-        transaction then commits that many). Default: nothing of the drafter's caches stays.
-        """
+    def commit(self, state: Any, verified: Verified) -> int:
+        """After verification: how many of the positions this round wrote into ``caches()`` stay."""
         return 0
 
 
+class DraftBatch(abc.ABC):
+    """The drafting state of the rows of one batch (``hooks.batch.DecodeBatch``) using one drafter.
+
+    Per round the plugin calls, in this order: ``sync`` (every decode step, with the rows now
+    drafting), ``prepare`` (catch up with committed tokens: kept whatever the round decides),
+    ``propose`` (inside a cache transaction over ``cache_groups()``), then ``commit`` with what
+    the round kept. An exception anywhere rolls the round back and the rows decode plainly.
+    """
+
+    forwards = 0  # drafter forwards run so far (one per draft step for all rows)
+
+    @abc.abstractmethod
+    def sync(self, rows: Sequence[Any]) -> None:
+        """These rows (``DecodeState``s, in batch order) draft from now on: rows not seen before
+        join, rows gone leave. Reads what the host handed over this step (``row.captures``)."""
+
+    def prepare(self, rows: Sequence[Any]) -> None:
+        """Feed what was committed since the rows last drafted (nothing by default)."""
+
+    @abc.abstractmethod
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        """One proposal per row, at most ``max_drafts[b]`` tokens each (0: none)."""
+
+    def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
+        """(caches, indices of the rows they hold) that ``propose`` writes; rolled back with the round."""
+        return []
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        """Per row: positions of ``propose``'s writes to its caches that stay (0 by default)."""
+        return [0] * len(rows)
+
+
+class SessionBatch(DraftBatch):
+    """Rows drafting one at a time through per-request ``DraftSession``s."""
+
+    def __init__(self, drafter: "Drafter"):
+        self.drafter = drafter
+        self.sessions: Dict[int, DraftSession] = {}  # id(row) -> session
+        self.rows: List[Any] = []
+
+    def sync(self, rows: Sequence[Any]) -> None:
+        keep = {id(r) for r in rows}
+        self.sessions = {k: s for k, s in self.sessions.items() if k in keep}
+        for row in rows:
+            if id(row) not in self.sessions:
+                self.sessions[id(row)] = self.drafter.new_session(row)
+        self.rows = list(rows)
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        return [self.sessions[id(r)].propose(r, m) if m > 0 else Proposal([]) for r, m in zip(rows, max_drafts)]
+
+    def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
+        return [(self.sessions[id(r)].caches(), [b]) for b, r in enumerate(self.rows) if self.sessions[id(r)].caches()]
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        return [self.sessions[id(r)].commit(r, v) for r, v in zip(rows, verified)]
+
+
 class Drafter(abc.ABC):
-    """A loaded drafter, shared by all requests on one target."""
+    """A loaded drafter, shared by every request on one target."""
 
     kind: str = ""
     family: str = ""
@@ -77,9 +172,13 @@ class Drafter(abc.ABC):
         """Target decoder layers whose outputs this drafter reads (0-based: layer i's output)."""
         return []
 
-    @abc.abstractmethod
     def new_session(self, state: Any) -> DraftSession:
-        """Per-request drafting state, made at the request's first decode step."""
+        """Per-request drafting state (drafters whose rows are independent)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts through new_batch()")
+
+    def new_batch(self) -> DraftBatch:
+        """Drafting state for the rows of one batch; default: one ``new_session`` per row."""
+        return SessionBatch(self)
 
 
 @dataclass

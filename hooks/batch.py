@@ -1,64 +1,117 @@
-"""A persistent batch of requests of one target: one forward of the target per decode step for all rows.
+"""A batch of requests of one target decoded together: its rows, its caches, the target's forward.
 
-Rows join after their own prefill (their ``KVCache`` is merged into the batch's ``BatchKVCache``,
-mlx-lm's left-padded batch cache) and leave when they finish (``BatchKVCache.filter``). The batch
-owns the caches: a joined row's ``state.cache`` is empty and every forward of its tokens goes
-through ``DecodeBatch.forward``. A decode step of the batch is ``host_decode_batch`` (hooks.specs):
-a plugin's batched round, or the host's own one-token step for every row (``plain_step``).
-
-Only targets whose caches are all ``KVCache`` batch (``refusal``): positions are a prefix of an
-array, so rows of different lengths are left padding and per-row commits are exact. Everything
-else (rotating windows, recurrent state, the padded shape-stable caches) keeps per-request caches.
+Every decode step is one forward of the target for all rows (the CLI's single request is a batch
+of one). A row joins after its own prefill: its caches merge into the batch's through the cache
+classes' own ``merge`` / ``extend`` (mlx-lm's ``BatchKVCache``, ``BatchRotatingKVCache``,
+``ArraysCache``, ``CacheList``; left padding for shorter rows), and leaves with ``filter``. A batch
+of one row keeps the row's own caches (``KVCache``: mask-free one-token steps, as mlx-lm's
+``generate_step``), and a batch that shrinks to one row ``extract``s them back. Caches without
+``merge`` (quantized, chunked) decode in batches of one through the same code (``single``).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache
 
 from . import taps
-from .state import DecodeState, GeneratedToken, LoadedTarget, StepOutput
+from .state import DecodeState, LoadedTarget
+
+Inputs = Union[mx.array, Sequence[Sequence[int]]]
 
 
-def cache_refusal(target: LoadedTarget) -> Optional[str]:
-    """Why the host cannot keep ``target``'s requests in one batch cache, or None when it can."""
-    if "cache_factory" in target.attachments:
-        return "the target uses per-request shape-stable padded caches (plugin/padded_cache.py)"
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(target.model)})
-    if kinds != ["KVCache"]:
-        return (f"the target's caches are {', '.join(kinds)}; batched decoding keeps rows in a BatchKVCache, "
-                "which holds plain KVCache layers only")
-    return None
+def mergeable(caches: Sequence[Any]) -> bool:
+    """Whether rows with these caches can share a batch (every layer's cache class has ``merge``)."""
+    return bool(caches) and all(callable(getattr(type(c), "merge", None)) for c in caches)
+
+
+def merge_rows(rows: Sequence[Sequence[Any]]) -> List[Any]:
+    """One batched cache per layer out of per-row cache lists (each row a list of plain caches)."""
+    return [type(row_caches[0]).merge(list(row_caches)) for row_caches in zip(*rows)]
+
+
+def extend_rows(batched: List[Any], new: List[Any]) -> None:
+    """Append the rows of ``new`` (batched caches) to ``batched``, layer by layer, in place."""
+    for mine, theirs in zip(batched, new):
+        mine.extend(theirs)
+
+
+def extract_row(batched: Sequence[Any], index: int) -> List[Any]:
+    """Row ``index`` of batched caches as a plain (one-row) cache per layer."""
+    return [c.extract(index) for c in batched]
+
+
+def filter_rows(batched: Sequence[Any], keep: Sequence[int]) -> None:
+    indices = mx.array(list(keep))
+    for c in batched:
+        c.filter(indices)
+
+
+def forward(model: nn.Module, inputs: Inputs, cache: List[Any], layers: Sequence[int]) -> Tuple[mx.array, Dict[int, mx.array]]:
+    """The target's ordinary forward: logits [B, W, V] and the tapped layers' outputs [B, W, H].
+
+    The one place the host calls the target model (prefill, plain steps and plugins' rounds all
+    come here). ``inputs``: a [B, W] integer array (may be lazy) or B token lists of one length.
+    """
+    if not isinstance(inputs, mx.array):
+        inputs = mx.array([list(r) for r in inputs], dtype=mx.uint32)
+    with taps.record(layers) as rec:
+        logits = model(inputs.astype(mx.uint32), cache=cache)
+    return logits, {i: mx.concatenate(v, axis=1) if len(v) > 1 else v[0] for i, v in rec.items() if v}
+
+
+@dataclass
+class PlainCost:
+    """The host's last run of plain steps on this batch: what the adaptive controller compares rounds with."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    rows: int = 0
+    runs: int = 0  # plain runs so far: a plugin tells a new measurement by it
 
 
 class DecodeBatch:
-    """The rows (``DecodeState``s of one target) decoded together, and their batch caches."""
+    """The rows (``DecodeState``s of one target) decoded together, and their caches."""
 
-    def __init__(self, target: LoadedTarget):
+    def __init__(self, target: LoadedTarget, single: bool = False):
         self.target = target
+        self.single = single  # holds at most one row (seeded sampling rows, caches without merge)
         self.rows: List[DecodeState] = []
-        self.cache: Optional[List[BatchKVCache]] = None  # one per layer, [B] rows; None while empty
+        self.cache: List[Any] = []  # per layer: the one row's own caches, or batched caches
+        self.extras: Dict[str, Any] = {}  # plugins' per-batch state, under their own names
+        self.plain = PlainCost()
+        self.version = 0  # bumped when rows join
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, state: DecodeState) -> None:
-        """Add a prefilled row (its caches hold every token but ``pending``); its caches move into the batch."""
+    @property
+    def capture_layers(self) -> List[int]:
+        return sorted({i for s in self.rows for i in s.capture_layers})
+
+    def accepts(self, caches: Sequence[Any]) -> bool:
+        """Whether a row with these caches may join now."""
+        return not self.rows or (not self.single and mergeable(caches) and mergeable(self.cache))
+
+    def join(self, state: DecodeState, caches: List[Any]) -> None:
+        """Add a prefilled row (its caches hold every token but ``pending``); the batch takes its caches."""
         if state.target is not self.target:
             raise ValueError("a row of another target cannot join this batch")
-        kinds = sorted({type(c).__name__ for c in state.cache})
-        if kinds != ["KVCache"]:
-            raise ValueError(f"a row joining a batch needs KVCache layers; got {', '.join(kinds) or 'no cache'}")
-        merged = [BatchKVCache.merge([c]) for c in state.cache]
-        if self.cache is None:
-            self.cache = merged
+        if not self.accepts(caches):
+            raise ValueError(f"this batch cannot take another row (single={self.single}, caches "
+                             f"{sorted({type(c).__name__ for c in caches})})")
+        if not self.rows:
+            self.cache = list(caches)
+        elif len(self.rows) == 1:
+            self.cache = merge_rows([self.cache, caches])
         else:
-            for mine, theirs in zip(self.cache, merged):
-                mine.extend(theirs)
-        state.cache = []  # the batch owns the row's positions now
+            extend_rows(self.cache, merge_rows([caches]))
         self.rows.append(state)
+        self.version += 1
 
     def leave(self, state: DecodeState) -> None:
         """Drop a row and its positions (a finished or cancelled request)."""
@@ -67,85 +120,61 @@ class DecodeBatch:
             return
         del self.rows[i]
         if not self.rows:
-            self.cache = None
-            return
-        keep = mx.array([j for j in range(len(self.rows) + 1) if j != i])
-        for c in self.cache or []:
-            c.filter(keep)
+            self.cache = []
+        elif len(self.rows) == 1:
+            self.cache = extract_row(self.cache, 1 - i)
+        else:
+            filter_rows(self.cache, [j for j in range(len(self.rows) + 1) if j != i])
 
     def compact(self, at_least: int = 16) -> int:
-        """Drop the left padding every row shares (at least ``at_least`` positions): returns how many.
+        """Drop the left padding all rows share once it reaches ``at_least`` positions: returns how many.
 
         Ragged commits pad each row by what it rejects while the batch keeps the longest row's
-        positions, so padding common to all rows builds up; it is never read (masked) but costs
-        attention work and memory.
+        positions; the padding is never read (masked) but costs attention work and memory.
+        ``BatchKVCache.filter`` shifts it off.
         """
-        if self.cache is None:
+        padded = [c for c in self.cache if isinstance(c, BatchKVCache)]
+        if len(self.rows) < 2 or not padded:
             return 0
-        pad = int(mx.min(self.cache[0].left_padding).item())
+        pad = int(mx.min(padded[0].left_padding).item())
         if pad < at_least:
             return 0
-        for c in self.cache:
-            c.keys, c.values = c.keys[..., pad:, :], c.values[..., pad:, :]
-            c._idx -= pad
-            c.left_padding = c.left_padding - pad
+        filter_rows(self.cache, range(len(self.rows)))
         return pad
 
-    def forward(self, inputs: Sequence[Sequence[int]]) -> mx.array:
-        """The target's ordinary forward over one token list per row (equal lengths): logits [B, W, V].
+    def take(self) -> List[Any]:
+        """Empty a one-row batch, handing its row's caches back (a row's first step, then it moves)."""
+        assert len(self.rows) == 1, "take() empties a one-row batch"
+        caches, self.cache, self.rows = self.cache, [], []
+        return caches
 
-        Each row's ``last_captures`` gets its own slice ``[1, W, H]`` of the layers it records.
+    def forward(self, inputs: Inputs) -> Tuple[mx.array, Dict[int, mx.array]]:
+        """The target's ordinary forward over one equally long token list per row.
+
+        Returns logits [B, W, V] and the tapped layers' outputs {layer: [B, W, H]} (the layers any
+        row records). The caches take the W positions of every row; a caller that keeps fewer
+        wraps the forward in a ``CacheTransaction`` over ``self.cache``.
         """
-        if len(inputs) != len(self.rows) or len({len(r) for r in inputs}) != 1:
-            raise ValueError(f"expected {len(self.rows)} token lists of one length; got lengths {[len(r) for r in inputs]}")
-        layers = sorted({i for s in self.rows for i in s.capture_layers})
-        with taps.record(layers) as rec:
-            logits = self.target.model(mx.array([list(r) for r in inputs], dtype=mx.uint32), cache=self.cache)
-        recorded = {i: mx.concatenate(v, axis=1) if len(v) > 1 else v[0] for i, v in rec.items() if v}  # [B, W, H]
-        for b, s in enumerate(self.rows):
-            s.last_captures = {i: h[b : b + 1] for i, h in recorded.items() if i in s.capture_layers}
-        return logits
-
-    def plain_step(self) -> List[StepOutput]:
-        """The host's one-token step for every row: feed each pending token, apply its processors, sample."""
-        logits = self.forward([[s.pending] for s in self.rows])  # [B, 1, V]
-        logprobs, sampled = [], []
-        for b, s in enumerate(self.rows):
-            s.keep_captures(1)
-            lp = s.logprobs(logits[b : b + 1, -1:])  # [1, V]
-            logprobs.append(lp)
-            sampled.append(s.sampler(lp))
-        mx.eval(sampled, logprobs, [list(s.captures.values()) for s in self.rows])  # captures: see Host._plain_step
-        out = []
-        for s, t, lp in zip(self.rows, sampled, logprobs):
-            gen = GeneratedToken(int(t.item()), lp[0])
-            s.tokens.append(gen.token)
-            s.pending_logprobs = gen.logprobs
-            out.append(StepOutput([gen]))
-        return out
+        width = inputs.shape[0] if isinstance(inputs, mx.array) else len(inputs)
+        if width != len(self.rows):
+            raise ValueError(f"expected {len(self.rows)} rows of inputs; got {width}")
+        return forward(self.target.model, inputs, self.cache, self.capture_layers)
 
 
-class RowEvents:
-    """Stop and length handling plus streaming text of one row, as ``Host.stream`` does for one request."""
-
-    def __init__(self, target: LoadedTarget, max_tokens: int, stop_token_ids: Optional[Sequence[int]] = None):
-        self.stop = set(stop_token_ids if stop_token_ids is not None else target.tokenizer.eos_token_ids)
-        self.detok = target.tokenizer.detokenizer
-        self.detok.reset()
-        self.max_tokens = max_tokens
-        self.emitted = 0
-
-    def event(self, gen: GeneratedToken) -> Any:
-        """The ``HostEvent`` of one generated token; ``finish_reason`` set ends the row."""
-        from .host import HostEvent
-
-        if gen.token in self.stop:
-            self.detok.finalize()
-            return HostEvent(gen.token, self.detok.last_segment, gen.logprobs, "stop")
-        self.emitted += 1
-        self.detok.add_token(gen.token)
-        if self.emitted >= self.max_tokens:
-            self.detok.finalize()
-            return HostEvent(gen.token, self.detok.last_segment, gen.logprobs, "length")
-        return HostEvent(gen.token, self.detok.last_segment, gen.logprobs)
-
+def replay(model: nn.Module, cache: List[Any], inputs: mx.array, n: Union[int, Sequence[int]]) -> None:
+    """Feed the first n positions of ``inputs`` [B, W] again (n per row: a list): how a cache
+    transaction keeps part of a forward on caches it could not roll back by themselves (it has
+    restored every cache first). Unequal rows go through mlx-lm's right-padding path
+    (``prepare(lengths=, right_padding=)``, then ``finalize``), as its batch generator prefills."""
+    rows = [n] * inputs.shape[0] if isinstance(n, int) else [int(v) for v in n]
+    top = max(rows)
+    if top == 0:
+        return
+    if min(rows) == top:
+        forward(model, inputs[:, :top], cache, [])
+        return
+    for c in cache:
+        c.prepare(lengths=rows, right_padding=[top - v for v in rows])
+    forward(model, inputs[:, :top], cache, [])
+    for c in cache:
+        c.finalize()

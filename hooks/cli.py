@@ -95,8 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     for event in host.stream(target, prompt, params, state_out=holder):
-        if event.finish_reason != "stop":
-            n += 1
+        n += int(event.emitted)
         print(event.text, end="", flush=True)
     elapsed = time.perf_counter() - start
     print()

@@ -1,7 +1,8 @@
-"""The mlx-lm host: loads targets with ``mlx_lm.load`` and runs prefill and decode through the hooks.
+"""The mlx-lm host: loads targets with ``mlx_lm.load``, prefills requests and decodes them in batches.
 
-With no plugin taking decode steps, the token stream equals ``mlx_lm.generate.generate_step``'s
-for the same prompt, sampler and logits processors.
+With no plugin taking decode steps, a request's tokens equal ``mlx_lm.generate.generate_step``'s
+for the same prompt, sampler and logits processors. ``stream`` and ``generate`` (the CLI) run one
+request through the same scheduler (``hooks.scheduler``) the server runs many through.
 """
 
 from __future__ import annotations
@@ -12,23 +13,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 import pluggy
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from . import loading, taps
-from .batch import DecodeBatch, cache_refusal
+from . import loading, recurrent, taps
+from .batch import DecodeBatch, forward
 from .manager import make_plugin_manager
-from .state import (
-    DecodeState,
-    GeneratedToken,
-    HostConfig,
-    KeyStream,
-    LoadedTarget,
-    LogitsProcessor,
-    SamplingParams,
-    StepOutput,
-    keyed_sampler,
-)
+from .state import DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams, keyed_sampler
+from .step import BatchDecoder, PlainRun
 
 DEFAULT_PREFILL_STEP = 2048
 
@@ -41,8 +32,11 @@ class GenerationParams:
     stop_token_ids: Optional[Sequence[int]] = None  # default: the tokenizer's EOS ids
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     max_kv_size: Optional[int] = None
-    # Seeds DecodeState.extras, e.g. {"speculative_enabled": False} turns rounds off for one request.
-    extras: Dict[str, Any] = field(default_factory=dict)
+    # Stop sequences on tokens (mlx-lm's ``StopSequences``: anything with ``.matcher()`` whose
+    # ``advance(token)`` says a sequence completed); the request ends with the completing token.
+    stop_sequences: Any = None
+    # The request's options for plugins (DecodeState.options), e.g. {"speculative": False}.
+    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,6 +47,7 @@ class HostEvent:
     text: str
     logprobs: mx.array
     finish_reason: Optional[str] = None  # "stop" | "length" | None
+    emitted: bool = True  # False for a stop token (EOS): it ends the request but is not output
 
 
 @dataclass
@@ -85,184 +80,94 @@ class Host:
         config = loading.read_config(path, "model")
         loading.check_safetensors(path, "model")
         model, tokenizer = mlx_load(str(path))
+        # Recurrent layers of this model can then keep part of a forward (hooks/recurrent.py).
+        recurrent.scope_model(model)
         target = LoadedTarget(model=model, tokenizer=tokenizer, path=path, model_config=config, name=spec)
         self.pm.hook.host_model_loaded(target=target, config=self.config)
+        policy = self.pm.hook.host_cache_policy(target=target)
+        if policy is not None:
+            target.cache_policy = policy
         return target
 
-    # prefill + decode -----------------------------------------------------------------------
+    # requests ---------------------------------------------------------------------------------
     def new_state(self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams) -> DecodeState:
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: expected at least one token")
-        capture_layers: set[int] = set()
-        for request in self.pm.hook.host_prefill_captures(target=target):
-            if request is not None:
-                capture_layers.update(request.layers)
-        layers = sorted(capture_layers)
-        if layers:
-            taps.install_taps(target.model, layers)
         sampling = params.sampling
         state = DecodeState(
             target=target,
-            # A plugin may offer shape-stable caches (plugin/padded_cache.py); default: mlx-lm's.
-            cache=target.attachments.get("cache_factory", make_prompt_cache)(target.model, max_kv_size=params.max_kv_size),
             tokens=[int(t) for t in prompt],
             prompt_len=len(prompt),
-            sampler=make_sampler(
-                sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k
-            ),
+            sampler=make_sampler(sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k),
             sampling=sampling,
             logits_processors=list(params.logits_processors),
             max_tokens=params.max_tokens,
-            capture_layers=layers,
+            options=dict(params.options),
         )
-        state.extras.update(params.extras)
         if sampling.seed is not None:
             # Per-request streams, not mx.random.seed: a seeded request then gives the same tokens
             # whatever other requests draw meanwhile, and the drafter's draws never move the target's.
             state.rng = KeyStream(sampling.seed, "target")
             if not sampling.greedy:
                 state.sampler = keyed_sampler(sampling, state.next_key)
+        layers: set[int] = set()
+        for request in self.pm.hook.host_prefill_captures(target=target, state=state):
+            if request is not None:
+                layers.update(request.layers)
+        state.capture_layers = sorted(layers)
+        if state.capture_layers:
+            taps.install_taps(target.model, state.capture_layers)
         return state
 
-    def prefill(self, state: DecodeState, step: int = DEFAULT_PREFILL_STEP) -> None:
-        """Feed the prompt in chunks, then sample the first token (it becomes ``pending``)."""
+    def new_caches(self, target: LoadedTarget, params: GenerationParams) -> List[Any]:
+        return target.cache_policy.make_cache(target.model, max_kv_size=params.max_kv_size)
+
+    def prefill(self, state: DecodeState, caches: List[Any], step: int = DEFAULT_PREFILL_STEP) -> Iterator[int]:
+        """Feed the prompt in chunks of ``step`` (yielding the positions fed after each), then take
+        the first decode step on the last prompt token alone, as ``generate_step`` does: its token
+        becomes ``pending`` and ``caches`` hold every prompt token."""
         prompt = state.tokens[: state.prompt_len]
         done = 0
         while len(prompt) - done > 1:
             n = min(step, len(prompt) - done - 1)
-            state.forward(prompt[done : done + n])
-            state.keep_captures(n)
-            mx.eval([c.state for c in state.cache], list(state.captures.values()))
+            _, captured = forward(state.model, [prompt[done : done + n]], caches, state.capture_layers)
+            state.add_captures(captured)
+            mx.eval([c.state for c in caches], list(state.captures.values()))
             done += n
             mx.clear_cache()
-        # The last prompt token alone, like generate_step: its logits give the first token.
-        self._plain_step(state)
+            yield done
+        alone = DecodeBatch(state.target, single=True)
+        alone.join(state, caches)
+        PlainRun(alone, 1).next(lambda: False)
+        caches[:] = alone.take()
+        yield len(prompt)
 
-    def _plain_step(self, state: DecodeState) -> GeneratedToken:
-        """Feed the pending token and append the sampled next token (the new pending one)."""
-        logits = state.forward([state.pending])
-        state.keep_captures(1)
-        logprobs = state.logprobs(logits[:, -1:])  # [1, V]
-        sampled = state.sampler(logprobs)
-        # The captures too: left lazy, a run of steps would leave a chain of concatenations for the
-        # next round to build and run on its critical path.
-        mx.eval(sampled, logprobs, list(state.captures.values()))
-        out = GeneratedToken(int(sampled.item()), logprobs[0])
-        state.tokens.append(out.token)
-        state.pending_logprobs = out.logprobs
-        return out
+    def decoder(self, batch: DecodeBatch) -> BatchDecoder:
+        return BatchDecoder(self.pm, batch)
 
-    def _pipelined_plain_steps(self, state: DecodeState, limit: Optional[int] = None) -> Iterator[GeneratedToken]:
-        """One-token steps with the next forward queued before the current token is read.
+    def finished(self, state: DecodeState, discarded: int = 0) -> None:
+        self.pm.hook.host_request_finished(state=state, discarded=discarded)
 
-        The same operations as ``_plain_step``, so the same tokens; only the synchronisation moves.
-        While a run is under way the target's caches are one token ahead of ``pending`` between
-        yields, so it runs only when no plugin will take a step in the meantime: to the end of the
-        request once every plugin is idle, or for ``limit`` steps a plugin granted (``plain_run``);
-        the last step of a run queues nothing, so the caches then match ``pending`` again.
-        The tapped layers (``state.capture_layers``) of every fed position are kept, as ``_plain_step`` does.
-        """
-        history = mx.array(state.tokens, dtype=mx.uint32)  # ends with the pending token
-
-        def step(token: mx.array, extend: bool) -> tuple:
-            nonlocal history
-            if extend and state.logits_processors:
-                history = mx.concatenate([history, token])
-            logits = state.forward(token)
-            state.keep_captures(1)
-            logits = state.apply_processors(history, logits[:, -1, :])  # [1, V]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return state.sampler(logprobs), logprobs
-
-        y, logprobs = step(mx.array([state.pending], dtype=mx.uint32), extend=False)
-        mx.async_eval(y, logprobs, list(state.captures.values()))
-        n = 0
-        while True:
-            n += 1
-            last = state.remaining <= 1 or (limit is not None and n >= limit)
-            if not last:
-                next_y, next_logprobs = step(y, extend=True)
-                mx.async_eval(next_y, next_logprobs, list(state.captures.values()))
-            out = GeneratedToken(int(y.item()), logprobs[0])
-            state.tokens.append(out.token)
-            state.pending_logprobs = out.logprobs
-            yield out
-            if last:
-                return
-            y, logprobs = next_y, next_logprobs
-            if n % 256 == 0:
-                mx.clear_cache()
-
-    def decode_steps(self, state: DecodeState) -> Iterator[GeneratedToken]:
-        """Tokens after the first one, one decode step (plain or a plugin's) at a time."""
-        n_step = 0
-        while state.remaining > 0:
-            if all(impl.plugin in state.idle_plugins for impl in self.pm.hook.host_decode_step.get_hookimpls()):
-                yield from self._pipelined_plain_steps(state)
-                return
-            state.plain_run = 0
-            out = self.pm.hook.host_decode_step(state=state)
-            if out is None:
-                run, state.plain_run = state.plain_run, 0
-                if run > 1:
-                    yield from self._pipelined_plain_steps(state, limit=run)
-                else:
-                    yield self._plain_step(state)
-            else:
-                assert out.tokens, "a decode step must emit at least one token"
-                yield from out.tokens
-            n_step += 1
-            if n_step % 256 == 0:
-                mx.clear_cache()
-
-    def batch_refusal(self, target: LoadedTarget) -> Optional[str]:
-        """Why ``target``'s requests cannot decode in one ``DecodeBatch`` (host caches or a plugin), or None."""
-        reasons = [cache_refusal(target)] + list(self.pm.hook.host_batch_refusal(target=target))
-        return "; ".join(r for r in reasons if r) or None
-
-    def decode_batch(self, batch: DecodeBatch) -> List[StepOutput]:
-        """One decode step for every row of a ``DecodeBatch``: a plugin's batched step or the host's own."""
-        out = self.pm.hook.host_decode_batch(batch=batch)
-        if out is None:
-            return batch.plain_step()
-        if len(out) != len(batch.rows) or not all(o.tokens for o in out):
-            raise RuntimeError(f"host_decode_batch returned {len(out)} steps for {len(batch.rows)} rows, or an empty step")
-        batch.compact()
-        return out
-
+    # one request (the CLI) --------------------------------------------------------------------
     def stream(
         self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams,
         state_out: Optional[List[DecodeState]] = None,
     ) -> Iterator[HostEvent]:
-        """Emit tokens with their text until a stop token or ``max_tokens``."""
-        state = self.new_state(target, prompt, params)
+        """Emit tokens with their text until a stop token or ``max_tokens``: a batch of one."""
+        from .scheduler import Scheduler
+
+        scheduler = Scheduler(self, target)
+        request = scheduler.submit(prompt, params)
         if state_out is not None:
-            state_out.append(state)
-        if params.max_tokens <= 0:
-            return
-        stop = set(params.stop_token_ids if params.stop_token_ids is not None else target.tokenizer.eos_token_ids)
-        detok = target.tokenizer.detokenizer
-        detok.reset()
-        self.prefill(state, params.prefill_step_size)
-        first = GeneratedToken(state.pending, state.pending_logprobs)
-
-        def tokens() -> Iterator[GeneratedToken]:
-            yield first
-            yield from self.decode_steps(state)
-
-        emitted = 0
-        for gen in tokens():
-            if gen.token in stop:
-                detok.finalize()
-                yield HostEvent(gen.token, detok.last_segment, gen.logprobs, "stop")
-                return
-            emitted += 1
-            detok.add_token(gen.token)
-            if emitted >= params.max_tokens:
-                detok.finalize()
-                yield HostEvent(gen.token, detok.last_segment, gen.logprobs, "length")
-                return
-            yield HostEvent(gen.token, detok.last_segment, gen.logprobs)
+            state_out.append(request.state)
+        try:
+            while not request.done:
+                for _, event in scheduler.step():
+                    yield event
+        finally:
+            if not request.done:
+                scheduler.cancel(request)
+                scheduler.step()
 
     def generate(self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams) -> GenerationResult:
         holder: List[DecodeState] = []
@@ -275,19 +180,14 @@ class Host:
             if first_at is None:
                 first_at = time.perf_counter()
             text.append(event.text)
-            if event.finish_reason == "stop":
-                finish = "stop"
-                break
-            tokens.append(event.token)
+            if event.emitted:
+                tokens.append(event.token)
+            if event.finish_reason is not None:
+                finish = event.finish_reason
         end = time.perf_counter()
         first_at = first_at or end
-        report = holder[0].report if holder else {}
         return GenerationResult(
-            tokens=tokens,
-            text="".join(text),
-            prompt_tokens=len(prompt),
-            finish_reason=finish,
-            prompt_seconds=first_at - start,
-            generation_seconds=end - first_at,
-            report=report,
+            tokens=tokens, text="".join(text), prompt_tokens=len(prompt), finish_reason=finish,
+            prompt_seconds=first_at - start, generation_seconds=end - first_at,
+            report=holder[0].report if holder else {},
         )

@@ -4,41 +4,66 @@ A plugin is a module (or object) with functions named like the specs below, deco
 ``hookimpl``. The host finds plugins through the entry-point group ``mlx_speculative.host``
 (see ``hooks.manager``); the speculative plugin registers itself there in pyproject.toml.
 
-Life of one request, seen from a plugin::
+Life of a target and its requests, seen from a plugin::
 
-    host_model_loaded(target, config)        once per loaded target model
-    host_add_commands(subparsers)            once per CLI start
-    host_prefill_captures(target)            before each prefill; the host taps those layers
-    host_decode_step(state)                  before every decode step, until max_tokens or a stop token
+    host_model_loaded(target, config)          once per loaded target
+    host_cache_policy(target)                  once per loaded target: how its caches are made
+    host_describe(target)                      once per loaded target, for logs and /v1/models
+    host_add_commands(subparsers)              once per CLI start
+    host_prefill_captures(target, state)       per request, before its prefill
+    host_decode_step(batch)                    before each decode step of a batch of requests
+    host_request_finished(state, discarded)    per request, when it ends
+    host_metrics()                             when the server's /metrics is read
 
-A host that decodes several requests of one target together (the server's batched scheduling,
-``hooks.batch.DecodeBatch``) asks instead::
+The host decodes requests in batches (``hooks.batch.DecodeBatch``; the CLI's request is a batch
+of one), so a decode step always concerns every row of one batch.
 
-    host_batch_refusal(target)               once per target: may its requests share a batch?
-    host_decode_batch(batch)                 before every decode step of the batch (all its rows)
-
-Who may change what:
-- ``target.attachments[name]``: a plugin stores what it loaded for a target under its own name.
-- ``state.extras[name]`` / ``state.report[name]``: per-request scratch and the request's report
-  (the CLI's ``--json`` and the server's ``usage`` read ``report``).
-- ``state.cache``, ``state.tokens``: only through a decode step that returns its tokens
-  (see ``host_decode_step``). Nothing else is written by plugins.
+Data flows one way: the host calls hooks and reads their return values. A plugin writes only
+entries under its own name (``target.attachments[name]``, ``batch.extras[name]``,
+``state.extras[name]``, ``state.report[name]``); everything that changes what the host does next
+(which layers to capture, how caches are made, which tokens to emit, how many plain steps to take)
+is a hook's return value.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, List, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import pluggy
 
 if TYPE_CHECKING:
     from .batch import DecodeBatch
-    from .state import CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
+    from .state import CachePolicy, CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
 
 PROJECT = "mlx_speculative"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@dataclass
+class Description:
+    """What a plugin attached to a target, for the host's start log and its /v1/models entry."""
+
+    name: str
+    active: bool
+    lines: List[str] = field(default_factory=list)  # one log line each
+    info: Dict[str, Any] = field(default_factory=dict)  # JSON-able, shown under ``name`` in /v1/models
+    # Request fields the plugin accepts (mlx-lm's server API): names a request's ``draft_model`` may
+    # use, and the most ``num_draft_tokens`` it may ask for (None: no drafter attached).
+    draft_names: Tuple[str, ...] = ()
+    draft_tokens: Optional[int] = None
+
+
+@dataclass
+class Metric:
+    """One Prometheus metric a plugin exposes: ``samples`` are (labels, value), labels like '{k="v"}'."""
+
+    name: str
+    kind: str  # counter | gauge
+    help: str
+    samples: List[Tuple[str, Any]] = field(default_factory=list)
 
 
 @hookspec
@@ -57,6 +82,22 @@ def host_model_loaded(target: "LoadedTarget", config: "HostConfig") -> None:
     """
 
 
+@hookspec(firstresult=True)
+def host_cache_policy(target: "LoadedTarget") -> Optional["CachePolicy"]:
+    """Called once per target after ``host_model_loaded``: how the host makes its caches.
+
+    Return a ``hooks.state.CachePolicy`` (e.g. shape-stable caches for a backend that compiles
+    attention per shape), or None for mlx-lm's own ``make_prompt_cache``. The first non-None wins.
+    The policy's cache classes must merge into batches (``merge``/``extend``/``extract``) or the
+    host decodes each request of the target alone.
+    """
+
+
+@hookspec
+def host_describe(target: "LoadedTarget") -> Optional[Description]:
+    """Called once per target by the server: a ``Description`` of what the plugin attached, or None."""
+
+
 @hookspec
 def host_add_commands(subparsers: "argparse._SubParsersAction") -> None:
     """Called once when ``mlx-spec`` builds its argument parser.
@@ -67,72 +108,55 @@ def host_add_commands(subparsers: "argparse._SubParsersAction") -> None:
 
 
 @hookspec
-def host_prefill_captures(target: "LoadedTarget") -> Optional["CaptureRequest"]:
-    """Called before each request's prefill: what the ordinary forward must expose.
+def host_prefill_captures(target: "LoadedTarget", state: "DecodeState") -> Optional["CaptureRequest"]:
+    """Called before each request's prefill: what the ordinary forward must expose for it.
 
-    Return a ``CaptureRequest`` naming decoder layers whose *output* (0-based: layer i's
-    output) the host records, or None. The host takes the union of all requests, taps those
-    layers of the target's own decoder stack and records them through the (chunked) prefill
-    into ``state.captures[layer]`` as ``[1, L, H]`` arrays covering every prompt position fed
-    to the target. Decode steps that run forwards through ``state.forward`` record the same
-    layers for the positions they feed. A plugin that consumed captured states may clear them.
+    ``state`` is the new request (its ``options`` tell e.g. whether it turned rounds off). Return a
+    ``CaptureRequest`` naming decoder layers whose *output* (0-based: layer i's output) the host
+    records, or None. The host taps those layers of the target's own decoder stack and hands the
+    outputs of every position IT feeds (the chunked prefill, its plain steps) to the next
+    ``host_decode_step`` call in ``state.captures`` ([1, n, H] per layer), once: after that call
+    it empties them. Forwards a plugin runs itself through ``batch.forward`` return their
+    captures to it directly.
     """
 
 
 @hookspec(firstresult=True)
-def host_decode_step(state: "DecodeState") -> Optional["StepOutput"]:
-    """Called before each decode step; the first non-None result wins.
+def host_decode_step(batch: "DecodeBatch") -> Optional[List["StepOutput"]]:
+    """Called before each decode step of a batch; the first non-None result wins.
 
-    Invariant on entry: ``state.tokens`` is the prompt plus every emitted token, and the target's
-    caches hold every token but the last (``state.pending``), which is emitted but not yet fed.
+    Invariant on entry, per row (``batch.rows``, ``DecodeState``): ``state.tokens`` is the prompt
+    plus every emitted token, and the batch's caches (``batch.cache``) hold every token but the
+    last (``state.pending``), which is emitted but not yet fed.
 
-    Return None to let the host run its own one-token step (feed ``pending``, apply the logits
-    processors, sample). Or run one step yourself and return a ``StepOutput`` whose ``tokens``
-    (one or more, each with its log-probabilities) the host emits in order; on return the
-    invariant must hold again with the last returned token as the new ``pending``: every other
-    returned token, and the old pending one, fed to the target's caches, nothing more. The host
-    truncates the emitted tokens at a stop token or at ``max_tokens`` (then generation ends, so
-    the caches' extra positions are never read). ``state.remaining`` tells how many tokens may
-    still be emitted; a step should not return more.
+    Either step every row: run forwards through ``batch.forward`` (the target's ordinary forward,
+    [B, W] -> logits [B, W, V] and the tapped layers' outputs) inside a
+    ``hooks.transaction.CacheTransaction`` over ``batch.cache`` and return one ``StepOutput`` per row,
+    in row order, each with one or more ``tokens``; on return the caches hold every returned token
+    but the last of each row, and the old pending one, nothing more (per-row lengths: the
+    transaction commits them). The host appends the tokens to ``state.tokens`` and ends a row at
+    a stop token or ``max_tokens`` (extra positions are never read). A step should return at most
+    ``state.remaining`` tokens per row.
 
-    A plugin that will return None for every remaining step of this request adds itself (the
-    object it registered) to ``state.idle_plugins``; once all implementers have, the host
-    pipelines its own one-token steps like mlx-lm's ``generate_step`` (the next forward is queued
-    before the current token is read) and stops calling this hook for the request.
-
-    A plugin returning None may also set ``state.plain_run = n`` (the host resets it to 0 before
-    each call): the host then takes up to n plain one-token steps, pipelined the same way and
-    recording ``state.capture_layers`` for every fed position, before calling this hook again.
-    Between those steps the caches run one token ahead; after the last one the invariant holds.
+    Or decline every row: return None, or one ``StepOutput`` with no tokens per row whose
+    ``plain_steps`` says how many plain one-token steps the host may take for the row before it
+    asks again (None: any number). The host then runs its own step for all rows, pipelined like
+    mlx-lm's ``generate_step`` (the next forward is queued before the current token is read), for
+    the fewest steps any row allows, and asks again after that or when rows join. Returning None
+    means no limit for any row.
     """
 
 
 @hookspec
-def host_batch_refusal(target: "LoadedTarget") -> Optional[str]:
-    """Called once per target by a host that can decode requests in a batch (the server).
+def host_request_finished(state: "DecodeState", discarded: int) -> None:
+    """Called once when a request ends (stop token, max_tokens, cancelled or failed).
 
-    Return a reason (str) why this plugin's decode steps for ``target`` cannot run as batched
-    steps (``host_decode_batch``), or None. Any reason, or a target whose caches the host cannot
-    batch (``hooks.batch.cache_refusal``), keeps every request of the target on per-request
-    ``host_decode_step`` calls; the host logs the reason.
+    ``discarded``: tokens of the request's last decode step that were not used because the
+    request ended before them (e.g. a stop token in the middle of a round). A plugin corrects
+    the request's report and releases what it holds for the request.
     """
 
 
-@hookspec(firstresult=True)
-def host_decode_batch(batch: "DecodeBatch") -> Optional[List["StepOutput"]]:
-    """Called before each decode step of a batch of requests of one target; the first non-None wins.
-
-    ``batch.rows`` are the requests' ``DecodeState``s; ``batch.cache`` (one ``BatchKVCache`` per
-    layer, left-padded rows) holds their positions and ``batch.forward(inputs)`` runs the target's
-    ordinary forward over one equally long token list per row ([B, W] -> logits [B, W, V]),
-    recording each row's captures into its ``last_captures``. The invariant of ``host_decode_step``
-    holds per row on entry and must hold again on return.
-
-    Return None to let the host run its own one-token step for every row (``batch.plain_step``),
-    or a list of one ``StepOutput`` per row, in row order, each as ``host_decode_step`` would
-    return it for that row alone (one or more tokens, at most ``state.remaining``). Rows may emit
-    different numbers of tokens: the positions a row does not keep must be taken out of
-    ``batch.cache`` for that row only (``plugin.commit.CacheTransaction`` commits per-row lengths).
-    The host ends a row at a stop token or ``max_tokens`` and removes it from the batch; after a
-    step it drops the left padding all rows share (``batch.compact``).
-    """
+@hookspec
+def host_metrics() -> Optional[List[Metric]]:
+    """Called when the server's ``/metrics`` is read: the plugin's process-wide metrics, or None."""

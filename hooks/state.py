@@ -6,10 +6,11 @@ import hashlib
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import taps
@@ -39,6 +40,21 @@ class HostConfig:
         return dict(value) if isinstance(value, dict) else {}
 
 
+class CachePolicy:
+    """How the host makes a target's caches: mlx-lm's own (``make_prompt_cache``) by default.
+
+    A plugin may return another policy from ``host_cache_policy`` (e.g. shape-stable caches where
+    the backend compiles attention per shape). The host makes each request's caches with
+    ``make_cache``; rows of a batch merge through the caches' own ``merge`` / ``extend`` /
+    ``extract``, so a policy's cache classes provide those too.
+    """
+
+    name = "mlx-lm"
+
+    def make_cache(self, model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
+        return make_prompt_cache(model, max_kv_size=max_kv_size)
+
+
 @dataclass
 class LoadedTarget:
     """A target model as loaded by ``mlx_lm.load``, plus what plugins attached to it."""
@@ -49,6 +65,7 @@ class LoadedTarget:
     model_config: Dict[str, Any]
     name: str
     attachments: Dict[str, Any] = field(default_factory=dict)
+    cache_policy: CachePolicy = field(default_factory=CachePolicy)
 
     @property
     def num_layers(self) -> int:
@@ -130,28 +147,39 @@ class GeneratedToken:
 
 @dataclass
 class StepOutput:
-    """What a decode step returns: the tokens to emit, in order (see ``host_decode_step``)."""
+    """A decode-step plugin's answer for one row of the batch (see ``host_decode_step``).
 
-    tokens: List[GeneratedToken]
+    ``tokens`` non-empty: the plugin stepped the row and these are emitted, in order. Empty: the
+    plugin declines the row; the host then takes plain one-token steps for it, up to
+    ``plain_steps`` of them before it asks again (None: as many as it likes, until rows join).
+    """
+
+    tokens: List[GeneratedToken] = field(default_factory=list)
+    plain_steps: Optional[int] = 1
 
 
 @dataclass
 class DecodeState:
-    """One request's decode state, shared by the host and the plugins."""
+    """One request (a row of a batch): its tokens, sampling and per-request plugin state.
+
+    The host owns it; plugins read it and write only ``extras[name]`` and ``report[name]`` of
+    their own name. The row's caches belong to the batch it decodes in (``hooks.batch``).
+    """
 
     target: LoadedTarget
-    cache: List[Any]
     tokens: List[int]
     prompt_len: int
     sampler: Sampler
     sampling: SamplingParams
     logits_processors: List[LogitsProcessor]
     max_tokens: int
+    # The request's options for plugins, e.g. {"speculative": False} (a request turning rounds off).
+    options: Dict[str, Any] = field(default_factory=dict)
+    # Decoder layers whose outputs the host records for this row (host_prefill_captures).
     capture_layers: List[int] = field(default_factory=list)
-    # layer -> [1, L, H]: outputs for positions fed to the target and not yet consumed.
+    # layer -> [1, n, H]: outputs of the positions the HOST fed (prefill, plain steps) since the last
+    # host_decode_step call; handed over once: the host empties it after each call.
     captures: Dict[int, mx.array] = field(default_factory=dict)
-    # layer -> [1, n, H]: outputs of the positions fed by the latest ``forward``.
-    last_captures: Dict[int, mx.array] = field(default_factory=dict)
     pending_logprobs: Optional[mx.array] = None
     extras: Dict[str, Any] = field(default_factory=dict)
     report: Dict[str, Any] = field(default_factory=dict)
@@ -159,12 +187,6 @@ class DecodeState:
     # mlx-lm). The drafter draws from its own stream, so its draws never move the target's.
     rng: Optional[KeyStream] = None
     draft_rng: Optional[KeyStream] = None
-    # Plugins (the registered objects) that will return None from host_decode_step for the rest
-    # of this request. Once every implementer is here, the host pipelines its one-token steps.
-    idle_plugins: Set[Any] = field(default_factory=set)
-    # Set by a plugin that returns None from host_decode_step: the host may take this many plain
-    # one-token steps (pipelined, captures kept) before it asks again. Reset before each ask.
-    plain_run: int = 0
 
     @property
     def model(self) -> nn.Module:
@@ -182,28 +204,10 @@ class DecodeState:
     def remaining(self) -> int:
         return self.max_tokens - self.generated
 
-    def forward(self, tokens: Union[Sequence[int], mx.array]) -> mx.array:
-        """The target's ordinary forward over ``tokens`` on ``cache``: logits [1, n, V].
-
-        ``tokens``: ints, or a [n] integer array that may still be lazy (a round then queues its
-        verify before the draft is evaluated). Records the requested layers of the fed positions
-        into ``last_captures``.
-        """
-        if isinstance(tokens, mx.array):
-            inputs = tokens.astype(mx.uint32).reshape(1, -1)
-        else:
-            inputs = mx.array([list(tokens)], dtype=mx.uint32)
-        with taps.record(self.capture_layers) as rec:
-            logits = self.model(inputs, cache=self.cache)
-        self.last_captures = {i: mx.concatenate(v, axis=1) if len(v) > 1 else v[0] for i, v in rec.items() if v}
-        return logits
-
-    def keep_captures(self, n: int) -> None:
-        """Append the first n positions of ``last_captures`` to ``captures``."""
-        for i, h in self.last_captures.items():
-            h = h[:, :n]
+    def add_captures(self, recorded: Dict[int, mx.array]) -> None:
+        """Append the host-fed positions' outputs ([1, n, H] per layer) to ``captures``."""
+        for i, h in recorded.items():
             self.captures[i] = mx.concatenate([self.captures[i], h], axis=1) if i in self.captures else h
-        self.last_captures = {}
 
     def next_key(self) -> Optional[mx.array]:
         """A key for the target's next draw: None (global state) for an unseeded request."""
@@ -218,11 +222,11 @@ class DecodeState:
     def logprobs(self, logits: mx.array, drafts: Sequence[int] = (), start: int = 0) -> mx.array:
         """Processed log-probabilities for each position of a forward over [pending, *drafts].
 
-        logits: [1, n, V] with n == 1 + len(drafts) (or fewer rows). Logits processors see,
-        for row i, the history ``tokens + drafts[:start + i]``, exactly as one-token decoding
-        would (``start``: a drafter scoring its position ``start`` alone). Returns [n, V].
+        logits: [1, n, V] (or [n, V]) with n <= 1 + len(drafts). Logits processors see, for row i,
+        the history ``tokens + drafts[:start + i]``, exactly as one-token decoding would
+        (``start``: a drafter scoring its position ``start`` alone). Returns [n, V].
         """
-        rows = logits[0]  # [n, V]
+        rows = logits[0] if logits.ndim == 3 else logits  # [n, V]
         if self.logits_processors:
             rows = mx.concatenate([
                 self.apply_processors(mx.array(self.tokens + list(drafts[: start + i]), dtype=mx.uint32), rows[i : i + 1])

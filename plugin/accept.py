@@ -7,9 +7,25 @@ applies them), q the drafter's; x_1..x_k the draft tokens.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+from ..drafters.base import Proposal
+
+
+@dataclass
+class RoundOutcome:
+    """What verification decided for one row of a round."""
+
+    draft_tokens: int  # k, proposals verified
+    accepted: int  # a, leading draft tokens kept (0 <= a <= k)
+    tokens: List[int] = field(default_factory=list)  # the a accepted tokens plus the bonus
+
+    @property
+    def emitted(self) -> int:
+        return self.accepted + 1
 
 
 def accept_prefix(drafts: Sequence[int], target: Sequence[int]) -> Tuple[int, int]:
@@ -94,3 +110,39 @@ def rejection_accept(
     q_a = mx.take_along_axis(q, row, axis=-2)[..., 0, :]  # [..., V]
     bonus = mx.random.categorical(mx.log(residual(p_a, q_a)), key=key_bonus)  # [...]
     return a, bonus
+
+
+def accept_rows(rows: Sequence[Any], proposals: Sequence[Proposal], logprobs: Sequence[mx.array],
+                acceptance: str) -> List[RoundOutcome]:
+    """Each row's outcome by its own rule, evaluated together (one synchronisation for the batch).
+
+    logprobs[b]: row b's processed log p [k_b+1, V]. Temperature 0: the greedy walk; else
+    ``rejection`` (speculative sampling with the row's own key) or ``exact`` (mlx-lm's token match).
+    A row that drafted nothing takes its one-token step here: its own sampler on position 0.
+    """
+    plans: List[Tuple[str, Any]] = []
+    for row, p, lp in zip(rows, proposals, logprobs):
+        if not len(p.tokens):
+            plans.append(("step", (mx.argmax(lp[:1], axis=-1) if row.sampling.greedy else row.sampler(lp[:1]))))
+        elif row.sampling.greedy:
+            plans.append(("walk", mx.argmax(lp, axis=-1)))  # y: [k+1]
+        elif acceptance == "rejection":
+            # p: the target's rows after the sampler's processing; q comes processed from the drafter.
+            q = p.logprobs
+            plans.append(("rejection", rejection_accept(mx.array(p.tokens, dtype=mx.uint32), q,
+                                                       row.sampling.process(lp), row.next_key())))
+        else:
+            plans.append(("walk", row.sampler(lp)))  # exact: y ~ p_i at every position
+    mx.eval([x for _, x in plans])
+    out = []
+    for (how, x), p in zip(plans, proposals):
+        drafts = list(p.tokens)
+        if how == "step":
+            out.append(RoundOutcome(0, 0, [int(x.item())]))
+        elif how == "walk":
+            a, bonus = accept_prefix(drafts, x.tolist())
+            out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
+        else:
+            a, bonus = int(x[0].item()), int(x[1].item())
+            out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
+    return out

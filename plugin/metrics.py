@@ -1,6 +1,7 @@
 """Speculative-decoding statistics: per request (``SpecStats``) and process-wide (``METRICS``).
 
-Names follow vLLM's spec_decode counters so that users' dashboards carry over.
+Names follow vLLM's spec_decode counters so that users' dashboards carry over; the server shows
+them through the ``host_metrics`` hook.
 """
 
 from __future__ import annotations
@@ -9,7 +10,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .types import RoundOutcome
+from ..hooks.specs import Metric
+from .accept import RoundOutcome
+
+
+def _bucket(accepted: int, drafted: int) -> str:
+    return "zero" if accepted == 0 else "full" if accepted == drafted else "partial"
 
 
 @dataclass
@@ -25,6 +31,7 @@ class SpecStats:
     plain_steps: int = 0  # one-token steps the adaptive controller took instead of rounds
     fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
     seconds: Dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "commit": 0.0})
+    last: Optional[RoundOutcome] = None  # the latest round, until the request ends
 
     def record(self, outcome: RoundOutcome) -> None:
         self.rounds += 1
@@ -34,9 +41,26 @@ class SpecStats:
             self.accepted_per_position += [0] * (outcome.draft_tokens - len(self.accepted_per_position))
         for i in range(outcome.accepted):
             self.accepted_per_position[i] += 1
-        key = "zero" if outcome.accepted == 0 else "full" if outcome.accepted == outcome.draft_tokens else "partial"
-        self.rounds_by_acceptance[key] += 1
+        self.rounds_by_acceptance[_bucket(outcome.accepted, outcome.draft_tokens)] += 1
+        self.last = outcome
         METRICS.record(outcome)
+
+    def truncate_last(self, discarded: int) -> None:
+        """The request ended inside its latest round: ``discarded`` of its emitted tokens were not
+        used (a stop token or max_tokens came first). Accepted counts only the draft tokens used."""
+        o = self.last
+        if o is None or discarded <= 0:
+            return
+        used = max(0, o.emitted - discarded)
+        cut = o.accepted - min(o.accepted, used)
+        if cut <= 0:
+            return
+        self.accepted_tokens -= cut
+        for i in range(o.accepted - cut, o.accepted):
+            self.accepted_per_position[i] -= 1
+        self.rounds_by_acceptance[_bucket(o.accepted, o.draft_tokens)] -= 1
+        self.rounds_by_acceptance[_bucket(o.accepted - cut, o.draft_tokens)] += 1
+        METRICS.unrecord(o, cut)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -65,7 +89,7 @@ class SpecStats:
 
 
 class Metrics:
-    """Process-wide counters (thread-safe), read by the server's /metrics."""
+    """Process-wide counters (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -86,6 +110,13 @@ class Metrics:
             for i in range(outcome.draft_tokens):
                 self.accepted_per_pos[i] = self.accepted_per_pos.get(i, 0) + (1 if i < outcome.accepted else 0)
 
+    def unrecord(self, outcome: RoundOutcome, cut: int) -> None:
+        """The last ``cut`` accepted tokens of ``outcome`` were not used after all."""
+        with self._lock:
+            self.num_accepted_tokens -= cut
+            for i in range(outcome.accepted - cut, outcome.accepted):
+                self.accepted_per_pos[i] -= 1
+
     def record_fallback(self) -> None:
         with self._lock:
             self.fallbacks += 1
@@ -99,6 +130,23 @@ class Metrics:
                 "spec_decode_num_accepted_tokens_per_pos_total": dict(self.accepted_per_pos),
                 "spec_decode_fallbacks_total": self.fallbacks,
             }
+
+    def prometheus(self) -> List[Metric]:
+        snap = self.snapshot()
+        per_pos = snap["spec_decode_num_accepted_tokens_per_pos_total"]
+        return [
+            Metric("spec_decode_num_drafts_total", "counter", "Speculative rounds (drafts verified).",
+                   [("", snap["spec_decode_num_drafts_total"])]),
+            Metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed and verified.",
+                   [("", snap["spec_decode_num_draft_tokens_total"])]),
+            Metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted (and used).",
+                   [("", snap["spec_decode_num_accepted_tokens_total"])]),
+            Metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                   "Draft tokens accepted, by position in the block.",
+                   [(f'{{position="{i}"}}', per_pos[i]) for i in sorted(per_pos)]),
+            Metric("spec_decode_fallbacks_total", "counter", "Drafter failures mid-request (plain decoding after).",
+                   [("", snap["spec_decode_fallbacks_total"])]),
+        ]
 
 
 METRICS = Metrics()

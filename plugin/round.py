@@ -1,228 +1,210 @@
-"""One speculative round: draft -> verify -> accept -> commit.
+"""One speculative round over a batch: draft (draft.py) -> verify (verify.py) -> accept (accept.py) -> commit (commit.py).
 
-Nothing is lost: a drafter that raises leaves every cache as it was before the round and the
-request goes on with plain one-token decoding.
+Every row of the batch takes part: rows with drafts get their accepted drafts plus the bonus, rows
+without (speculation off for the request, fallen back, paused by the adaptive controller, nothing
+left to draft) take their one token from the same verify forward. When no row drafts, the plugin
+declines the step and the host takes plain steps, as many as every row's controller allows.
+
+Nothing is lost: a drafter that raises, or proposes tokens outside the vocabulary, leaves every
+cache as it was before the round, and its rows go on with plain decoding.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple, Type
+from typing import Any, List, Optional, Sequence
 
-import mlx.core as mx
-
-from ..drafters.base import DraftSession
+from ..drafters.base import DraftBatch, Proposal
+from ..hooks.batch import DecodeBatch, replay
 from ..hooks.state import DecodeState, GeneratedToken, StepOutput
-from . import accept
+from ..hooks.transaction import CacheTransaction, UnsupportedCache
+from . import commit
+from .accept import RoundOutcome, accept_rows
 from .adaptive import BlockSizeController
-from .commit import CacheTransaction, UnsupportedCache
+from .draft import LAZY_DRAFTS, DraftError, as_ints, draft
 from .metrics import METRICS, SpecStats
 from .settings import SpeculativeSettings
-from .types import Proposal, RoundOutcome
-from .verify import verify
+from .verify import row_logprobs, verify
 
 log = logging.getLogger("mlx_speculative")
-# MLX_SPEC_LAZY_DRAFTS=0: evaluate each proposal before the verify is built (for measurements).
-LAZY_DRAFTS = os.environ.get("MLX_SPEC_LAZY_DRAFTS", "1").strip() != "0"
+NAME = "speculative"
 
 
 @dataclass
-class RequestRounds:
-    """A request's speculative state: its draft session, block-size controller and stats."""
+class RowRounds:
+    """A request's speculative state: its block-size controller and stats (``state.extras[NAME]``)."""
 
-    session: DraftSession
     controller: BlockSizeController
     stats: SpecStats
     settings: SpeculativeSettings
     failed: Optional[str] = None
-    vocab_size: int = 0
-    extras: dict = field(default_factory=dict)
-    # (perf_counter, steps) when plain steps were handed out: their cost is measured at the next call.
-    plain_clock: Optional[Tuple[float, int]] = None
+    expected: int = 0  # the request's generated count after the plugin's last answer
+    to_end: bool = False  # plain steps to the end of the request (a probe could not pay for itself)
+
+    def observe(self, state: DecodeState) -> int:
+        """Plain steps the host took for the request since the plugin's last answer (counted)."""
+        taken = state.generated - self.expected
+        if taken > 0:
+            (self.controller.plain_to_end if self.to_end else self.controller.take_plain_steps)(taken)
+            self.stats.plain_steps += taken
+            self.expected = state.generated
+        return taken
 
     def fall_back(self, where: str, error: BaseException) -> None:
-        self.failed = f"drafter failed while {where}: {type(error).__name__}: {error}"
-        self.stats.fallback = self.failed
-        METRICS.record_fallback()
-        log.warning("speculative decoding: %s; continuing with plain decoding", self.failed)
+        if self.failed is None:
+            self.failed = f"drafter failed while {where}: {type(error).__name__}: {error}"
+            self.stats.fallback = self.failed
+            METRICS.record_fallback()
+            log.warning("speculative decoding: %s; continuing with plain decoding", self.failed)
 
 
-def _propose(state: DecodeState, req: RequestRounds, max_drafts: int, lazy: bool = False) -> Proposal:
-    """The drafter's proposal, checked. ``lazy``: a drafter's token array may stay unevaluated
-    (checked after the verify, ``check_lazy_drafts``); otherwise tokens become ints here."""
-    proposal = req.session.propose(state, max_drafts)
-    tokens = proposal.tokens
-    if isinstance(tokens, mx.array):
-        if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
-            raise ValueError(f"draft tokens: expected a list of ints or a 1-d integer array; got an array of shape "
-                             f"{tuple(tokens.shape)} and dtype {tokens.dtype}")
-        tokens = tokens[:max_drafts]
-        if not lazy:
-            tokens = tokens.tolist()
-    if not isinstance(tokens, mx.array):
-        tokens = _in_vocabulary(req, [int(t) for t in tokens[:max_drafts]], ValueError)
-    k = len(tokens)
-    q = proposal.logprobs[:k] if proposal.logprobs is not None else None
-    if q is not None and req.vocab_size and tuple(q.shape) != (k, req.vocab_size):
-        raise ValueError(f"draft log-probabilities q have shape {tuple(q.shape)}; expected "
-                         f"({k}, {req.vocab_size}): one row per draft token over the target's vocabulary")
-    return Proposal(tokens, q)
+@dataclass
+class BatchRounds:
+    """The plugin's state for one batch (``batch.extras[NAME]``): the drafter's rows."""
+
+    draft: DraftBatch
+    plain_runs: int = 0  # the host's plain runs on this batch seen so far
+    extras: dict = field(default_factory=dict)
 
 
-class DraftError(ValueError):
-    """A drafter's output found unusable after the verify was queued (the round is rolled back)."""
+def row_rounds(state: DecodeState, att: Any) -> Optional[RowRounds]:
+    """The request's rounds, made when the plugin first sees it; None: it decodes plainly."""
+    req = state.extras.get(NAME)
+    if req is None:
+        if att.drafter is None or state.options.get("speculative") is False:
+            state.extras[NAME] = False
+            return None
+        stats = SpecStats(kind=att.drafter.kind)
+        state.report[NAME] = stats
+        req = RowRounds(
+            controller=BlockSizeController(cap=att.block_size,
+                                           adaptive=att.settings.adaptive and att.settings.block_size is None),
+            stats=stats, settings=att.settings, expected=state.generated,
+        )
+        state.extras[NAME] = req
+    return req if req and req.failed is None else None
 
 
-def _in_vocabulary(req: RequestRounds, tokens: List[int], error: Type[Exception]) -> List[int]:
-    bad = [t for t in tokens if not 0 <= t < req.vocab_size]
-    if bad:
-        raise error(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{req.vocab_size - 1})")
-    return tokens
+def _observe(batch: DecodeBatch, br: BatchRounds, rows: Sequence[DecodeState], reqs: Sequence[RowRounds]) -> None:
+    """Count the plain steps the host took for each row since the plugin last answered, and their cost."""
+    fresh_run = batch.plain.runs != br.plain_runs
+    br.plain_runs = batch.plain.runs
+    for row, req in zip(rows, reqs):
+        if req.observe(row) and fresh_run and batch.plain.steps:
+            req.controller.record_plain(batch.plain.steps, batch.plain.seconds)
 
 
-def check_lazy_drafts(req: RequestRounds, proposal: Proposal) -> Proposal:
-    """After the verify: the drafts as ints; out-of-vocabulary drafts raise ``DraftError``."""
-    if not isinstance(proposal.tokens, mx.array):
-        return proposal
-    return Proposal(_in_vocabulary(req, proposal.tokens.tolist(), DraftError), proposal.logprobs)
-
-
-def _accept(state: DecodeState, req: RequestRounds, proposal: Proposal, logprobs: mx.array) -> RoundOutcome:
-    drafts = mx.array(proposal.tokens, dtype=mx.uint32)  # [k]
-    if state.sampling.greedy:
-        a, bonus = accept.greedy_accept(drafts, logprobs)
-    elif req.settings.acceptance == "rejection":
-        # p: the target's rows after the sampler's processing; q comes processed from the drafter.
-        a, bonus = accept.rejection_accept(drafts, proposal.logprobs, state.sampling.process(logprobs), state.next_key())
-        mx.eval(a, bonus)
-        a, bonus = int(a.item()), int(bonus.item())
-    else:
-        a, bonus = accept.exact_accept(drafts, logprobs, state.sampler)
-    return RoundOutcome(draft_tokens=len(proposal.tokens), accepted=a, tokens=proposal.tokens[:a] + [bonus])
-
-
-def draft_block(
-    state: DecodeState, req: RequestRounds, lazy: bool = False, plain_run: bool = True
-) -> Optional[Tuple[Proposal, CacheTransaction, int]]:
-    """Draft this round: the proposal, the drafter caches' open transaction and the block size.
-
-    None when this step is a plain one-token step (fallen back, paused, nothing left to draft or
-    nothing drafted); the drafter's caches are then already committed or rolled back. While the
-    block-size controller pauses rounds, ``plain_run`` hands the host the whole pause at once
-    (``state.plain_run``, pipelined plain steps); otherwise one plain step is taken per call.
-    ``lazy``: the proposal's tokens may be an unevaluated array (see ``_propose``).
-    """
-    if req.failed is not None:
+def _plan(row: DecodeState, req: RowRounds) -> Optional[int]:
+    """Draft tokens the row proposes this step (>= 1), or None: it takes plain steps (``_grant``)."""
+    c = req.controller
+    if req.to_end or c.paused_left:
         return None
-    now = time.perf_counter()
-    if req.plain_clock is not None:
-        req.controller.record_plain(req.plain_clock[1], now - req.plain_clock[0])
-        req.plain_clock = None
-    limit = state.remaining if plain_run else 1
-    paused = req.controller.take_plain_steps(limit)
-    if not paused and req.controller.skip_probe(state.remaining):
-        paused = req.controller.plain_to_end(limit)
-    if paused:
-        state.plain_run = paused
-        req.plain_clock = (now, paused)
-        req.stats.plain_steps = req.controller.plain_steps
+    if c.skip_probe(row.remaining):
+        req.to_end = True
         return None
-    block = req.controller.size
-    max_drafts = min(block - 1, state.remaining - 1)
-    if max_drafts < 1:
+    k = min(c.size - 1, row.remaining - 1)
+    return k if k >= 1 else None
+
+
+def _grant(row: DecodeState, req: RowRounds) -> Optional[int]:
+    """Plain steps the host may take for a row that does not draft (None: any number)."""
+    if req.to_end:
         return None
-    # replay: recurrent caches (ArraysCache) keep a partial commit by feeding the kept tokens again.
-    draft_txn = CacheTransaction(req.session.caches(), replay=getattr(req.session, "replay", None)).begin()
+    return req.controller.paused_left or 1
+
+
+def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
+    """The plugin's decode step for ``batch``: a round for every row, or a decline (None / plain steps)."""
+    rows = list(batch.rows)
+    reqs = [row_rounds(r, att) for r in rows]
+    on = [b for b, req in enumerate(reqs) if req is not None]
+    if not on:
+        return None
+    br: Optional[BatchRounds] = batch.extras.get(NAME)
+    if br is None:
+        br = batch.extras[NAME] = BatchRounds(att.drafter.new_batch())
+    on_rows, on_reqs = [rows[b] for b in on], [reqs[b] for b in on]
+    _observe(batch, br, on_rows, on_reqs)
     try:
-        proposal = _propose(state, req, max_drafts, lazy)
+        br.draft.sync(on_rows)
     except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
-        draft_txn.abort()
-        req.fall_back("drafting", e)
-        return None
-    if not len(proposal.tokens):
-        # Nothing to verify: keep what the drafter fed (catching up), let the host step.
-        _session_commit(state, req, draft_txn, 0, 0)
-        return None
-    return proposal, draft_txn, block
+        return _fall_back(on_reqs, "syncing its rows", e)
+    plans = [_plan(r, q) for r, q in zip(on_rows, on_reqs)]
+    if not any(plans):
+        outs = [StepOutput([], None) for _ in rows]
+        for b, row, req in zip(on, on_rows, on_reqs):
+            outs[b].plain_steps = _grant(row, req)
+            req.expected = row.generated
+        return outs
+    return _round(batch, att, br, rows, on, plans)
 
 
-def emit(state: DecodeState, outcome: RoundOutcome, logprobs: mx.array) -> StepOutput:
-    """Append the verified tokens to the request; the target's caches already hold the kept positions."""
-    state.keep_captures(outcome.emitted)
-    emitted = [GeneratedToken(t, logprobs[i]) for i, t in enumerate(outcome.tokens)]
-    state.tokens.extend(outcome.tokens)
-    state.pending_logprobs = emitted[-1].logprobs
-    return StepOutput(emitted)
+def _fall_back(reqs: Sequence[RowRounds], where: str, error: BaseException) -> None:
+    for req in reqs:
+        req.fall_back(where, error)
+    return None
 
 
-def finish_round(
-    state: DecodeState, req: RequestRounds, draft_txn: CacheTransaction, block: int, outcome: RoundOutcome,
-    draft_seconds: float, verify_seconds: float,
-) -> None:
-    """After ``emit``: the drafter's commit, the block-size controller and the stats."""
-    t = time.perf_counter()
-    _session_commit(state, req, draft_txn, outcome.accepted, outcome.draft_tokens)
-    req.controller.history.append(block)
-    req.controller.record_round(draft_seconds + verify_seconds)
-    req.controller.update(outcome.accepted, outcome.draft_tokens)
-    req.stats.record(outcome)
-    req.stats.block_sizes = req.controller.history
-    req.stats.plain_steps = req.controller.plain_steps
-    req.stats.seconds["draft"] += draft_seconds
-    req.stats.seconds["verify"] += verify_seconds
-    req.stats.seconds["commit"] += time.perf_counter() - t
-
-
-def run_round(state: DecodeState, req: RequestRounds) -> Optional[StepOutput]:
-    """Run one round, or return None for a plain one-token step (nothing to draft, or fallen back)."""
+def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState], on: List[int],
+           plans: List[Optional[int]]) -> Optional[List[StepOutput]]:
+    reqs: List[RowRounds] = [rows[b].extras[NAME] for b in on]
+    on_rows = [rows[b] for b in on]
+    vocab = int(rows[0].pending_logprobs.shape[-1]) if rows[0].pending_logprobs is not None else 0
     t0 = time.perf_counter()
-    # Lazy drafts: the verify is queued behind the drafter's kernels, so the CPU builds the verify
-    # graph while the GPU drafts (one synchronisation per round). Logits processors need the
-    # drafts as ints to build their per-position histories.
-    drafted = draft_block(state, req, lazy=LAZY_DRAFTS and not state.logits_processors)
-    if drafted is None:
-        return None
-    proposal, draft_txn, block = drafted
-    t1 = time.perf_counter()
-
-    def fed(n: int) -> list:
-        return ([state.pending] + list(proposal.tokens))[:n]
-
+    lazy = LAZY_DRAFTS and not any(r.logits_processors for r in rows)
     try:
-        with CacheTransaction(state.cache, replay=lambda n: state.forward(fed(n))) as txn:
-            logprobs = verify(state, proposal.tokens, req.vocab_size)  # [k+1, V]
-            proposal = check_lazy_drafts(req, proposal)
-            outcome = _accept(state, req, proposal, logprobs)
-            txn.commit(outcome.emitted)
-    except UnsupportedCache as e:
-        # A target cache that cannot be rolled back exactly for this forward; the transaction
-        # restored its start state, so the request goes on with plain decoding, losing nothing.
-        draft_txn.abort()
-        req.fall_back("verifying (target cache)", e)
-        return None
-    except DraftError as e:
-        # Out-of-vocabulary lazy drafts, found after the verify: everything rolled back, as for
-        # any drafter failure.
-        draft_txn.abort()
-        req.fall_back("drafting", e)
-        return None
-    except BaseException:
-        draft_txn.abort()
-        raise
-    out = emit(state, outcome, logprobs)
-    finish_round(state, req, draft_txn, block, outcome, t1 - t0, time.perf_counter() - t1)
-    return out
-
-
-def _session_commit(
-    state: DecodeState, req: RequestRounds, draft_txn: CacheTransaction, accepted: int, drafted: int
-) -> None:
-    """The drafter keeps what matches the committed tokens; a failure rolls its caches back."""
-    try:
-        draft_txn.commit(req.session.commit(state, accepted, drafted))
+        drafted = draft(br.draft, on_rows, [k or 0 for k in plans], vocab, lazy)
     except Exception as e:  # noqa: BLE001
-        draft_txn.abort()
-        req.fall_back("committing", e)
+        return _fall_back(reqs, "drafting", e)
+    t1 = time.perf_counter()
+    proposals: List[Proposal] = [Proposal([]) for _ in rows]
+    for b, p in zip(on, drafted.proposals):
+        proposals[b] = p
+    width_for = getattr(batch.target.cache_policy, "verify_width", lambda n: n)
+    target: Optional[CacheTransaction] = None
+    try:
+        fed: List[Any] = []
+        target = CacheTransaction(batch.cache, replay=lambda n: replay(batch.target.model, batch.cache, fed[0], n))
+        target.begin()
+        logits, captured, inputs = verify(batch, [p.tokens for p in proposals], vocab, width_for)  # [B, W, V]
+        fed.append(inputs)
+        proposals = as_ints(proposals, vocab)
+        logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
+        outcomes: List[RoundOutcome] = accept_rows(rows, proposals, logprobs, att.settings.acceptance)
+        commit.commit_target(target, outcomes, inputs.shape[1])
+    except (UnsupportedCache, DraftError) as e:
+        # A target cache that cannot be rolled back exactly for this forward, or drafts outside the
+        # vocabulary: everything is restored, the rows go on with plain decoding, nothing lost.
+        commit.abort(target, drafted)
+        where = "verifying (target cache)" if isinstance(e, UnsupportedCache) else "drafting"
+        return _fall_back(reqs, where, e)
+    except BaseException:
+        commit.abort(target, drafted)
+        raise
+    t2 = time.perf_counter()
+    try:
+        commit.commit_drafter(br.draft, drafted, on_rows,
+                              commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
+    except Exception as e:  # noqa: BLE001 - the target's tokens stand; the drafter is done for
+        drafted.abort()
+        _fall_back(reqs, "committing", e)
+    t3 = time.perf_counter()
+    for b, req, plan in zip(on, reqs, plans):
+        outcome = outcomes[b]
+        if plan and outcome.draft_tokens:
+            c = req.controller
+            c.history.append(c.size)
+            c.record_round(t2 - t0)
+            c.update(outcome.accepted, outcome.draft_tokens)
+            req.stats.record(outcome)
+            req.stats.block_sizes = c.history
+            req.stats.seconds["draft"] += t1 - t0
+            req.stats.seconds["verify"] += t2 - t1
+            req.stats.seconds["commit"] += t3 - t2
+        # A row that drafted nothing took its token from this forward: one of its plain steps,
+        # counted by ``observe`` at the next step like the host's.
+        req.expected = rows[b].generated + (len(outcome.tokens) if plan and outcome.draft_tokens else 0)
+    return [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
+            for b, o in enumerate(outcomes)]

@@ -35,8 +35,16 @@ class SpeculativeSettings:
     sources: Dict[str, str] = field(default_factory=dict)  # key -> cli | env | yaml | default
 
     def describe(self) -> str:
-        parts = [f"{k}={getattr(self, k)!r} ({self.sources.get(k, 'default')})" for k in KEYS if k != "enabled"]
-        return "speculative " + ("on: " if self.enabled else "off: ") + ", ".join(parts)
+        def shown(k: str) -> str:
+            value = getattr(self, k)
+            return "auto" if k == "block_size" and value is None else repr(value)
+
+        parts = [f"{k}={shown(k)} ({self.sources.get(k, 'default')})" for k in KEYS if k != "enabled"]
+        return ", ".join(parts)
+
+    def sources_text(self) -> str:
+        """Where the settings came from, e.g. "draft_model: cli, kind: env" (or "defaults")."""
+        return ", ".join(f"{k}: {self.sources[k]}" for k in KEYS if k in self.sources) or "defaults"
 
 
 def _bool(key: str, value: Any) -> bool:

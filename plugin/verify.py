@@ -1,40 +1,58 @@
-"""Verifying a round: ONE ordinary forward of the target over [pending, *drafts]."""
+"""Verifying a round: ONE ordinary forward of the target over [pending, *drafts] for every row.
+
+Row b feeds its pending token, its k_b draft tokens and filler positions after them up to the
+widest row (causal attention keeps filler out of the real rows; the transaction trims it like
+rejected drafts). Rows that draft nothing this step feed their pending token alone: their token
+comes from the same forward.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .padded_cache import verify_width
+from ..hooks.batch import DecodeBatch
+
+Drafts = Union[List[int], mx.array]
 
 
-def verify(state: Any, drafts: Union[Sequence[int], mx.array], vocab_size: int = 0) -> mx.array:
-    """The target's processed log-probabilities after each verified position: [k+1, V].
-
-    Row i is the distribution of the token after ``drafts[:i]`` (row 0: after the pending token),
-    with the logits processors applied per row as one-token decoding would. The forward runs on
-    the target's own caches; the caller wraps it in a cache transaction. ``drafts`` may be a lazy
-    [k] array (no logits processors then): the forward is queued behind the drafter's kernels,
-    clipped to the vocabulary so that a faulty drafter cannot read outside the embedding (the
-    round checks the drafts afterwards and rolls back).
-    """
-    n = 1 + len(drafts)
-    # Shape-stable caches want a few query widths only: pad with filler positions after the real
-    # ones (causal attention keeps them out of the real rows; the transaction trims them).
-    width = verify_width(state.cache, n)
-    if isinstance(drafts, mx.array):
-        if state.logits_processors:
-            raise ValueError("verify: lazy draft arrays cannot be scored with logits processors; pass ints")
-        body = drafts.astype(mx.uint32)
+def inputs(rows: Sequence, drafts: Sequence[Drafts], width: int, vocab_size: int) -> mx.array:
+    """[B, width] verify inputs. Lazy draft arrays are clipped to the vocabulary, so that a faulty
+    drafter cannot read outside the embedding (the round checks the drafts after the forward)."""
+    if not any(isinstance(d, mx.array) for d in drafts):
+        return mx.array([[r.pending, *d] + [r.pending] * (width - 1 - len(d)) for r, d in zip(rows, drafts)],
+                        dtype=mx.uint32)
+    out = []
+    for row, d in zip(rows, drafts):
+        body = d.astype(mx.uint32) if isinstance(d, mx.array) else mx.array(list(d), dtype=mx.uint32)
         if vocab_size:
             body = mx.minimum(body, vocab_size - 1)
-        fed = mx.concatenate([mx.array([state.pending], dtype=mx.uint32), body,
-                              mx.full((width - n,), state.pending, dtype=mx.uint32)])  # [width]
-        logits = state.forward(fed)[:, :n]  # [1, k+1, V]
-        logprobs = state.logprobs(logits)
-    else:
-        logits = state.forward([state.pending, *drafts] + [state.pending] * (width - n))[:, :n]  # [1, k+1, V]
-        logprobs = state.logprobs(logits, drafts)  # [k+1, V]
-    mx.eval(logprobs)
-    return logprobs
+        n = body.shape[0]
+        out.append(mx.concatenate([mx.array([row.pending], dtype=mx.uint32), body,
+                                   mx.full((width - 1 - n,), row.pending, dtype=mx.uint32)]))
+    return mx.stack(out)  # [B, width]
+
+
+def verify(
+    batch: DecodeBatch, drafts: Sequence[Drafts], vocab_size: int, width_for: Callable[[int], int] = lambda n: n,
+) -> Tuple[mx.array, Dict[int, mx.array], mx.array]:
+    """The target's logits over every row's block: ([B, W, V], tapped outputs {layer: [B, W, H]},
+    the inputs [B, W]). ``width_for``: the verify width a cache policy wants for n positions."""
+    width = width_for(1 + max(len(d) for d in drafts))
+    fed = inputs(batch.rows, drafts, width, vocab_size)
+    logits, captured = batch.forward(fed)
+    return logits, captured, fed
+
+
+def row_logprobs(row, logits: mx.array, drafts: Drafts) -> mx.array:
+    """Row's processed log-probabilities after each of its verified positions: [k+1, V].
+
+    Position i is the distribution of the token after ``drafts[:i]`` (0: after the pending token),
+    with the logits processors applied as one-token decoding would (they need the drafts as ints).
+    ``logits``: [1, W, V] of this row."""
+    n = 1 + len(drafts)
+    if row.logits_processors:
+        return row.logprobs(logits[:, :n], list(drafts))
+    rows = logits[0, :n]  # [k+1, V]
+    return rows - mx.logsumexp(rows, axis=-1, keepdims=True)

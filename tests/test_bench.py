@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mlx_speculative.plugin.bench import oracle
-from mlx_speculative.plugin.bench.core import allocate_lengths
+from mlx_speculative.plugin.bench.methods import allocate_lengths
 
 
 def test_alpha_gives_tau() -> None:

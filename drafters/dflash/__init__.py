@@ -12,127 +12,186 @@ and the flat Muse-Glimmer assistant. DFlash2 checkpoints are recognised and refu
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...plugin.types import Proposal
-from ..base import Compatibility, DraftSession, Drafter, DrafterError, DrafterFamily, DraftTarget
+from mlx_lm.models.cache import KVCache
+
+from ...hooks.batch import extend_rows, extract_row, filter_rows, merge_rows
+from ...hooks.transaction import CacheTransaction
+from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget, Proposal, Verified
 from ..compat import check_tokenizer, config_value
+from .features import target_features
 from .model import MUSE_ASSISTANT, UNSUPPORTED_ARCHITECTURES, Model, ModelArgs, config_layout
 
 KIND = "dflash"
 
 
-class DFlashSession(DraftSession):
-    """One request: the drafter's context cache and what the last proposal consumed."""
+class DFlashBatch(DraftBatch):
+    """The rows of one batch drafting with a DFlash drafter: their context caches and the target
+    features not yet in them. One drafter forward per round drafts every row's block."""
 
     def __init__(self, drafter: "DFlashDrafter"):
         self.drafter = drafter
-        if drafter.cache_bucket:
-            from ...plugin.padded_cache import PaddedKVCache
+        self.rows: List[Any] = []  # DecodeStates in cache-row order (rows that already have a context)
+        self.context: List[int] = []  # positions in each row's context cache
+        self.pending: Dict[int, List[Dict[int, mx.array]]] = {}  # id(row) -> captures not yet in the cache
+        self.fresh: List[Any] = []  # rows seen, their context not made yet
+        self.cache: List[Any] = []  # per drafter layer: one row's own cache, or batched caches
 
-            self.cache = drafter.model.make_cache(lambda: PaddedKVCache(drafter.cache_bucket))
-        else:
-            self.cache = drafter.model.make_cache()
-        self._consumed = 0  # positions of state.captures read by the last propose
+    def sync(self, rows: Sequence[Any]) -> None:
+        present = {id(r) for r in rows}
+        keep = [b for b, r in enumerate(self.rows) if id(r) in present]
+        if len(keep) < len(self.rows):
+            before = len(self.rows)
+            self.rows = [self.rows[b] for b in keep]
+            self.context = [self.context[b] for b in keep]
+            if not keep:
+                self.cache = []
+            elif len(keep) == 1 and before > 1:
+                self.cache = extract_row(self.cache, keep[0])
+            elif len(keep) > 1:
+                filter_rows(self.cache, keep)
+        self.fresh = [r for r in self.fresh if id(r) in present]
+        known = {id(r) for r in self.rows + self.fresh}
+        self.fresh += [r for r in rows if id(r) not in known]
+        self.pending = {k: v for k, v in self.pending.items() if k in present}
+        for row in rows:
+            if row.captures:  # what the host fed since the last step (prefill, plain steps)
+                self.pending.setdefault(id(row), []).append(dict(row.captures))
 
-    def caches(self) -> List[Any]:
-        return self.cache
-
-    @property
-    def context_length(self) -> int:
-        return self.cache[0].offset if self.cache else 0
-
-    def _new_hidden(self, state: Any) -> mx.array:
+    def _features(self, row: Any) -> Optional[mx.array]:
+        """[1, n, taps*H]: the row's pending target features, or None."""
+        parts = self.pending.pop(id(row), [])
+        if not parts:
+            return None
         layers = self.drafter.capture_layers()
-        missing = [i for i in layers if i not in state.captures]
-        if missing:
-            raise RuntimeError(f"the target's forward did not capture layers {missing} (asked for {layers})")
-        parts = [state.captures[i] for i in layers]  # each [1, n, H]
-        last = self.drafter.final_norm
-        if last is not None:
-            # HF's hidden_states[N] (the id of the last layer) is taken after the final norm.
-            parts = [last[1](h) if i == last[0] else h for i, h in zip(layers, parts)]
-        return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # [1, n, taps*H]
+        joined = {i: mx.concatenate([p[i] for p in parts], axis=1) if len(parts) > 1 else parts[0][i]
+                  for i in layers if all(i in p for p in parts)}
+        return target_features(joined, layers, self.drafter.final_norm)
 
-    def propose(self, state: Any, max_drafts: int) -> Proposal:
+    def prepare(self, rows: Sequence[Any]) -> None:
+        """Append each row's new context (the committed positions' features), exactly its own count."""
         d = self.drafter
-        hidden = self._new_hidden(state)
-        n = hidden.shape[1]
-        start = len(state.tokens) - 1  # position of the pending token
-        if self.context_length + n != start:
-            raise RuntimeError(
-                f"context out of step: {self.context_length} positions in the drafter's cache plus {n} "
-                f"new captured positions, but the target has consumed {start}"
-            )
-        B = max_drafts + 1
-        # Padded caches (CUDA): the block too is padded to a power of two, so that adaptive sizes
-        # meet few attention shapes; the padding slots are masked out as keys.
-        width = 1 << (B - 1).bit_length() if d.cache_bucket else B
-        block = mx.array([[state.pending] + [d.mask_token_id] * (width - 1)], dtype=mx.uint32)  # [1, width]
-        if d.cache_bucket and n > 1:
-            # The context too: a catch-up after plain steps feeds any number of positions, and each
-            # new count would build new kernels; the padding rows are trimmed off the cache.
-            n_pad = 1 << (n - 1).bit_length()
-            if n_pad > n:
-                hidden = mx.concatenate([hidden, mx.zeros((1, n_pad - n, hidden.shape[2]), hidden.dtype)], axis=1)
-        h = d.model(d.embed(block), hidden, self.cache, width=B, context_len=n)  # [1, width, H]
-        logits = d.head(h[:, 1:B]).astype(mx.float32)[0]  # [k, V]
-        self._consumed = n
-        if state.sampling.greedy:
-            # Greedy rounds compare tokens only: no q to hand back.
-            tokens, logprobs = mx.argmax(logits, axis=-1), None
-        else:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [k, V]
-            # Drafts must be drawn from the q handed back, or rejection sampling is not lossless;
-            # q goes through the request's sampling filters as the target's p does.
-            process = getattr(state.sampling, "process", None)
-            if process is not None:
-                logprobs = process(logprobs)
+        for row in self.fresh:  # a row's first context (its whole prompt) is made alone, then merged
+            caches = d.make_cache()
+            feats = self._features(row)
+            n = 0 if feats is None else feats.shape[1]
+            if n:
+                self._append(caches, feats[None] if feats.ndim == 2 else feats, [n])
+            if not self.rows:
+                self.cache = caches
+            elif len(self.rows) == 1:
+                self.cache = merge_rows([self.cache, caches])
             else:
-                scaled = logprobs / state.sampling.temperature
-                logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-            next_key = getattr(state, "next_draft_key", None)
-            tokens = mx.random.categorical(logprobs, axis=-1, key=next_key() if next_key else None)
-        # Queued, not awaited: the round builds its verify forward while the GPU drafts.
-        mx.async_eval(tokens, *([logprobs] if logprobs is not None else []), [c.state for c in self.cache])
-        return Proposal(tokens, logprobs)  # tokens: [k] (lazy); q: [k, V] or None (greedy)
+                extend_rows(self.cache, merge_rows([caches]))
+            self.rows.append(row)
+            self.context.append(n)
+        self.fresh = []
+        order = {id(r): b for b, r in enumerate(self.rows)}
+        if [order.get(id(r)) for r in rows] != list(range(len(self.rows))):
+            raise RuntimeError("DFlash rows must keep the batch's order")
+        feats = [self._features(r) for r in self.rows]
+        counts = [0 if f is None else f.shape[1] for f in feats]
+        if max(counts) > 0:
+            width = max(counts)
+            H = next(f.shape[2] for f in feats if f is not None)
+            dtype = next(f.dtype for f in feats if f is not None)
+            padded = mx.concatenate([mx.concatenate([f, mx.zeros((1, width - c, H), dtype)], axis=1) if f is not None and c < width
+                                     else (f if f is not None else mx.zeros((1, width, H), dtype))
+                                     for f, c in zip(feats, counts)], axis=0)  # [B, width, taps*H]
+            self._append(self.cache, padded, counts)
+        self.context = [c + n for c, n in zip(self.context, counts)]
+        for row, c in zip(self.rows, self.context):
+            if c != len(row.tokens) - 1:
+                raise RuntimeError(f"DFlash context out of step: {c} positions in the drafter's cache, but the "
+                                   f"target has consumed {len(row.tokens) - 1}")
 
-    def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
-        # The context K/V written by propose are committed positions: all stay. The captured
-        # hidden states they came from are dropped; what remains are this round's accepted + 1.
-        n, self._consumed = self._consumed, 0
-        for i in set(self.drafter.capture_layers()):
-            state.captures[i] = state.captures[i][:, n:]
-        return n
+    def _append(self, caches: List[Any], feats: mx.array, counts: List[int]) -> None:
+        """Append [B, width, F] features, keeping counts[b] positions of row b."""
+        width = feats.shape[1]
+        if self.drafter.shape_stable and width > 1:
+            # A catch-up after plain steps feeds any count; each new count would build new kernels.
+            padded = 1 << (width - 1).bit_length()
+            feats = mx.concatenate([feats, mx.zeros((feats.shape[0], padded - width, feats.shape[2]), feats.dtype)], axis=1)
+            width = padded
+        with CacheTransaction(caches) as txn:
+            self.drafter.model.append_context(feats, caches)
+            txn.commit(counts, written=width)
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        d = self.drafter
+        k = max(max_drafts)
+        W = k + 1
+        # Shape-stable caches (CUDA): the block too is padded to a power of two, so adaptive sizes
+        # meet few attention shapes; the padding slots are masked out as keys.
+        width = 1 << (W - 1).bit_length() if d.shape_stable else W
+        block = mx.array([[r.pending] + [d.mask_token_id] * (width - 1) for r in rows], dtype=mx.uint32)  # [B, width]
+        widths = None if width == W and min(max_drafts) == k else mx.array([m + 1 for m in max_drafts])
+        h = d.model(d.embed(block), self.cache, widths)  # [B, width, H]
+        self.forwards += 1
+        logits = d.head(h[:, 1:W]).astype(mx.float32)  # [B, k, V]
+        greedy = [r.sampling.greedy for r in rows]
+        if all(greedy):
+            # Greedy rounds compare tokens only: no q to hand back.
+            tokens, qs = mx.argmax(logits, axis=-1), [None] * len(rows)  # [B, k]
+        else:
+            drawn, qs = [], []
+            for b, row in enumerate(rows):
+                if greedy[b]:
+                    drawn.append(mx.argmax(logits[b], axis=-1))
+                    qs.append(None)
+                    continue
+                # Drafts must be drawn from the q handed back, or rejection sampling is not lossless;
+                # q goes through the request's sampling filters as the target's p does.
+                logq = row.sampling.process(logits[b] - mx.logsumexp(logits[b], axis=-1, keepdims=True))  # [k, V]
+                drawn.append(mx.random.categorical(logq, axis=-1, key=row.next_draft_key()))
+                qs.append(logq)
+            tokens = mx.stack(drawn)  # [B, k]
+        # Queued, not awaited: the round builds its verify forward while the GPU drafts.
+        mx.async_eval(tokens, [q for q in qs if q is not None])
+        return [Proposal(tokens[b, :m], None if qs[b] is None else qs[b][:m]) if m else Proposal([])
+                for b, m in enumerate(max_drafts)]
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        # The committed positions' features become context at the next prepare; the block wrote nothing.
+        for row, v in zip(rows, verified):
+            if v.captures:
+                self.pending.setdefault(id(row), []).append(v.captures)
+        return [0] * len(rows)
 
 
 class DFlashDrafter(Drafter):
     kind = KIND
     family = "dflash"
 
-    def __init__(self, model: Model, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array]):
+    def __init__(self, model: Model, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array],
+                 cache_policy: Any = None):
         self.model = model
         self.args = model.args
         self.embed = embed
         self.head = head
         self.mask_token_id = int(self.args.mask_token_id)
         self.default_block_size = int(self.args.block_size)
-        # Context K/V padded to buckets where attention compiles per key length (CUDA): the key
-        # length grows every round, which would otherwise compile a kernel per round.
-        self.cache_bucket: Optional[int] = None
+        # Shape-stable caches (the host's CUDA policy): context K/V padded to buckets, blocks and
+        # context counts to powers of two, so that rounds meet few attention shapes.
+        self.cache_policy = cache_policy
+        self.shape_stable = bool(getattr(cache_policy, "shape_stable", False))
         # (the target's last layer, its final norm) when a tap reads the last layer's output.
         self.final_norm: Optional[Tuple[int, Callable[[mx.array], mx.array]]] = None
 
     def capture_layers(self) -> List[int]:
         return list(self.args.capture_layers)
 
-    def new_session(self, state: Any) -> DraftSession:
-        return DFlashSession(self)
+    def make_cache(self) -> List[Any]:
+        factory = getattr(self.cache_policy, "kv_cache", None) if self.shape_stable else None
+        return self.model.make_cache(factory or KVCache)
+
+    def new_batch(self) -> DraftBatch:
+        return DFlashBatch(self)
 
 
 # -- detection and validation -----------------------------------------------------------------
@@ -297,19 +356,13 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     if target.model is None:
         raise DrafterError("dflash drafters borrow the target's embedding and lm_head: load the target first")
     embed, head = target_embedding_and_head(target.model)
-    drafter = DFlashDrafter(model, embed, head)
+    drafter = DFlashDrafter(model, embed, head, target.cache_policy)
     n_layers = target.num_layers
     if n_layers is not None and n_layers - 1 in drafter.capture_layers():
         drafter.final_norm = (n_layers - 1, target_final_norm(target.model))
-    try:
-        from ...plugin import padded_cache
-
-        if padded_cache.resolve_mode():
-            drafter.cache_bucket = padded_cache.DEFAULT_BUCKET
-            tokens = int(os.environ.get("MLX_SPEC_PREWARM_TOKENS", padded_cache.DEFAULT_PREWARM_TOKENS))
-            prewarm(drafter, tokens, max(args.block_size, int(options.get("block_size") or 0)))
-    except ImportError:  # an older plugin without padded caches
-        pass
+    if drafter.shape_stable:
+        prewarm(drafter, int(getattr(target.cache_policy, "prewarm_tokens", 0)),
+                max(args.block_size, int(options.get("block_size") or 0)))
     return drafter
 
 
@@ -318,26 +371,25 @@ CONTEXT_PREWARM = 512  # padded context counts pre-warmed: 1, 2, 4 .. 512 (a cat
 
 def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
     """One drafter forward per (context bucket, power-of-two block width) up to ``max_tokens``
-    context positions, and one per power-of-two context count, so that rounds meet no attention
-    shape for the first time (CUDA compiles each one, 40-70 ms). Returns the number of forwards."""
-    from ...plugin.padded_cache import PaddedKVCache
-
-    bucket = drafter.cache_bucket
+    context positions, and one context append per power-of-two count, so that rounds meet no
+    attention shape for the first time (CUDA compiles each one, 40-70 ms). Returns the count."""
+    bucket = int(getattr(drafter.cache_policy, "bucket", 0))
     if not bucket or max_tokens <= 0:
         return 0
     model, args = drafter.model, drafter.args
     dtype = model.norm.weight.dtype
-    caches = model.make_cache(lambda: PaddedKVCache(bucket))
+    caches = drafter.make_cache()
     widths = [1 << i for i in range(1, (max(2, block) - 1).bit_length() + 1)]
     emb = mx.zeros((1, widths[-1], args.hidden_size), dtype)
     taps = len(args.target_layer_ids) * args.hidden_size
     runs = 0
-    for n in (1 << i for i in range(CONTEXT_PREWARM.bit_length())):  # padded context counts (propose)
-        mx.eval(model(emb[:, :2], mx.zeros((1, n, taps), dtype), caches, width=1))
+    for n in (1 << i for i in range(CONTEXT_PREWARM.bit_length())):  # padded context counts (prepare)
+        model.append_context(mx.zeros((1, n, taps), dtype), caches)
+        mx.eval([c.keys for c in caches])
         for c in caches:
             c.trim(c.offset)
         runs += 1
-    model(emb[:, :2], mx.zeros((1, 1, taps), dtype), caches)
+    model.append_context(mx.zeros((1, 1, taps), dtype), caches)
     shapes = [(c.keys.shape, c.values.shape) for c in caches]
     for span in range(bucket, -(-max(bucket, max_tokens) // bucket) * bucket + 1, bucket):
         for c, (ks, vs) in zip(caches, shapes):
@@ -345,7 +397,7 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
             c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dtype)
             c.offset = span - 1  # keys_and_values() then returns all ``span`` slots
         for w in widths:
-            mx.eval(model(emb[:, :w], None, caches, width=w - 1))
+            mx.eval(model(emb[:, :w], caches, mx.array([w - 1])))
             runs += 1
     mx.clear_cache()
     return runs

@@ -25,14 +25,15 @@ def _rounds(model: Model, embed: nn.Module, head: nn.Module, hidden: mx.array, c
             block: int, step: int, mask_id: int) -> List[float]:
     times = []
     taps = hidden.shape[-1]
-    model(embed(mx.zeros((1, block), dtype=mx.uint32)), hidden, cache)  # the prompt's context
+    model.append_context(hidden, cache)  # the prompt's context
     mx.eval([c.keys for c in cache])
     for r in range(rounds):
         new = mx.random.normal((1, step, taps)).astype(hidden.dtype)  # [1, a+1, taps*H]
         mx.eval(new)
         t0 = time.perf_counter()
         ids = mx.array([[r % 1000] + [mask_id] * (block - 1)], dtype=mx.uint32)
-        h = model(embed(ids), new, cache)  # [1, B, H]
+        model.append_context(new, cache)
+        h = model(embed(ids), cache)  # [1, B, H]
         tokens = mx.argmax(head(h[:, 1:]), axis=-1)  # [1, B-1]
         mx.eval(tokens, [c.keys for c in cache])
         times.append(time.perf_counter() - t0)
@@ -85,7 +86,7 @@ def _factories(bucket: int) -> Dict[str, Callable[[], Any]]:
 
     out: Dict[str, Callable[[], Any]] = {"KVCache": KVCache}
     if bucket:
-        from ...plugin.padded_cache import PaddedKVCache
+        from ...plugin.cache_policy import PaddedKVCache
 
         out[f"PaddedKVCache({bucket})"] = lambda: PaddedKVCache(bucket)
     return out

@@ -12,7 +12,7 @@ layers.N.self_attn.{q,k}_norm, layers.N.mlp.{gate,up,down}_proj, layers.N.{input
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -157,46 +157,60 @@ class Attention(nn.Module):
         # ``sliding_window`` (their eager/sdpa paths build no mask and would attend to everything).
         self.window = args.sliding_window if sliding else None
 
-    def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """K/V of positions offset.. (context or block alike): [B, n_kv, L, D] each, K roped."""
+    def keys_values(self, x: mx.array, offset: Any) -> Tuple[mx.array, mx.array]:
+        """K/V of positions offset.. (context or block alike): [B, n_kv, L, D] each, K roped.
+        ``offset``: an int, or [B] per row (a batch's rows sit at different positions)."""
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def __call__(
-        self, x: mx.array, context: Optional[mx.array], cache: KVCache, width: Optional[int] = None,
-        context_len: Optional[int] = None,
-    ) -> mx.array:
+    def append(self, context: mx.array, cache: Any) -> None:
+        """Context K/V ([B, n, H] context states) appended to the layer's cache at each row's offset."""
+        cache.update_and_fetch(*self.keys_values(context, cache.offset))
+
+    def __call__(self, x: mx.array, cache: Any, widths: Optional[mx.array] = None) -> mx.array:
+        """The block [B, T, H] attending, non-causally, to the context in ``cache`` and to itself.
+
+        ``widths`` [B]: only a row's first widths[b] block positions are real (shorter rows and
+        shape-stable padding); no real position attends to the others.
+        """
         B, T, _ = x.shape
-        width = T if width is None else width  # block slots past ``width`` are padding
-        if context is not None and context.shape[1] > 0:
-            cache.update_and_fetch(*self.keys_values(context, cache.offset))
-            if context_len is not None and context_len < context.shape[1]:
-                cache.trim(context.shape[1] - context_len)  # padding rows: past the offset, masked
-        start = cache.offset  # the block continues the context's positions
+        start = cache.offset  # int, or [B]: the block continues each row's context positions
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         k, v = self.keys_values(x, start)  # [B, n_kv, T, D]
         slots = 0
-        if start > 0:
-            # [B, n_kv, slots, D]; a padded cache (CUDA: one attention shape per bucket) gives
-            # slots >= start, the slots past start being padding.
-            ctx_k, ctx_v = cache.keys_and_values()
+        if not cache.empty():
+            ctx_k, ctx_v = cache.keys_and_values()  # [B, n_kv, slots, D]; slots may exceed the context
             slots = ctx_k.shape[2]
             k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
-        mask = None  # non-causal: every block position sees the whole context and block
-        windowed = self.window is not None and start + T > self.window
-        # A padded cache (CUDA) always gets a mask: one attention kernel per shape, whatever the offset.
-        if slots > start or windowed or width < T or (start > 0 and hasattr(cache, "bucket")):
-            cols = mx.arange(slots + T)
-            mask = ((cols < start) | ((cols >= slots) & (cols < slots + width)))[None]  # [1, slots+T]
-            if windowed:
-                key_pos = mx.where(cols < slots, cols, cols - slots + start)
-                q_pos = mx.arange(start, start + T)[:, None]
-                mask = mask & ((q_pos - key_pos[None]) < self.window)  # [T, slots+T]
+        mask = self.mask(cache, B, T, slots, start, widths)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+    def mask(self, cache: Any, B: int, T: int, slots: int, start: Any, widths: Optional[mx.array]) -> Optional[mx.array]:
+        """[B|1, 1, T|1, slots+T] bool, or None when every key is real and in the window.
+
+        Context slots are real from the row's left padding (batched caches) to its context length
+        (slots past it: a shape-stable cache's padding); block slots up to the row's width."""
+        lp = getattr(cache, "left_padding", None)
+        padded = slots > (start if isinstance(start, int) else 0) or lp is not None or hasattr(cache, "bucket")
+        windowed = self.window is not None
+        if not (padded or windowed or widths is not None):
+            return None
+        cols = mx.arange(slots + T)[None]  # [1, S]
+        lp_b = (lp if lp is not None else mx.zeros((1,), mx.int32))[:, None]  # [B|1, 1]
+        end_b = cache.size() if lp is not None else start  # batched: keys_and_values may be padded past size()
+        w_b = widths[:, None] if widths is not None else T
+        valid = mx.where(cols < slots, (cols >= lp_b) & (cols < end_b), (cols - slots) < w_b)  # [B|1, S]
+        mask = valid[:, None, None, :]  # [B|1, 1, 1, S]
+        if windowed:
+            start_b = start if isinstance(start, int) else start[:, None]  # int | [B, 1]
+            key_pos = mx.where(cols < slots, cols - lp_b, cols - slots + start_b)  # [B|1, S]
+            q_pos = start_b + mx.arange(T)[None]  # [B|1, T]
+            mask = mask & ((q_pos[:, :, None] - key_pos[:, None, :]) < self.window)[:, None]  # [B|1, 1, T, S]
+        return mask
 
 
 class MLP(nn.Module):
@@ -218,12 +232,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(
-        self, x: mx.array, context: Optional[mx.array], cache: KVCache, width: Optional[int] = None,
-        context_len: Optional[int] = None,
-    ) -> mx.array:
-        # The context is already normalised (hidden_norm); only the block goes through input_layernorm.
-        h = x + self.self_attn(self.input_layernorm(x), context, cache, width, context_len)
+    def __call__(self, x: mx.array, cache: Any, widths: Optional[mx.array] = None) -> mx.array:
+        # The context is already normalised (hidden_norm) and sits in the cache; only the block
+        # goes through input_layernorm.
+        h = x + self.self_attn(self.input_layernorm(x), cache, widths)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -242,21 +254,20 @@ class Model(nn.Module):
         """[B, n, n_taps*H] concatenated target hidden states -> [B, n, H] context."""
         return self.hidden_norm(self.fc(hidden))
 
-    def __call__(
-        self, embeddings: mx.array, hidden: Optional[mx.array], cache: List[KVCache], width: Optional[int] = None,
-        context_len: Optional[int] = None,
-    ) -> mx.array:
-        """embeddings: [B, T, H] of the block; hidden: [B, n, n_taps*H] target states not yet in
-        ``cache`` (or None). Appends their context K/V to ``cache``; returns [B, T, H] normed states.
-        ``width``: only the first ``width`` block positions are real (the rest pad the block to a
-        width whose attention shape was seen before; no real position attends to them).
-        ``context_len``: only the first ``context_len`` rows of ``hidden`` are real; the cache
-        keeps those (the rest pad the count to one whose kernels were built before).
-        """
-        context = self.context_states(hidden) if hidden is not None and hidden.shape[1] > 0 else None
+    def append_context(self, hidden: mx.array, cache: List[Any]) -> None:
+        """Append the context K/V of ``hidden`` ([B, n, n_taps*H] target features of committed
+        positions) to every layer's cache, each row at its own context length."""
+        context = self.context_states(hidden)
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.append(context, c)
+
+    def __call__(self, embeddings: mx.array, cache: List[Any], widths: Optional[mx.array] = None) -> mx.array:
+        """The block's final hidden states [B, T, H] (normed): ``embeddings`` [B, T, H] of
+        [last committed token, mask x (T-1)] attending to the context in ``cache``.
+        ``widths`` [B]: real block positions per row (the rest pads the block)."""
         h = embeddings
         for layer, c in zip(self.layers, cache):
-            h = layer(h, context, c, width, context_len)
+            h = layer(h, c, widths)
         return self.norm(h)
 
     def make_cache(self, factory: Callable[[], Any] = KVCache) -> List[Any]:

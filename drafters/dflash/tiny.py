@@ -154,7 +154,9 @@ def train(
     def loss_fn(m: Model, rows: mx.array, p: int) -> mx.array:
         toks = tokens[rows]  # [n, length]
         ids = mx.concatenate([toks[:, p: p + 1], mx.full((toks.shape[0], block - 1), args.mask_token_id, mx.uint32)], axis=1)
-        h = m(embed(ids), hidden[rows, :p], m.make_cache())  # [n, B, H]
+        cache = m.make_cache()
+        m.append_context(hidden[rows, :p], cache)
+        h = m(embed(ids), cache)  # [n, B, H]
         logits = head(h[:, 1:]).astype(mx.float32)  # [n, B-1, V]
         return nn.losses.cross_entropy(logits, toks[:, p + 1: p + block]).mean()
 

@@ -1,83 +1,160 @@
-"""``draft_model``: any mlx-lm causal LM with the target's tokenizer as drafter (mlx-lm's --draft-model)."""
+"""``draft_model``: any mlx-lm causal LM with the target's tokenizer as drafter (mlx-lm's --draft-model).
+
+The rows of a batch draft together: one forward of the draft model per draft step for every row,
+on batched caches (the draft model's own mlx-lm caches, merged as the host merges the target's).
+Per round: ``prepare`` feeds each row the tokens committed since it last drafted (a row new to the
+batch first prefills its own cache alone, then joins), keeping exactly each row's own count;
+``propose`` runs the draft steps; ``commit`` keeps each row's accepted drafts.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, make_prompt_cache
 
-from ...plugin.types import Proposal
-from ..base import Compatibility, DraftSession, Drafter, DrafterFamily, DraftTarget
+from ...hooks import recurrent
+from ...hooks.batch import extend_rows, extract_row, filter_rows, forward, merge_rows, mergeable, replay
+from ...hooks.transaction import CacheTransaction, check_supported
+from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget, Proposal, Verified
 from ..compat import check_tokenizer, check_vocab
 
 DEFAULT_BLOCK_SIZE = 4  # 3 draft tokens, mlx-lm's default --num-draft-tokens
 PREFILL_STEP = 2048
 
 
-class DraftModelSession(DraftSession):
+class DraftModelBatch(DraftBatch):
+    """The draft model's caches for the rows of one batch, and how far each row has fed them."""
+
     def __init__(self, drafter: "DraftModelDrafter"):
         self.model = drafter.model
-        self.cache = make_prompt_cache(self.model)
-        self.fed = 0  # state.tokens[:fed] are in self.cache
-        self._catch_up = 0
-        self._round: List[int] = []  # what this round fed into self.cache, in order
+        self.make_cache = drafter.make_cache
+        self.rows: List[Any] = []  # DecodeStates, in the order of the cache rows
+        self.fed: List[int] = []  # row b's tokens[:fed[b]] are in its cache rows
+        self.cache: List[Any] = []  # per layer: one row's own caches, or batched caches
+        self.first: Optional[mx.array] = None  # [B, V] logits after each row's pending token
+        self.written = 0  # draft steps fed by the last propose
 
-    def caches(self) -> List[Any]:
-        return self.cache
+    # rows ---------------------------------------------------------------------------------------
+    def sync(self, rows: Sequence[Any]) -> None:
+        present = {id(r) for r in rows}
+        keep = [b for b, r in enumerate(self.rows) if id(r) in present]
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+        known = {id(r) for r in self.rows}
+        for row in rows:
+            if id(row) not in known:
+                self._join(row)
+        order = {id(r): b for b, r in enumerate(self.rows)}
+        if [order[id(r)] for r in rows] != list(range(len(rows))):
+            raise RuntimeError("draft rows must keep the batch's order")
 
-    def _feed(self, tokens: Union[List[int], mx.array]) -> mx.array:
-        if isinstance(tokens, mx.array):  # one draft token, not yet evaluated
-            return self.model(tokens.reshape(1, 1).astype(mx.uint32), cache=self.cache)[:, -1, :]
-        logits = None
-        for start in range(0, len(tokens), PREFILL_STEP):
-            chunk = mx.array([tokens[start : start + PREFILL_STEP]], dtype=mx.uint32)
-            logits = self.model(chunk, cache=self.cache)
-        return logits[:, -1, :]  # [1, V]
+    def _keep(self, keep: List[int]) -> None:
+        """Only these cache rows stay (rows that left the batch go); one row gets its own caches back."""
+        before = len(self.rows)
+        self.rows = [self.rows[b] for b in keep]
+        self.fed = [self.fed[b] for b in keep]
+        if not keep:
+            self.cache = []
+        elif len(keep) == 1 and before > 1:
+            self.cache = extract_row(self.cache, keep[0])
+        elif len(keep) > 1:
+            filter_rows(self.cache, keep)
 
-    def propose(self, state: Any, max_drafts: int) -> Proposal:
-        fresh = state.tokens[self.fed :]  # ends with the pending token
-        self._catch_up = len(fresh)
-        self._round = list(fresh)
-        logits = self._feed(fresh)
-        drafts: List[mx.array] = []  # [1] each, evaluated together: one sync per block
-        history: List[int] = []  # the drafts as ints, only where logits processors read them
-        qs: List[mx.array] = []
-        while True:
-            if state.sampling.greedy:
-                token = mx.argmax(logits, axis=-1)  # [1]
+    def _join(self, row: Any) -> None:
+        """A new row: prefill its own cache with everything but its pending token, then merge."""
+        caches = self.make_cache()
+        history = row.tokens[:-1]
+        for start in range(0, len(history), PREFILL_STEP):
+            forward(self.model, [history[start : start + PREFILL_STEP]], caches, [])
+            mx.eval([c.state for c in caches])
+            self.forwards += 1
+        if not self.rows:
+            self.cache = caches
+        elif len(self.rows) == 1:
+            self.cache = merge_rows([self.cache, caches])
+        else:
+            extend_rows(self.cache, merge_rows([caches]))
+        self.rows.append(row)
+        self.fed.append(len(history))
+
+    # a round --------------------------------------------------------------------------------------
+    def prepare(self, rows: Sequence[Any]) -> None:
+        """Feed each row what it committed since it last drafted (its pending token last); keep
+        exactly that many positions per row. Leaves the logits after each pending token."""
+        fresh = [r.tokens[f:] for r, f in zip(self.rows, self.fed)]
+        width = max(len(t) for t in fresh)
+        inputs = mx.array([t + [t[-1]] * (width - len(t)) for t in fresh], dtype=mx.uint32)  # [B, width]
+        lengths = [len(t) for t in fresh]
+        with CacheTransaction(self.cache, replay=lambda n: replay(self.model, self.cache, inputs, n)) as txn:
+            logits, _ = forward(self.model, inputs, self.cache, [])
+            txn.commit(lengths, written=width)
+        self.forwards += 1
+        self.first = logits[mx.arange(len(fresh)), mx.array(lengths) - 1]  # [B, V]
+        self.fed = [f + n for f, n in zip(self.fed, lengths)]
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        assert self.first is not None, "propose() after prepare()"
+        k = max(max_drafts)
+        logits, self.first = self.first, None
+        greedy = all(r.sampling.greedy and not r.logits_processors for r in rows)
+        drafts: List[mx.array] = []  # [B] per step
+        qs: List[List[mx.array]] = [[] for _ in rows]  # per row: [1, V] per step
+        history: List[List[int]] = [[] for _ in rows]  # drafts as ints, where logits processors read them
+        self.written = 0
+        for j in range(k):
+            if greedy:
+                token = mx.argmax(logits, axis=-1)  # [B]
             else:
-                # q: the drafter's row after the target's processing (logits processors with the
-                # same history, then the sampler's filters and temperature), drawn from the
-                # drafter's own stream so that the target's stream never moves.
-                logq = state.sampling.process(state.logprobs(logits[:, None], history, start=len(drafts)))  # [1, V]
-                token = mx.random.categorical(logq, key=state.next_draft_key())  # [1]
-                qs.append(logq)
+                token = mx.concatenate([self._draw(r, logits[b : b + 1], history[b], j, qs[b])
+                                        for b, r in enumerate(rows)])  # [B]
             drafts.append(token)
-            if state.logits_processors:
-                history.append(int(token.item()))
-            if len(drafts) == max_drafts:
+            if any(r.logits_processors for r in rows):
+                for b, t in enumerate(token.tolist()):
+                    history[b].append(int(t))
+            if j == k - 1:
                 break
-            logits = self._feed(token)
-        q = mx.concatenate(qs, axis=0) if qs else None  # [k, V]
-        tokens = mx.concatenate(drafts)
-        mx.eval(tokens, q)
-        drafted = [int(t) for t in tokens.tolist()]
-        self._round.extend(drafted[:-1])
-        return Proposal(drafted, q)
+            logits = forward(self.model, token[:, None].astype(mx.uint32), self.cache, [])[0][:, -1, :]  # [B, V]
+            self.forwards += 1
+            self.written += 1
+        tokens = mx.stack(drafts, axis=1)  # [B, k]
+        q = [mx.concatenate(x, axis=0) if x else None for x in qs]  # [k, V] per sampled row
+        mx.eval(tokens, [x for x in q if x is not None])
+        out = []
+        for b, m in enumerate(max_drafts):
+            out.append(Proposal(tokens[b, :m].tolist(), q[b][:m] if q[b] is not None else None) if m else Proposal([]))
+        return out
 
-    def replay(self, n: int) -> None:
-        """Feed this round's first n tokens again (the cache transaction restored the start first):
-        how a recurrent draft model (e.g. Qwen3.5, Mamba) keeps part of a round."""
-        self._feed(self._round[:n])
+    def _draw(self, row: Any, logits: mx.array, history: List[int], j: int, qs: List[mx.array]) -> mx.array:
+        """Row's draft j: q after the target's processing (logits processors on the same history,
+        the sampler's filters and temperature), drawn from the drafter's own key stream."""
+        if row.sampling.greedy:
+            return mx.argmax(row.logprobs(logits, history, start=j), axis=-1)  # [1]
+        logq = row.sampling.process(row.logprobs(logits, history, start=j))  # [1, V]
+        qs.append(logq)
+        return mx.random.categorical(logq, key=row.next_draft_key())  # [1]
 
-    def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
-        # The cache holds the catch-up tokens and drafts[:k-1]; the accepted ones are now committed.
-        kept_drafts = min(accepted, max(draft_tokens - 1, 0))
-        self.fed += self._catch_up + kept_drafts
-        return self._catch_up + kept_drafts
+    def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
+        return [(self.cache, list(range(len(self.rows))))]
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        # The cache holds drafts[:written] of every row; a row keeps those it had accepted.
+        kept = [min(v.accepted, self.written) for v in verified]
+        if len(kept) > 1 and _has_rotating(self.cache):
+            # A sliding window cannot keep unequal parts of one-token updates per row (mlx-lm's
+            # right-padding path is multi-token only): every row keeps the fewest; the others feed
+            # their remaining accepted drafts again at the next prepare.
+            kept = [min(kept)] * len(kept)
+        self.fed = [f + n for f, n in zip(self.fed, kept)]
+        return kept
+
+
+def _has_rotating(caches: Sequence[Any]) -> bool:
+    return any(isinstance(c, BatchRotatingKVCache) or (isinstance(c, CacheList) and _has_rotating(c.caches))
+               for c in caches)
 
 
 class DraftModelDrafter(Drafter):
@@ -85,11 +162,17 @@ class DraftModelDrafter(Drafter):
     family = "draft_model"
     default_block_size = DEFAULT_BLOCK_SIZE
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, cache_policy: Any = None):
         self.model = model
+        self.cache_policy = cache_policy  # the host's (shape-stable caches on CUDA), or None: mlx-lm's
 
-    def new_session(self, state: Any) -> DraftSession:
-        return DraftModelSession(self)
+    def make_cache(self) -> List[Any]:
+        if self.cache_policy is not None:
+            return self.cache_policy.make_cache(self.model)
+        return make_prompt_cache(self.model)
+
+    def new_batch(self) -> DraftBatch:
+        return DraftModelBatch(self)
 
 
 def detect(config: Dict[str, Any]) -> bool:
@@ -113,11 +196,14 @@ def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> 
 def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, options: Dict[str, Any]) -> Drafter:
     from mlx_lm import load as mlx_load
 
-    from ...plugin.commit import check_supported
-
     model, _ = mlx_load(str(path))
-    check_supported(make_prompt_cache(model))
-    return DraftModelDrafter(model)
+    caches = make_prompt_cache(model)
+    check_supported(caches)
+    if not mergeable(caches):
+        raise DrafterError(f"draft model {str(path)!r}: its caches ({sorted({type(c).__name__ for c in caches})}) "
+                           "cannot merge into a batch; expected mlx-lm caches with merge()")
+    recurrent.scope_model(model)  # recurrent draft models keep part of a round without a replay
+    return DraftModelDrafter(model, target.cache_policy)
 
 
 family = DrafterFamily(

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from ...plugin.types import Proposal
-from ..base import Compatibility, DraftSession, Drafter, DrafterFamily, DraftTarget
+from ..base import Compatibility, DraftSession, Drafter, DrafterFamily, DraftTarget, Proposal
 
 DEFAULT_BLOCK_SIZE = 8
 DEFAULT_N = 3

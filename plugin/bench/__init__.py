@@ -61,7 +61,8 @@ def add_command(subparsers: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .core import BenchSettings, format_table, plot, run_bench, write_json
+    from .core import BenchSettings, run_bench
+    from .report import format_table, plot, write_json
 
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; expected at least 2")

@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .. import padded_cache
+from ...hooks.batch import forward
+from .. import cache_policy
 
 
 def timed(fn: Callable[[], Any], iters: int) -> float:
@@ -34,10 +35,10 @@ def timed(fn: Callable[[], Any], iters: int) -> float:
 
 
 def _filled_caches(model: Any, key_length: int, bucket: Optional[int]) -> List[Any]:
-    cache = padded_cache.make_padded_cache(model, bucket=bucket) if bucket else make_prompt_cache(model)
+    cache = cache_policy.make_padded_cache(model, bucket=bucket) if bucket else make_prompt_cache(model)
     prompt = mx.array([[2 + i % 1000 for i in range(key_length)]], dtype=mx.uint32)
     for i in range(0, key_length, 512):
-        mx.eval(model(prompt[:, i:i + 512], cache=cache)[:, -1])
+        mx.eval(forward(model, prompt[:, i:i + 512], cache, [])[0][:, -1])
     return cache
 
 
@@ -53,7 +54,7 @@ def target_forward_ms(model: Any, key_length: int, widths: List[int], iters: int
 
         def fwd() -> mx.array:
             t = time.perf_counter()
-            logits = model(toks, cache=cache)[0].astype(mx.float32)  # [n, V]
+            logits = forward(model, toks, cache, [])[0][0].astype(mx.float32)  # [n, V]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             builds.append((time.perf_counter() - t) * 1e3)
             mx.eval(logprobs)
@@ -73,15 +74,16 @@ def dflash_block_ms(drafter: Any, key_length: int, block: int, iters: int, new_c
     inner = drafter.model
     dtype = inner.norm.weight.dtype
     taps = len(inner.args.target_layer_ids) * inner.args.hidden_size
-    bucket = getattr(drafter, "cache_bucket", None)
-    caches = inner.make_cache(lambda: padded_cache.PaddedKVCache(bucket)) if bucket else inner.make_cache()
+    caches = drafter.make_cache()
     ctx = (mx.random.normal((1, key_length, taps)) * 0.1).astype(dtype)
     new = (mx.random.normal((1, new_context, taps)) * 0.1).astype(dtype)
-    mx.eval(inner(drafter.embed(mx.array([[5, 6]], dtype=mx.uint32)), ctx, caches), new)  # caches: context only
+    inner.append_context(ctx, caches)
+    mx.eval([c.keys for c in caches], new)
     toks = mx.array([[5] * block], dtype=mx.uint32)
 
     def fwd() -> mx.array:
-        h = inner(drafter.embed(toks), new, caches, width=block)
+        inner.append_context(new, caches)
+        h = inner(drafter.embed(toks), caches)
         drafts = mx.argmax(drafter.head(h[:, 1:block]).astype(mx.float32), axis=-1)
         mx.eval(drafts)
         for c in caches:
@@ -101,7 +103,7 @@ def draft_lm_ms(draft_lm: Any, key_length: int, block: int, iters: int, bucket: 
     def fwd() -> mx.array:
         y = start
         for _ in range(block - 1):
-            y = mx.argmax(draft_lm(y, cache=cache)[:, -1:].astype(mx.float32), axis=-1).astype(mx.uint32)
+            y = mx.argmax(forward(draft_lm, y, cache, [])[0][:, -1:].astype(mx.float32), axis=-1).astype(mx.uint32)
         mx.eval(y)
         for c in cache:
             c.trim(block - 1)

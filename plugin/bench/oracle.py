@@ -11,12 +11,11 @@ acceptance process.
 from __future__ import annotations
 
 import random
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...drafters.base import DraftSession, Drafter
-from ..types import Proposal
+from ...drafters.base import DraftBatch, Drafter, Proposal, Verified
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -72,46 +71,51 @@ class Oracle:
         return out
 
 
-class CountingSession(DraftSession):
-    """Wraps any session: records how many tokens each round drafted (per-position acceptance)."""
+class OracleBatch(DraftBatch):
+    """Any drafter's batch, wrapped: records how many tokens each round drafted (per-position
+    acceptance), and with an ``oracle`` replaces the proposals by the oracle's after the drafter
+    really ran (its cost counts; its tokens do not)."""
 
-    def __init__(self, inner: DraftSession, drafted: List[int]):
+    def __init__(self, inner: DraftBatch, drafted: List[int], oracle: Optional[Oracle]):
         self.inner = inner
         self.drafted = drafted
-        self._inner_k = 0
-
-    def caches(self) -> List[Any]:
-        return self.inner.caches()
-
-    def _propose(self, state: Any, max_drafts: int) -> Proposal:
-        return self.inner.propose(state, max_drafts)
-
-    def propose(self, state: Any, max_drafts: int) -> Proposal:
-        proposal = self._propose(state, max_drafts)
-        self.drafted.append(len(proposal.tokens))
-        return proposal
-
-    def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
-        k = min(draft_tokens, self._inner_k) if self._inner_k else draft_tokens
-        return self.inner.commit(state, min(accepted, k), k)
-
-
-class OracleSession(CountingSession):
-    def __init__(self, inner: DraftSession, drafted: List[int], oracle: Oracle):
-        super().__init__(inner, drafted)
         self.oracle = oracle
+        self.inner_k: List[int] = []
 
-    def _propose(self, state: Any, max_drafts: int) -> Proposal:
-        real = self.inner.propose(state, max_drafts)  # its cost counts; its tokens do not
-        self._inner_k = len(real.tokens)
-        if real.logprobs is not None:
-            mx.async_eval(real.logprobs)
-        # state.tokens ends with the pending token at position len - 1: drafts start at len.
-        return Proposal(self.oracle.drafts(len(state.tokens), max_drafts))
+    @property
+    def forwards(self) -> int:  # type: ignore[override]
+        return self.inner.forwards
+
+    def sync(self, rows: Sequence[Any]) -> None:
+        self.inner.sync(rows)
+
+    def prepare(self, rows: Sequence[Any]) -> None:
+        self.inner.prepare(rows)
+
+    def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
+        return self.inner.cache_groups()
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        real = self.inner.propose(rows, max_drafts)
+        self.inner_k = [len(p.tokens) for p in real]
+        if self.oracle is None:
+            out = real
+        else:
+            mx.async_eval([p.tokens for p in real if isinstance(p.tokens, mx.array)],
+                          [p.logprobs for p in real if p.logprobs is not None])
+            # row.tokens ends with the pending token at position len - 1: drafts start at len.
+            out = [Proposal(self.oracle.drafts(len(r.tokens), m)) if m else Proposal([]) for r, m in zip(rows, max_drafts)]
+        self.drafted.extend(len(p.tokens) for p in out if len(p.tokens))
+        return out
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        # The inner drafter proposed its own tokens: it keeps no more of them than the round kept.
+        adjusted = [Verified(min(v.accepted, k), k, v.captures) for v, k in zip(verified, self.inner_k)]
+        return self.inner.commit(rows, adjusted)
 
 
 class WrappedDrafter(Drafter):
-    """Any drafter, its sessions wrapped (counting, and oracle proposals when ``oracle`` is set)."""
+    """Any drafter, its batches wrapped (``OracleBatch``)."""
 
     def __init__(self, inner: Drafter, oracle: Optional[Oracle] = None):
         self.inner = inner
@@ -124,11 +128,8 @@ class WrappedDrafter(Drafter):
     def capture_layers(self) -> List[int]:
         return self.inner.capture_layers()
 
-    def new_session(self, state: Any) -> DraftSession:
-        inner = self.inner.new_session(state)
-        if self.oracle is None:
-            return CountingSession(inner, self.drafted)
-        return OracleSession(inner, self.drafted, self.oracle)
+    def new_batch(self) -> DraftBatch:
+        return OracleBatch(self.inner.new_batch(), self.drafted, self.oracle)
 
 
 class OracleDraftLM:
@@ -153,7 +154,7 @@ class OracleDraftLM:
         return make_prompt_cache(self.model)
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        logits = self.model(inputs, cache=cache)  # [1, n, V]: the real cost
+        logits = self.model(inputs, cache=cache)  # [1, n, V]: the real cost (mlx-lm's loop calls us)
         position = cache[0].offset  # absolute position of the token this call predicts
         ref = self.sequence[position]
         # The round's chain is intact when the fed token is the reference one (the target's bonus

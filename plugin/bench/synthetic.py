@@ -71,7 +71,8 @@ def build(config: Dict[str, Any], seed: int = 0, margins: bool = True) -> nn.Mod
     return model
 
 
-def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 16, layers: int = 5, seed: int = 1) -> Tuple[Any, str]:
+def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 16, layers: int = 5, seed: int = 1,
+                   cache_policy: Any = None) -> Tuple[Any, str]:
     """A DFlash-shape drafter (``layers`` layers, the target's width, target_layer_ids spread over
     the target) with random weights, borrowing the target's embedding and head."""
     from ...drafters.dflash import DFlashDrafter, target_embedding_and_head
@@ -94,5 +95,5 @@ def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 
         mx.eval(p)
     model.eval()
     embed, head = target_embedding_and_head(target)
-    drafter = DFlashDrafter(model, embed, head)
+    drafter = DFlashDrafter(model, embed, head, cache_policy)
     return drafter, f"dflash ({layers} layers, width {config['hidden_size']}, target_layer_ids {list(args.target_layer_ids)})"

@@ -1,25 +1,30 @@
-"""Shape-stable KV caches: key lengths padded to buckets, with an array mask made by the cache.
+"""The cache policy per backend: plain mlx-lm caches, or shape-stable ones where attention compiles per shape.
 
 Why: MLX's CUDA backend compiles attention per (query length, key length) pair on first use
 (40-70 ms each, DESIGN.md). A plain ``KVCache`` returns exactly ``offset`` keys, so every decode
 step and every round meets a new key length on a fresh prompt. ``PaddedKVCache`` returns keys and
 values padded up to a multiple of ``bucket`` and a boolean mask ``[N, padded]`` that hides the
-padding (and the stale tail left by ``trim``), so a whole bucket of positions shares one shape.
-``prewarm`` runs the model once per (query width, bucket) at load, and ``verify_width`` rounds a
-round's verify forward up to a power of two so that adaptive block sizes reuse those shapes too.
+padding (and the stale tail left by ``trim``), so a whole bucket of positions shares one shape;
+``PaddedBatchKVCache`` does the same for rows of a batch (it is what ``PaddedKVCache.merge``
+makes). ``ShapeStablePolicy.prewarm`` runs the model once per (query width, bucket) at load, and
+``verify_width`` rounds a round's verify forward up to a power of two so that adaptive block sizes
+reuse those shapes. Everything CUDA-specific about caches lives here: the cache classes, their
+transaction handlers, verify widths and pre-warming; drafters make their own attention caches
+through ``kv_cache()``.
 
 Exactness: the padded keys are masked out, so they get exactly zero weight after the softmax;
 the real positions see the same keys, values and causal rule as with ``KVCache`` (the CPU tests
-compare tokens with ``KVCache`` through plain decoding and through the round loop). The extra
-verify positions come after the real ones, so causal attention keeps them out of the real rows;
-the cache transaction trims them like rejected drafts.
+compare tokens with ``KVCache`` through plain decoding and the round loop). The extra verify
+positions come after the real ones, so causal attention keeps them out of the real rows; the
+cache transaction trims them like rejected drafts.
 
 Per backend (``mode="auto"``): on for CUDA, off for CPU and Metal. The CPU has no per-shape
 compile cost, so padding would only add attention work. Metal compiles its attention kernels per
 dtype/head size, not per key length, and mlx-lm's own decoding is fast there with exact lengths;
 padding would add up to ``bucket - 1`` masked keys per step and switch the one-token step from the
 mask-free vector kernel to the masked one, which can only cost time. Not measured here (no Apple
-GPU): ``MLX_SPEC_PADDED_CACHE=on`` turns it on anywhere.
+GPU): ``MLX_SPEC_PADDED_CACHE=on`` turns it on anywhere. The policy applies while speculative
+decoding is attached to the target; plain decoding keeps mlx-lm's caches.
 """
 
 from __future__ import annotations
@@ -28,20 +33,23 @@ import os
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from . import commit
+from ..hooks.batch import forward
+from ..hooks.state import CachePolicy
+from ..hooks.transaction import BatchTrimHandler, TrimHandler
 
 DEFAULT_BUCKET = 256
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
 DEFAULT_PREWARM_TOKENS = 4096
 ENV = "MLX_SPEC_PADDED_CACHE"
 MODES = ("auto", "on", "off")
-FACTORY_KEY = "cache_factory"  # LoadedTarget.attachments key the host reads to make caches
 
 
 class PaddedKVCache(KVCache):
     """A ``KVCache`` whose fetched keys/values are padded to a multiple of ``bucket``."""
+
+    transaction_handler = TrimHandler()  # positions are a prefix, as in KVCache
 
     def __init__(self, bucket: int = DEFAULT_BUCKET, pad_steps: bool = False):
         super().__init__()
@@ -95,23 +103,64 @@ class PaddedKVCache(KVCache):
         span = self.span(self.offset)
         return self.keys[..., :span, :], self.values[..., :span, :]
 
-
-class _PaddedTrimHandler:
-    """Cache transaction for ``PaddedKVCache``: the positions are a prefix, drop the tail with ``trim``."""
-
-    def begin(self, cache: PaddedKVCache) -> int:
-        return cache.offset
-
-    def commit(self, cache: PaddedKVCache, start: int, n: int) -> None:
-        written = cache.offset - start
-        assert 0 <= n <= written, (n, written)
-        cache.trim(written - n)
-
-    def abort(self, cache: PaddedKVCache, start: int) -> None:
-        cache.trim(cache.offset - start)
+    @classmethod
+    def merge(cls, caches: List[Any]) -> "PaddedBatchKVCache":
+        return PaddedBatchKVCache.merge(caches)
 
 
-commit.HANDLERS[PaddedKVCache] = _PaddedTrimHandler()
+class PaddedBatchKVCache(BatchKVCache):
+    """Rows of a batch (left-padded, mlx-lm's ``BatchKVCache``) with keys padded to ``bucket``."""
+
+    transaction_handler = BatchTrimHandler()
+
+    def __init__(self, left_padding: List[int], bucket: int = DEFAULT_BUCKET):
+        super().__init__(left_padding)
+        self.bucket = bucket
+
+    def span(self, end: int) -> int:
+        return max(1, -(-end // self.bucket)) * self.bucket
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        super().update_and_fetch(keys, values)
+        self._fit()
+        return self.keys_and_values()
+
+    def _fit(self) -> None:
+        """Grow the buffer to a whole bucket past the last position (it grows in steps of 256)."""
+        if self.keys is not None and self.span(self.size()) > self.keys.shape[2]:
+            pad = [(0, 0), (0, 0), (0, self.span(self.size()) - self.keys.shape[2]), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+
+    def keys_and_values(self):
+        span = self.span(self.size())
+        return self.keys[..., :span, :], self.values[..., :span, :]  # [B, H, span, D]
+
+    def extend(self, other: Any) -> None:
+        super().extend(other)
+        self._fit()
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        if kwargs.get("window_size") is not None:
+            raise ValueError("PaddedBatchKVCache does not support sliding-window attention; use the model's own cache")
+        # Called before update_and_fetch: rows are positions size()..size()+N-1 of the batch's index.
+        rows = mx.arange(self.size(), self.size() + N)[:, None]
+        cols = mx.arange(self.span(self.size() + N))[None]
+        mask = (rows >= cols)[None, None]  # [1, 1, N, span]
+        return mask & (cols >= self.left_padding[:, None])[:, None, None, :]  # [B, 1, N, span]
+
+    @classmethod
+    def merge(cls, caches: List[Any]) -> "PaddedBatchKVCache":
+        merged = BatchKVCache.merge(caches)
+        out = cls([0] * len(caches), getattr(caches[0], "bucket", DEFAULT_BUCKET))
+        out.state = merged.state
+        out._fit()
+        return out
+
+    def extract(self, idx: int) -> "PaddedKVCache":
+        plain = super().extract(idx)
+        cache = PaddedKVCache(self.bucket)
+        cache.keys, cache.values, cache.offset = plain.keys, plain.values, plain.offset
+        return cache
 
 
 def make_padded_cache(
@@ -123,17 +172,6 @@ def make_padded_cache(
     """
     caches = make_prompt_cache(model, max_kv_size=max_kv_size)
     return [PaddedKVCache(bucket, pad_steps) if type(c) is KVCache else c for c in caches]
-
-
-def is_padded(caches: Sequence[Any]) -> bool:
-    return bool(caches) and any(isinstance(c, PaddedKVCache) for c in caches)
-
-
-def verify_width(caches: Sequence[Any], n: int) -> int:
-    """Positions to feed for a verify forward of ``n`` real positions: n, or the next power of two."""
-    if n <= 1 or not is_padded(caches):
-        return n
-    return 1 << (n - 1).bit_length()
 
 
 def backend() -> str:
@@ -158,6 +196,47 @@ def resolve_mode(mode: Optional[str] = None) -> bool:
     return mode == "on"
 
 
+def pow2_width(n: int) -> int:
+    """n, or the next power of two (verify and block widths on shape-stable caches)."""
+    return n if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class ShapeStablePolicy(CachePolicy):
+    """Padded caches, power-of-two verify widths and pre-warmed shapes (the CUDA policy)."""
+
+    name = "padded"
+    shape_stable = True
+
+    def __init__(self, bucket: int = DEFAULT_BUCKET, prewarm_tokens: Optional[int] = None):
+        if bucket < 1:
+            raise ValueError(f"padded cache bucket: got {bucket}; expected a positive integer")
+        self.bucket = bucket
+        tokens = os.environ.get("MLX_SPEC_PREWARM_TOKENS", DEFAULT_PREWARM_TOKENS) if prewarm_tokens is None else prewarm_tokens
+        self.prewarm_tokens = int(tokens)
+
+    def make_cache(self, model: Any, max_kv_size: Optional[int] = None) -> List[Any]:
+        return make_padded_cache(model, max_kv_size, self.bucket)
+
+    def kv_cache(self) -> PaddedKVCache:
+        """A drafter's own attention cache."""
+        return PaddedKVCache(self.bucket)
+
+    def verify_width(self, n: int) -> int:
+        return pow2_width(n)
+
+    def prewarm(self, model: Any, block_size: Optional[int], default_block: int = 16) -> int:
+        """One forward per (query width, key bucket) up to ``prewarm_tokens`` keys, so that rounds
+        meet no attention shape for the first time. Returns the number of forwards."""
+        top = pow2_width(max(2, block_size or default_block))
+        widths = [1 << i for i in range(top.bit_length())]
+        return prewarm(model, self.prewarm_tokens, widths, self.bucket)
+
+
+def policy_for(mode: Optional[str] = None) -> Optional[ShapeStablePolicy]:
+    """The shape-stable policy where the mode (``MLX_SPEC_PADDED_CACHE``) says so, else None (mlx-lm's caches)."""
+    return ShapeStablePolicy() if resolve_mode(mode) else None
+
+
 def prewarm(
     model: Any, max_tokens: int = DEFAULT_PREWARM_TOKENS, widths: Iterable[int] = DEFAULT_WIDTHS,
     bucket: int = DEFAULT_BUCKET,
@@ -166,9 +245,9 @@ def prewarm(
     attention shape is met while decoding. Returns the number of forwards."""
     caches = make_padded_cache(model, bucket=bucket)
     padded = [c for c in caches if isinstance(c, PaddedKVCache)]
-    if not padded:
+    if not padded or max_tokens <= 0:
         return 0
-    model(mx.zeros((1, 1), dtype=mx.uint32), cache=caches)  # learn each layer's K/V shapes
+    forward(model, mx.zeros((1, 1), dtype=mx.uint32), caches, [])  # learn each layer's K/V shapes
     mx.eval([c.keys for c in padded])
     shapes = [(c.keys.shape, c.values.shape, c.keys.dtype) for c in padded]
     others = [c for c in caches if not isinstance(c, PaddedKVCache)]
@@ -184,33 +263,7 @@ def prewarm(
                 c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dt)
                 c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dt)
                 c.offset = span - q
-            out = model(mx.zeros((1, q), dtype=mx.uint32), cache=caches)
-            mx.eval(out)
+            mx.eval(forward(model, mx.zeros((1, q), dtype=mx.uint32), caches, [])[0])
             runs += 1
     mx.clear_cache()
     return runs
-
-
-def install(
-    target: Any, mode: Optional[str] = None, prewarm_tokens: Optional[int] = None,
-    widths: Iterable[int] = DEFAULT_WIDTHS, bucket: int = DEFAULT_BUCKET,
-) -> bool:
-    """Make the host build padded caches for ``target`` (when the mode says so) and pre-warm them.
-
-    Sets ``target.attachments['cache_factory']``, which the host's ``new_state`` uses.
-    """
-    if not resolve_mode(mode):
-        target.attachments.pop(FACTORY_KEY, None)
-        return False
-    factory: Callable[..., List[Any]] = lambda model, max_kv_size=None: make_padded_cache(model, max_kv_size, bucket)
-    target.attachments[FACTORY_KEY] = factory
-    n = prewarm_tokens if prewarm_tokens is not None else int(os.environ.get("MLX_SPEC_PREWARM_TOKENS", DEFAULT_PREWARM_TOKENS))
-    if n > 0:
-        prewarm(target.model, n, widths, bucket)
-    return True
-
-
-def widths_for(block_size: Optional[int], default_block: int = 16) -> List[int]:
-    """Query widths to pre-warm for rounds of up to ``block_size`` positions (plus the 1-token step)."""
-    top = verify_width([PaddedKVCache()], max(2, block_size or default_block))
-    return [1 << i for i in range(top.bit_length())]

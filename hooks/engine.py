@@ -1,0 +1,237 @@
+"""The server's generation thread: admission, the scheduler's steps, and each request's output queue.
+
+Every model call (loading, prefill, rounds, logprobs) runs on this one thread (mlx arrays and
+streams are not shared across threads); HTTP threads only parse requests and read output queues.
+Requests wait in a FIFO queue of at most ``max_queue`` (beyond it: 503); at most ``max_active`` are
+admitted to the scheduler (hooks/scheduler.py: chunked prefill interleaved with decode steps, rows
+of one target in one batch, seeded sampling requests in batches of their own). A client that
+disconnects is noticed by its HTTP thread, which cancels the request; its caches are released at
+the next step.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from . import openai_compat as oc
+from .host import GenerationParams, Host, HostEvent
+from .metrics import HostCounters, timings
+from .scheduler import Request, Scheduler
+from .server_settings import ServerSettings
+from .state import LoadedTarget
+
+log = logging.getLogger("mlx_speculative.server")
+SPECULATIVE = "speculative"  # the plugin report the server summarises (llama.cpp timings, logs)
+
+
+@dataclass
+class TokenOut:
+    token: int
+    text: str
+    finish_reason: Optional[str]
+    logprob: Optional[Dict[str, Any]] = None
+    emitted: bool = True  # False: a stop token (EOS), not part of the output
+
+
+@dataclass
+class Finished:
+    outcome: str  # ok | error | cancelled
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: Dict[str, Any] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+class Job:
+    """One HTTP request on its way through the engine."""
+
+    def __init__(self, request: oc.ParsedRequest, endpoint: str):
+        self.request = request
+        self.endpoint = endpoint
+        self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.out: "queue.Queue[Any]" = queue.Queue()
+        self.cancelled = threading.Event()
+        self.checked = time.monotonic()  # when the HTTP thread last looked for a disconnect
+        # Generation-thread state.
+        self.scheduled: Optional[Request] = None
+        self.completion_tokens = 0
+        self.t_start = 0.0
+        self.t_first: Optional[float] = None
+
+
+class Engine:
+    """Owns the host, the target and the scheduler; runs every model call on its one thread."""
+
+    def __init__(self, load: Callable[[], Tuple[Host, LoadedTarget]], settings: ServerSettings, counters: HostCounters):
+        self._load = load
+        self.settings = settings
+        self.counters = counters
+        self.host: Optional[Host] = None
+        self.target: Optional[LoadedTarget] = None
+        self.scheduler: Optional[Scheduler] = None
+        self.cond = threading.Condition()
+        self.waiting: Deque[Job] = collections.deque()
+        self.jobs: Dict[int, Job] = {}  # scheduler request id -> job
+        self.stopping = False
+        self.ready = threading.Event()
+        self.load_error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, name="mlx-spec-generation", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        self.ready.wait()
+        if self.load_error is not None:
+            raise self.load_error
+
+    @property
+    def healthy(self) -> bool:
+        return self.thread.is_alive() and not self.stopping
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if len(self.waiting) >= self.settings.max_queue:
+                raise oc.APIError(503, f"the server is busy: {len(self.jobs)} requests running and {len(self.waiting)} "
+                                  f"queued (server.max_queue = {self.settings.max_queue}); retry later",
+                                  None, "server_busy", "server_error")
+            self.waiting.append(job)
+            self.counters.waiting = len(self.waiting)
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: drop the job from the queue now, or stop it at its next step."""
+        job.cancelled.set()
+        with self.cond:
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self.counters.waiting = len(self.waiting)
+                self._finished(job, "cancelled")
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    # the generation thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.host, self.target = self._load()
+            self.scheduler = Scheduler(self.host, self.target, batching=self.settings.batching, raise_errors=False)
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self.load_error = e
+            self.ready.set()
+            return
+        self.counters.batching = int(self.settings.batching)
+        self.ready.set()
+        import mlx.core as mx
+
+        while True:
+            with self.cond:
+                while not self.stopping and not self.jobs and not self.waiting:
+                    mx.clear_cache()
+                    self.cond.wait()
+                if self.stopping:
+                    return
+                admitted = self._admit()
+            for job in admitted:
+                self._start(job)
+            for job in list(self.jobs.values()):
+                if job.cancelled.is_set() and job.scheduled is not None:
+                    self.scheduler.cancel(job.scheduled)
+            for batch in self.scheduler.batches():
+                self.counters.stepped(len(batch))
+            for request, event in self.scheduler.step():
+                job = self.jobs.get(request.id)
+                if job is not None and not job.cancelled.is_set():
+                    self._emit(job, event)
+            for job in [j for j in self.jobs.values() if j.scheduled is not None and j.scheduled.done]:
+                self._done(job)
+
+    def _admit(self) -> List[Job]:
+        admitted = []
+        while self.waiting and len(self.jobs) + len(admitted) < self.settings.max_active:
+            job = self.waiting.popleft()
+            if job.cancelled.is_set():
+                self._finished(job, "cancelled")
+                continue
+            admitted.append(job)
+        self.counters.waiting = len(self.waiting)
+        return admitted
+
+    def _start(self, job: Job) -> None:
+        assert self.scheduler is not None and self.target is not None
+        req = job.request
+        stops, _ = oc.stop_machinery(self.target.tokenizer, req.stop_words)
+        job.t_start = time.perf_counter()
+        params = GenerationParams(
+            max_tokens=req.max_tokens, sampling=req.sampling, logits_processors=oc.logits_processors(req),
+            prefill_step_size=self.settings.prefill_step_size, stop_sequences=stops,
+            options={SPECULATIVE: False} if req.speculative is False else {},
+        )
+        try:
+            job.scheduled = self.scheduler.submit(req.prompt, params)
+        except Exception as e:  # noqa: BLE001 - one request fails, the server keeps serving
+            log.exception("request %s failed", job.id)
+            self._finished(job, "error", f"{type(e).__name__}: {e}")
+            return
+        self.jobs[job.scheduled.id] = job
+        self.counters.running = len(self.jobs)
+        if job.scheduled.done:
+            self._done(job)
+
+    def _emit(self, job: Job, event: HostEvent) -> None:
+        """Send one token to the client."""
+        if job.t_first is None:
+            job.t_first = time.perf_counter()
+        if event.emitted:
+            job.completion_tokens += 1
+        req = job.request
+        entry = None
+        if (req.logprobs or req.top_logprobs) and event.emitted:
+            assert self.target is not None
+            entry = oc.logprob_entry(self.target.tokenizer, event.logprobs, event.token, req.top_logprobs)
+        job.out.put(TokenOut(event.token, event.text, event.finish_reason, entry, event.emitted))
+
+    def _done(self, job: Job) -> None:
+        request = job.scheduled
+        assert request is not None
+        self.jobs.pop(request.id, None)
+        self.counters.running = len(self.jobs)
+        if job.cancelled.is_set():
+            outcome, error = "cancelled", None
+        elif request.error is not None:
+            log.error("request %s failed: %s", job.id, request.error)
+            outcome, error = "error", request.error
+        else:
+            outcome, error = "ok", None
+        self._finished(job, outcome, error)
+
+    def _finished(self, job: Job, outcome: str, error: Optional[str] = None) -> None:
+        state = job.scheduled.state if job.scheduled is not None else None
+        report = state.report.get(SPECULATIVE) if state is not None else None
+        spec = report.to_dict() if report is not None and hasattr(report, "to_dict") else None
+        now = time.perf_counter()
+        first = job.t_first or now
+        prompt_n = len(job.request.prompt)
+        t = timings(prompt_n, first - job.t_start if job.t_start else 0.0, job.completion_tokens, now - first, spec)
+        job.out.put(Finished(outcome, prompt_n, job.completion_tokens, t, error))
+        off = job.request.speculative is False
+        self.counters.finished(job.endpoint, outcome, prompt_n if job.t_start else 0, job.completion_tokens, off,
+                               spec is not None and spec["fallback"] is not None)
+        if spec is not None and spec["rounds"]:
+            how = (f"speculative {spec['kind']}: {spec['rounds']} rounds, tau {spec['mean_acceptance_length']:.2f}, "
+                   f"acceptance {spec['acceptance_rate']:.0%} ({spec['accepted_tokens']}/{spec['draft_tokens']})")
+            if spec["fallback"]:
+                how += f", fell back: {spec['fallback']}"
+        else:
+            how = "speculative off" + (" (requested)" if off else "")
+        log.info("request %s %s %s: prompt %d tokens, completion %d tokens, %.3f s, %.1f tok/s, %s%s",
+                 job.id, job.endpoint, outcome, prompt_n, job.completion_tokens, now - (job.t_start or now),
+                 t["predicted_per_second"], how, f", error: {error}" if error else "")

@@ -1,0 +1,144 @@
+"""One decode step of a batch: a plugin's step (``host_decode_step``) or the host's own plain step.
+
+The plain step is mlx-lm's ``generate_step`` for every row of the batch: feed each row's pending
+token, apply the row's logits processors to its own history, sample with the row's own sampler
+(and key stream). Runs of plain steps are pipelined like ``generate_step``: the next forward is
+queued before the current tokens are read. While a run is under way the caches are one token ahead
+of ``pending``; the last step of a run queues nothing, so the invariant of ``host_decode_step``
+holds again before the plugins are asked. A run ends after the plain steps every plugin allowed,
+when every row is about to finish, or when the caller says so (``more``: rows waiting to join).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import pluggy
+
+from .batch import DecodeBatch
+from .state import DecodeState, GeneratedToken, StepOutput
+
+Emitted = List[Tuple[DecodeState, List[GeneratedToken]]]
+
+
+class PlainRun:
+    """Pipelined one-token steps for every row of ``batch``, at most ``limit`` of them."""
+
+    def __init__(self, batch: DecodeBatch, limit: Optional[int]):
+        self.batch = batch
+        self.limit = limit
+        self.steps = 0
+        self.done = False
+        self.started = time.perf_counter()
+        self._histories: Dict[int, mx.array] = {}  # id(row) -> its tokens, the lazy sampled ones too
+        self._queued: Optional[Tuple[List[DecodeState], mx.array, List[mx.array]]] = None
+
+    def _queue(self, rows: List[DecodeState], fed: Optional[mx.array]) -> None:
+        """Queue one step for ``rows``: ``fed`` [B] is the lazy tokens to feed (None: the pending ones)."""
+        inputs = mx.array([[r.pending] for r in rows], dtype=mx.uint32) if fed is None else fed[:, None]
+        logits, captured = self.batch.forward(inputs)  # [B, 1, V]
+        sampled, logprobs = [], []
+        for b, row in enumerate(rows):
+            if row.capture_layers:
+                row.add_captures({i: captured[i][b : b + 1] for i in row.capture_layers if i in captured})
+            last = logits[b : b + 1, -1, :]  # [1, V]
+            if row.logits_processors:
+                history = self._histories.get(id(row))
+                if history is None:
+                    history = mx.array(row.tokens, dtype=mx.uint32)  # ends with the pending token
+                elif fed is not None:
+                    history = mx.concatenate([history, fed[b : b + 1]])
+                self._histories[id(row)] = history
+                last = row.apply_processors(history, last)
+            lp = last - mx.logsumexp(last, axis=-1, keepdims=True)  # [1, V]
+            logprobs.append(lp)
+            sampled.append(row.sampler(lp).reshape(1))
+        y = mx.concatenate(sampled) if len(sampled) > 1 else sampled[0]  # [B]
+        # The captures too: left lazy, a run would leave a chain of concatenations for the next round.
+        mx.async_eval(y, logprobs, [list(r.captures.values()) for r in rows])
+        self._queued = (rows, y, logprobs)
+
+    def next(self, more: Callable[[], bool]) -> Emitted:
+        """This step's token for every row in the batch now (rows that left are dropped)."""
+        if self._queued is None:
+            self._queue(list(self.batch.rows), None)
+        assert self._queued is not None
+        rows, y, logprobs = self._queued
+        self._queued = None
+        present = {id(r) for r in self.batch.rows}
+        keep = [b for b, r in enumerate(rows) if id(r) in present]
+        if len(keep) < len(rows):  # rows left since this step was queued
+            rows, logprobs = [rows[b] for b in keep], [logprobs[b] for b in keep]
+            y = y[mx.array(keep)] if keep else y
+        self.steps += 1
+        last = (not rows or (self.limit is not None and self.steps >= self.limit)
+                or all(r.remaining <= 1 for r in rows) or not more())
+        if not last:
+            self._queue(rows, y)
+        tokens = y.tolist() if rows else []
+        out: Emitted = []
+        for row, token, lp in zip(rows, tokens, logprobs):
+            gen = GeneratedToken(int(token), lp[0])
+            row.tokens.append(gen.token)
+            row.pending_logprobs = gen.logprobs
+            out.append((row, [gen]))
+        if last:
+            self.done = True
+            cost = self.batch.plain
+            cost.steps, cost.rows, cost.runs = self.steps, len(rows), cost.runs + 1
+            cost.seconds = time.perf_counter() - self.started
+        if self.steps % 256 == 0:
+            mx.clear_cache()
+        return out
+
+
+class BatchDecoder:
+    """Steps one batch: asks the plugins, or runs the host's own plain steps."""
+
+    def __init__(self, pm: pluggy.PluginManager, batch: DecodeBatch):
+        self.pm = pm
+        self.batch = batch
+        self.run: Optional[PlainRun] = None
+
+    @property
+    def in_run(self) -> bool:
+        """A plain step is queued: the caches are one token ahead; rows may not join now."""
+        return self.run is not None
+
+    def step(self, more: Callable[[], bool] = lambda: True) -> Emitted:
+        """One decode step for every row; ``more()`` False ends a plain run at this step."""
+        if self.run is None:
+            answer = self._ask()
+            if answer is not None:
+                return answer
+        assert self.run is not None
+        out = self.run.next(more)
+        if self.run.done:
+            self.run = None
+        return out
+
+    def _ask(self) -> Optional[Emitted]:
+        """The plugins' step, or None after starting a plain run."""
+        batch = self.batch
+        rows = list(batch.rows)
+        outs: Optional[List[StepOutput]] = self.pm.hook.host_decode_step(batch=batch)
+        for row in rows:
+            row.captures = {}  # handed over
+        if outs is not None and len(outs) != len(rows):
+            raise RuntimeError(f"host_decode_step returned {len(outs)} steps for {len(rows)} rows")
+        if outs is not None and any(o.tokens for o in outs):
+            if not all(o.tokens for o in outs):
+                raise RuntimeError("host_decode_step must step every row of the batch or none")
+            emitted: Emitted = []
+            for row, o in zip(rows, outs):
+                row.tokens.extend(g.token for g in o.tokens)
+                row.pending_logprobs = o.tokens[-1].logprobs
+                emitted.append((row, list(o.tokens)))
+            batch.compact()
+            return emitted
+        limits = [o.plain_steps for o in outs or [] if o.plain_steps is not None]
+        self.run = PlainRun(batch, max(1, min(limits)) if limits else None)
+        return None
+

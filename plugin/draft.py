@@ -1,0 +1,95 @@
+"""Drafting a round: the drafter's proposals for the rows of a batch, checked, inside transactions.
+
+The drafter first catches up with what was committed since its rows last drafted (``prepare``: kept
+whatever the round decides), then proposes inside cache transactions over the caches it writes
+(``cache_groups``), which the round commits or rolls back with the target's (``commit.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, List, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..drafters.base import DraftBatch, Proposal
+from ..hooks.transaction import CacheTransaction
+
+# MLX_SPEC_LAZY_DRAFTS=0: evaluate each proposal before the verify is built (for measurements).
+LAZY_DRAFTS = os.environ.get("MLX_SPEC_LAZY_DRAFTS", "1").strip() != "0"
+
+
+class DraftError(ValueError):
+    """A drafter's output is unusable (the round is rolled back and its rows decode plainly)."""
+
+
+@dataclass
+class Drafted:
+    proposals: List[Proposal]  # one per drafting row
+    txns: List[Tuple[CacheTransaction, List[int]]]  # the drafter's open transactions and their rows
+
+    def abort(self) -> None:
+        for txn, _ in self.txns:
+            txn.abort()
+
+
+def check(proposal: Proposal, max_drafts: int, vocab_size: int, lazy: bool) -> Proposal:
+    """The proposal cut to ``max_drafts``; ints unless ``lazy`` lets an array stay unevaluated
+    (checked after the verify by ``in_vocabulary``)."""
+    tokens = proposal.tokens
+    if isinstance(tokens, mx.array):
+        if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
+            raise DraftError(f"draft tokens: expected a list of ints or a 1-d integer array; got an array of shape "
+                             f"{tuple(tokens.shape)} and dtype {tokens.dtype}")
+        tokens = tokens[:max_drafts]
+        if not lazy:
+            tokens = tokens.tolist()
+    if not isinstance(tokens, mx.array):
+        tokens = in_vocabulary([int(t) for t in tokens[:max_drafts]], vocab_size)
+    k = len(tokens)
+    q = proposal.logprobs[:k] if proposal.logprobs is not None else None
+    if q is not None and vocab_size and tuple(q.shape) != (k, vocab_size):
+        raise DraftError(f"draft log-probabilities q have shape {tuple(q.shape)}; expected "
+                         f"({k}, {vocab_size}): one row per draft token over the target's vocabulary")
+    return Proposal(tokens, q)
+
+
+def in_vocabulary(tokens: List[int], vocab_size: int) -> List[int]:
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if vocab_size and bad:
+        raise DraftError(f"draft tokens {bad[:4]} are outside the target's vocabulary (0..{vocab_size - 1})")
+    return tokens
+
+
+def as_ints(proposals: Sequence[Proposal], vocab_size: int) -> List[Proposal]:
+    """After the verify: every proposal's tokens as ints; out-of-vocabulary drafts raise ``DraftError``."""
+    lazy = [p.tokens for p in proposals if isinstance(p.tokens, mx.array)]
+    values = iter(mx.concatenate(lazy).tolist() if lazy else [])
+    out = []
+    for p in proposals:
+        if isinstance(p.tokens, mx.array):
+            p = Proposal(in_vocabulary([next(values) for _ in range(p.tokens.shape[0])], vocab_size), p.logprobs)
+        out.append(p)
+    return out
+
+
+def draft(drafter: DraftBatch, rows: Sequence[Any], max_drafts: Sequence[int], vocab_size: int, lazy: bool) -> Drafted:
+    """Catch the drafter up, open its transactions, take and check its proposals.
+
+    Raises whatever the drafter raises; its transactions are then rolled back."""
+    drafter.prepare(rows)
+    groups = drafter.cache_groups()
+    replay = getattr(drafter, "replay_group", None)
+    txns = [(CacheTransaction(caches, replay=(lambda n, g=g: replay(g, n)) if replay else None).begin(), list(idx))
+            for g, (caches, idx) in enumerate(groups)]
+    drafted = Drafted([], txns)
+    try:
+        proposals = drafter.propose(rows, max_drafts)
+        if len(proposals) != len(rows):
+            raise DraftError(f"the drafter returned {len(proposals)} proposals for {len(rows)} rows")
+        drafted.proposals = [check(p, m, vocab_size, lazy) for p, m in zip(proposals, max_drafts)]
+    except BaseException:
+        drafted.abort()
+        raise
+    return drafted
