@@ -301,13 +301,14 @@ def _text_parts(parts: Tuple[str, str, list], finish: Optional[str] = None) -> T
 
 # Start-up -----------------------------------------------------------------------------------------
 
-def load_target(config: HostConfig, model: str) -> Tuple[Host, LoadedTarget, Optional[str]]:
-    """Load the target with the plugins; if a plugin cannot even start, serve plain decoding.
+def load_target(config: HostConfig, model: str, pm: Optional[Any] = None) -> Tuple[Host, LoadedTarget, Optional[str]]:
+    """Load the target with the plugins (``pm``: default, the entry points); if a plugin cannot
+    even start, serve plain decoding.
 
     The config is non-strict, so a drafter that fails to load or is incompatible already gives
     a warning and plain decoding; this also covers settings the plugin refuses.
     """
-    host = Host(config)
+    host = Host(config, pm=pm)
     try:
         return host, host.load(model), None
     except Exception as e:  # noqa: BLE001
@@ -327,12 +328,14 @@ def describe(host: Host, target: LoadedTarget, startup_error: Optional[str]) -> 
     return found
 
 
-def build_server(config: HostConfig, model: str, settings: ServerSettings) -> Server:
+def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None) -> Server:
+    """Load the target on the engine's thread and bind the HTTP server (``pm``: the plugins; default:
+    the entry points)."""
     counters = HostCounters()
     box: Dict[str, Any] = {}
 
     def load() -> Tuple[Host, LoadedTarget]:
-        host, target, error = load_target(config, model)
+        host, target, error = load_target(config, model, pm)
         box["error"] = error
         return host, target
 

@@ -2,13 +2,14 @@
 
 A drafter that fails in its third round must leave every cache (the target's and its own) exactly
 as before that round; the request goes on with plain decoding, with no lost or repeated token.
-Captured hidden states must stay those of the kept positions when a recurrent target replays them.
+The captures handed to a drafter must be those of the committed positions, each once, when a
+recurrent or sliding-window target keeps part of a verify forward.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import pytest
@@ -16,58 +17,62 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import encode, greedy_reference, make_host, no_stop
-from mlx_speculative.drafters.base import DraftSession, Drafter
+from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
 from mlx_speculative.drafters.draft_model import DraftModelDrafter
-from mlx_speculative.hooks import taps
+from mlx_speculative.hooks import recurrent, taps
 from mlx_speculative.hooks import tiny_models as tm
-from mlx_speculative.hooks.host import Host
-from mlx_speculative.plugin.types import Proposal
+from mlx_speculative.hooks.scheduler import Scheduler
+from mlx_speculative.hooks.specs import hookimpl
 from test_commit_contract import exact_state, same
 
 MAX_TOKENS = 30
 
 
-class FlakySession(DraftSession):
-    """A real draft-model session that raises in ``propose`` of round ``fail_at``, after feeding its caches."""
+class FlakyBatch(DraftBatch):
+    """A real draft-model batch that fails in round ``fail_at``: raising in ``propose`` after feeding
+    its caches, proposing a token outside the vocabulary (a list, or lazily as an array), or raising in
+    ``commit``. Records every capture it is handed."""
 
-    def __init__(self, inner: DraftSession, fail_at: Optional[int], where: str = "propose"):
-        self.inner, self.fail_at, self.where, self.calls, self.commits = inner, fail_at, where, 0, 0
-        self.before: Optional[Dict[str, List[Any]]] = None
+    def __init__(self, drafter: "FlakyDrafter"):
+        self.d = drafter
+        self.inner = drafter.inner.new_batch()
+        self.calls = self.commits = 0
 
-    def caches(self) -> List[Any]:
-        return self.inner.caches()
+    def sync(self, rows: Sequence[Any]) -> None:
+        for row in rows:
+            if row.captures:
+                self.d.handed.append(dict(row.captures))
+        self.inner.sync(rows)
 
-    def replay(self, n: int) -> None:
-        self.inner.replay(n)
+    def prepare(self, rows: Sequence[Any]) -> None:
+        self.inner.prepare(rows)
 
-    def propose(self, state: Any, max_drafts: int) -> Proposal:
+    def cache_groups(self) -> List[Any]:
+        return self.inner.cache_groups()
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         self.calls += 1
-        if self.where == "oov" and self.calls == self.fail_at:  # a list with an out-of-vocabulary token
-            self.before = {"target": exact_state(state.cache), "own": exact_state(self.caches()),
-                           "tokens": list(state.tokens)}
-            return Proposal(list(self.inner.propose(state, max_drafts).tokens)[:-1] + [10**6])
-        if self.where == "lazy":
-            # Every proposal as an (unevaluated) array; round fail_at carries an out-of-vocabulary
-            # token, found only after the verify was queued.
-            if self.calls == self.fail_at:
-                self.before = {"target": exact_state(state.cache), "own": exact_state(self.caches()),
-                               "tokens": list(state.tokens)}
-            tokens = list(self.inner.propose(state, max_drafts).tokens)
-            if self.calls == self.fail_at:
-                tokens[-1] = 10**6
-            return Proposal(mx.array(tokens, dtype=mx.int32) + 0)
-        if self.calls == self.fail_at and self.where == "propose":
-            self.before = {"target": exact_state(state.cache), "own": exact_state(self.caches()),
-                           "tokens": list(state.tokens)}
-            self.inner.propose(state, max_drafts)  # feeds the drafter's caches, then fails
+        failing = self.calls == self.d.fail_at and self.d.where != "commit"
+        if failing:
+            self.d.before = {"target": exact_state(self.d.batch().cache), "own": exact_state(self.inner.cache),
+                             "tokens": list(rows[0].tokens)}
+        out = self.inner.propose(rows, max_drafts)  # feeds the drafter's caches
+        if failing and self.d.where == "propose":
             raise RuntimeError("drafter exploded")
-        return self.inner.propose(state, max_drafts)
+        if self.d.where in ("oov", "lazy"):
+            tokens = list(out[0].tokens)
+            if failing:
+                tokens[-1] = 10**6
+            lazy = mx.array(tokens, dtype=mx.int32) + 0  # an unevaluated array: checked after the verify
+            return [Proposal(lazy if self.d.where == "lazy" else tokens, out[0].logprobs)]
+        return out
 
-    def commit(self, state: Any, accepted: int, draft_tokens: int) -> int:
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         self.commits += 1
-        if self.commits == self.fail_at and self.where == "commit":
+        if self.commits == self.d.fail_at and self.d.where == "commit":
             raise RuntimeError("drafter exploded while committing")
-        return self.inner.commit(state, accepted, draft_tokens)
+        self.d.handed += [v.captures for v in verified if v.captures]
+        return self.inner.commit(rows, verified)
 
 
 class FlakyDrafter(Drafter):
@@ -75,35 +80,37 @@ class FlakyDrafter(Drafter):
     family = "flaky_test"
     default_block_size = 5
 
-    def __init__(self, model: Any, fail_at: Optional[int], layers: List[int], where: str = "propose"):
+    def __init__(self, model: Any, fail_at: Optional[int], layers: List[int], where: str, batch: Callable[[], Any]):
         self.inner = DraftModelDrafter(model)
-        self.fail_at, self.layers, self.where = fail_at, layers, where
-        self.sessions: List[FlakySession] = []
+        self.fail_at, self.layers, self.where, self.batch = fail_at, layers, where, batch
+        self.before: Optional[Dict[str, Any]] = None
+        self.checked = 0
+        self.handed: List[Dict[int, mx.array]] = []
 
     def capture_layers(self) -> List[int]:
         return self.layers
 
-    def new_session(self, state: Any) -> DraftSession:
-        session = FlakySession(self.inner.new_session(state), self.fail_at, self.where)
-        self.sessions.append(session)
-        return session
+    def new_batch(self) -> DraftBatch:
+        self.flaky = FlakyBatch(self)
+        return self.flaky
 
 
-class CheckingHost(Host):
-    """Checks, at the first plain step after a failed round, that every cache is as before that round."""
+class Checker:
+    """Asked after the speculative plugin declines (a failed round): every cache must be as before
+    that round, before the host takes its plain step."""
 
-    checked = 0
+    def __init__(self) -> None:
+        self.drafter: Optional[FlakyDrafter] = None
 
-    def _plain_step(self, state: Any) -> Any:
-        req = state.extras.get("speculative")
-        session = getattr(req, "session", None)
-        if session is not None and session.before is not None and not getattr(session, "checked", False):
-            session.checked = True
-            same(exact_state(state.cache), session.before["target"])
-            same(exact_state(session.caches()), session.before["own"])
-            assert state.tokens == session.before["tokens"]
-            CheckingHost.checked += 1
-        return super()._plain_step(state)
+    @hookimpl
+    def host_decode_step(self, batch: Any) -> None:
+        d = self.drafter
+        if d is not None and d.before is not None and not d.checked:
+            d.checked += 1
+            same(exact_state(batch.cache), d.before["target"])
+            same(exact_state(d.flaky.inner.cache), d.before["own"])
+            assert batch.rows[0].tokens == d.before["tokens"]
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -117,57 +124,68 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -
     return out
 
 
-def _host(pair: Dict[str, Path], fail_at: Optional[int], layers: List[int], where: str = "propose"):
-    host = make_host({"kind": "ngram", "block_size": 5})
-    host.__class__ = CheckingHost
+def _generate(pair: Dict[str, Path], prompt_text: str, fail_at: Optional[int], layers: List[int],
+              where: str = "propose") -> Any:
+    from mlx_speculative.hooks.host import Host
+    from mlx_speculative.hooks.manager import make_plugin_manager
+    from mlx_speculative.hooks.state import HostConfig
+    from mlx_speculative.plugin import hookimpls
+
+    checker = Checker()
+    host = Host(HostConfig(sections={"speculative": {"kind": "ngram", "block_size": 5}}),
+                pm=make_plugin_manager(False, [checker, hookimpls]))  # the checker is asked after the plugin
     target = host.load(str(pair["target"]))
-    drafter = FlakyDrafter(load(str(pair["drafter"]))[0], fail_at, layers, where)
+    scheduler = Scheduler(host, target)
+    prompt = encode(target, prompt_text)
+    box: Dict[str, Any] = {}
+    model = load(str(pair["drafter"]))[0]
+    recurrent.scope_model(model)
+    drafter = FlakyDrafter(model, fail_at, layers, where, lambda: box["request"].batch)
+    checker.drafter = drafter
     att = target.attachments["speculative"]
     att.drafter, att.block_size = drafter, 5
-    return host, target, drafter
+    request = box["request"] = scheduler.submit(prompt, no_stop(MAX_TOKENS))
+    tokens: List[int] = []
+    while not request.done:
+        tokens += [e.token for _, e in scheduler.step()]
+    return target, prompt, tokens, request.state, drafter
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
 def test_drafter_raising_mid_round_falls_back_without_losing_tokens(arch: str, checkpoints: Dict[str, Any]) -> None:
-    host, target, drafter = _host(checkpoints[arch], fail_at=3, layers=[])
-    before = CheckingHost.checked
     for text in ("the model token draft verify", "red green blue one two three red green blue one two"):
-        prompt = encode(target, text)
-        result = host.generate(target, prompt, no_stop(MAX_TOKENS))
-        assert result.tokens == greedy_reference(target.model, prompt, MAX_TOKENS)
-        stats = result.report["speculative"]
-        assert stats.rounds == 2 and "drafter exploded" in stats.fallback
-        assert "RuntimeError" in stats.fallback
-    assert CheckingHost.checked == before + 2
+        target, prompt, tokens, state, drafter = _generate(checkpoints[arch], text, 3, [])
+        assert tokens == greedy_reference(target.model, prompt, MAX_TOKENS)
+        stats = state.report["speculative"]
+        assert stats.rounds == 2 and "drafter exploded" in stats.fallback and "RuntimeError" in stats.fallback
+        assert drafter.checked == 1
 
 
 @pytest.mark.parametrize("where", ["lazy", "oov"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
 def test_out_of_vocabulary_drafts_roll_the_round_back(arch: str, where: str, checkpoints: Dict[str, Any]) -> None:
     """Lazy arrays are checked after the queued verify, lists before it: both leave every cache as before."""
-    host, target, drafter = _host(checkpoints[arch], fail_at=3, layers=[], where=where)
-    before = CheckingHost.checked
-    prompt = encode(target, "red green blue one two three red green blue one two")
-    result = host.generate(target, prompt, no_stop(MAX_TOKENS))
-    assert result.tokens == greedy_reference(target.model, prompt, MAX_TOKENS)
-    stats = result.report["speculative"]
+    target, prompt, tokens, state, drafter = _generate(
+        checkpoints[arch], "red green blue one two three red green blue one two", 3, [], where)
+    assert tokens == greedy_reference(target.model, prompt, MAX_TOKENS)
+    stats = state.report["speculative"]
     assert stats.rounds == 2 and "outside the target's vocabulary" in stats.fallback
-    assert CheckingHost.checked == before + 1  # target and drafter caches as before round 3
+    assert drafter.checked == 1  # target and drafter caches as before round 3
 
 
 def test_drafter_raising_in_commit_keeps_the_round_and_falls_back(checkpoints: Dict[str, Any]) -> None:
     """The target already committed the round's tokens; the drafter's caches roll back; plain decoding goes on."""
-    host, target, drafter = _host(checkpoints["qwen3_5"], fail_at=2, layers=[], where="commit")
-    prompt = encode(target, "the model token draft verify")
-    result = host.generate(target, prompt, no_stop(MAX_TOKENS))
-    assert result.tokens == greedy_reference(target.model, prompt, MAX_TOKENS)
-    stats = result.report["speculative"]
+    target, prompt, tokens, state, _ = _generate(checkpoints["qwen3_5"], "the model token draft verify", 2, [],
+                                                 "commit")
+    assert tokens == greedy_reference(target.model, prompt, MAX_TOKENS)
+    stats = state.report["speculative"]
     assert stats.rounds == 2 and "while committing" in stats.fallback
 
 
 def _reference_captures(model: Any, tokens: List[int], prompt_len: int, layers: List[int]) -> Dict[int, mx.array]:
     """The layers' outputs for every fed position under plain decoding (prompt chunk, then one at a time)."""
     cache = make_prompt_cache(model)
+    taps.install_taps(model, layers)
     with taps.record(layers) as rec:
         model(mx.array([tokens[: prompt_len - 1]]), cache=cache)
         for t in tokens[prompt_len - 1 : -1]:
@@ -178,18 +196,16 @@ def _reference_captures(model: Any, tokens: List[int], prompt_len: int, layers: 
 @pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
 def test_captures_follow_the_kept_positions(arch: str, checkpoints: Dict[str, Any]) -> None:
     layers = [0, 3]
-    host, target, drafter = _host(checkpoints[arch], fail_at=None, layers=layers)
-    prompt = encode(target, "test plan build run step loop test plan build run step loop")
-    holder: List[Any] = []
-    events = list(host.stream(target, prompt, no_stop(MAX_TOKENS), state_out=holder))
-    state = holder[0]
+    target, prompt, tokens, state, drafter = _generate(
+        checkpoints[arch], "test plan build run step loop test plan build run step loop", None, layers)
     stats = state.report["speculative"]
     assert stats.rounds_by_acceptance["partial"] + stats.rounds_by_acceptance["zero"] > 0, stats
-    assert [e.token for e in events] == greedy_reference(target.model, prompt, MAX_TOKENS)
+    assert tokens == greedy_reference(target.model, prompt, MAX_TOKENS)
     ref = _reference_captures(target.model, state.tokens, len(prompt), layers)
     for i in layers:
-        assert state.captures[i].shape == ref[i].shape == (1, len(state.tokens) - 1, 64)
-        assert mx.allclose(state.captures[i], ref[i], atol=1e-4, rtol=1e-4).item()
+        got = mx.concatenate([h[i] for h in drafter.handed], axis=1)  # every committed position, once
+        assert got.shape == ref[i].shape == (1, len(state.tokens) - 1, 64)
+        assert mx.allclose(got, ref[i], atol=1e-4, rtol=1e-4).item()
 
 
 def test_max_kv_size_falls_back_to_plain_decoding(qwen3_pair: Dict[str, Path]) -> None:

@@ -12,11 +12,11 @@ import mlx.core as mx
 import pytest
 
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
-from mlx_speculative.drafters.dflash import DFlashSession, tiny
+from mlx_speculative.drafters.base import Proposal
+from mlx_speculative.drafters.dflash import DFlashBatch, tiny
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
-from mlx_speculative.plugin.types import Proposal
-from test_dflash_rounds import QWEN3_5_XFAIL, qwen3_5_config
+from test_dflash_rounds import qwen3_5_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 FORMATS = {  # fixture, target_layer_ids for a 4-layer target, tensor-name prefix
@@ -25,7 +25,7 @@ FORMATS = {  # fixture, target_layer_ids for a 4-layer target, tensor-name prefi
     "muse_assistant": ("meta-models__Muse-Glimmer-30B-assistant", [1, 3], ""),
     "speculators": ("speculators-issue-613__dflash-qwen3.6-35b-a3b", [1, 2], ""),
 }
-ARCHS = ["llama", "qwen3", pytest.param("qwen3_5", marks=QWEN3_5_XFAIL)]
+ARCHS = ["llama", "qwen3", "qwen3_5"]
 LENGTHS = (1, 9, 33)
 _REFERENCE: Dict[tuple, List[int]] = {}
 
@@ -81,22 +81,24 @@ class Oracle:
         self.rng = random.Random(seed)
         self.ref: List[int] = []
         self.prompt_len = 0
-        original = DFlashSession.propose
+        original = DFlashBatch.propose
         oracle = self
 
-        def propose(session: DFlashSession, state: Any, max_drafts: int) -> Proposal:
-            proposal = original(session, state, max_drafts)
-            g = len(state.tokens) - oracle.prompt_len
-            drafts = list(oracle.ref[g: g + max_drafts])
-            own = proposal.tokens.tolist() if isinstance(proposal.tokens, mx.array) else list(proposal.tokens)
-            drafts += own[len(drafts):]  # past the reference's end: the drafter's own
-            case = oracle.rng.choice(["zero", "partial", "full", "full"])
-            if case != "full":
-                j = 0 if case == "zero" else oracle.rng.randrange(len(drafts))
-                drafts[j] = (drafts[j] + 1) % 384
-            return Proposal(drafts, proposal.logprobs)
+        def propose(batch: DFlashBatch, rows: List[Any], max_drafts: List[int]) -> List[Proposal]:
+            out = []
+            for state, proposal, m in zip(rows, original(batch, rows, max_drafts), max_drafts):
+                g = len(state.tokens) - oracle.prompt_len
+                drafts = list(oracle.ref[g: g + m])
+                own = proposal.tokens.tolist() if isinstance(proposal.tokens, mx.array) else list(proposal.tokens)
+                drafts += own[len(drafts):]  # past the reference's end: the drafter's own
+                case = oracle.rng.choice(["zero", "partial", "full", "full"])
+                if case != "full":
+                    j = 0 if case == "zero" else oracle.rng.randrange(len(drafts))
+                    drafts[j] = (drafts[j] + 1) % 384
+                out.append(Proposal(drafts, proposal.logprobs))
+            return out
 
-        monkeypatch.setattr(DFlashSession, "propose", propose)
+        monkeypatch.setattr(DFlashBatch, "propose", propose)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -79,12 +79,30 @@ def test_forward_matches_naive_definition(name: str, window: Any, tmp_path: Path
     hidden = mx.random.normal((1, n, 3 * args.hidden_size))
     emb = mx.random.normal((1, T, args.hidden_size))
     expect = naive(model, emb[0], hidden[0])  # [T, H]
-    # In one go, and with the context fed in chunks over earlier rounds (what the session does).
-    once = model(emb, hidden, model.make_cache())[0]
+    # In one go, and with the context fed in chunks over earlier rounds (what a batch's prepare does).
+    cache = model.make_cache()
+    model.append_context(hidden, cache)
+    once = model(emb, cache)[0]
     cache = model.make_cache()
     for lo, hi in ((0, 7), (7, 8), (8, 15)):
-        model(emb[:, :3], hidden[:, lo:hi], cache)
-    chunked = model(emb, hidden[:, 15:], cache)[0]
+        model.append_context(hidden[:, lo:hi], cache)
+        model(emb[:, :3], cache)  # a round's block between the appends writes nothing
+    model.append_context(hidden[:, 15:], cache)
+    chunked = model(emb, cache)[0]
     assert mx.allclose(once, expect, atol=1e-4).item()
     assert mx.allclose(chunked, expect, atol=1e-4).item()
     assert cache[0].offset == n
+
+    # Rows of a batch: contexts of different lengths (merged caches, left padding), one block
+    # forward for both, and a row whose block is shorter (widths): each row equals its own definition.
+    from mlx_speculative.hooks.batch import merge_rows
+
+    short = model.make_cache()
+    model.append_context(hidden[:, :11], short)
+    full = model.make_cache()
+    model.append_context(hidden, full)
+    batched = merge_rows([short, full])
+    out = model(mx.concatenate([emb, emb]), batched, mx.array([4, T]))  # [2, T, H]
+    assert mx.allclose(out[1], expect, atol=1e-4).item()
+    expect_short = naive(model, emb[0, :4], hidden[0, :11])
+    assert mx.allclose(out[0, :4], expect_short, atol=1e-4).item()

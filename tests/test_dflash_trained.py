@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import greedy_reference, make_host, no_stop
-from mlx_speculative.drafters.dflash import DFlashSession, tiny
+from mlx_speculative.drafters.dflash import DFlashBatch, tiny
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.tiny_models import corpus
 
@@ -59,13 +59,13 @@ def test_trained_drafter_accepts_and_is_exact(trained: Dict[str, Any]) -> None:
 
 def test_context_off_by_one_loses_acceptance(trained: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     aligned = _run(trained)
-    original = DFlashSession._new_hidden
+    original = DFlashBatch._features
 
-    def shifted(self: DFlashSession, state: Any) -> mx.array:
-        h = original(self, state)  # [1, n, taps*H]
-        return mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+    def shifted(self: DFlashBatch, state: Any) -> Any:
+        h = original(self, state)  # [1, n, taps*H] of the row's new positions
+        return None if h is None else mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
 
-    monkeypatch.setattr(DFlashSession, "_new_hidden", shifted)
+    monkeypatch.setattr(DFlashBatch, "_features", shifted)
     wrong = _run(trained)  # still exact: only the drafts get worse
     rate = lambda t: t["accepted"] / t["drafted"]  # noqa: E731
     zero_share = lambda t: t["zero"] / (t["zero"] + t["partial"] + t["full"])  # noqa: E731

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import pytest
 
-from conftest import encode, greedy_reference, no_stop
+from conftest import encode, greedy_reference, make_host, no_stop
 from mlx_speculative.hooks import specs, taps
+from mlx_speculative.hooks.batch import DecodeBatch
 from mlx_speculative.hooks.cli import build_parser
 from mlx_speculative.hooks.host import Host
 from mlx_speculative.hooks.manager import make_plugin_manager
-from mlx_speculative.hooks.state import CaptureRequest, DecodeState, GeneratedToken, HostConfig, StepOutput
+from mlx_speculative.hooks.scheduler import Scheduler
+from mlx_speculative.hooks.state import CachePolicy, CaptureRequest, DecodeState, GeneratedToken, HostConfig, StepOutput
+from mlx_speculative.hooks.transaction import CacheTransaction
 
 hookimpl = specs.hookimpl
-SPEC_NAMES = ["host_model_loaded", "host_add_commands", "host_prefill_captures", "host_decode_step",
-              "host_batch_refusal", "host_decode_batch"]
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_NAMES = ["host_model_loaded", "host_cache_policy", "host_describe", "host_add_commands", "host_prefill_captures",
+              "host_decode_step", "host_request_finished", "host_metrics"]
 
 
 def test_every_hookspec_is_documented_with_its_signature() -> None:
@@ -25,7 +31,7 @@ def test_every_hookspec_is_documented_with_its_signature() -> None:
     assert found == sorted(SPEC_NAMES)
     for name in found:
         fn = getattr(specs, name)
-        assert inspect.getdoc(fn) and len(inspect.getdoc(fn)) > 120, name
+        assert inspect.getdoc(fn) and len(inspect.getdoc(fn)) > 60, name
         assert all(p.annotation is not inspect.Parameter.empty for p in inspect.signature(fn).parameters.values())
 
 
@@ -61,84 +67,136 @@ def test_host_add_commands_adds_a_subcommand() -> None:
         build_parser(make_plugin_manager(False)).parse_args(["hello"])
 
 
-class Capture:
-    def __init__(self, layers: List[int]) -> None:
-        self.layers = layers
+class CountingPolicy(CachePolicy):
+    name = "counting"
 
-    @hookimpl
-    def host_prefill_captures(self, target: Any) -> Optional[CaptureRequest]:
-        return CaptureRequest(self.layers)
+    def __init__(self) -> None:
+        self.made = 0
+
+    def make_cache(self, model: Any, max_kv_size: Optional[int] = None) -> List[Any]:
+        self.made += 1
+        return super().make_cache(model, max_kv_size)
+
+
+def test_host_cache_policy_makes_every_request_cache(llama_pair: Dict[str, Any]) -> None:
+    policy = CountingPolicy()
+
+    class Policy:
+        @hookimpl
+        def host_cache_policy(self, target: Any) -> Optional[CachePolicy]:
+            return policy
+
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [Policy()]))
+    target = host.load(str(llama_pair["target"]))
+    assert target.cache_policy is policy
+    prompt = encode(target, "the model token draft")
+    assert host.generate(target, prompt, no_stop(5)).tokens == greedy_reference(target.model, prompt, 5)
+    assert policy.made == 1
+    assert make_host(None, plugins=False).load(str(llama_pair["target"])).cache_policy.name == "mlx-lm"
 
 
 def _reference_hidden(model: Any, tokens: List[int], layer: int) -> mx.array:
-    """Layer outputs from scratch: run the decoder stack by hand on a fresh cache."""
+    """Layer outputs from scratch: one forward over the whole sequence on a fresh cache."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
     with taps.record([layer]) as rec:
-        model(mx.array([tokens]), cache=cache)
+        model(mx.array([tokens]), cache=make_prompt_cache(model))
     return mx.concatenate(rec[layer], axis=1)
 
 
-def test_host_prefill_captures_records_chunked_prefill_and_decode(llama_pair: Dict[str, Any]) -> None:
-    host = Host(HostConfig(), pm=make_plugin_manager(False, [Capture([0, 2]), Capture([2])]))
+class Capture:
+    """Asks for layers; declines every step granting ``run`` plain steps; keeps the captures handed over."""
+
+    def __init__(self, layers: List[int], run: Optional[int] = 1) -> None:
+        self.layers, self.run = layers, run
+        self.calls = 0
+        self.seen: Dict[int, List[mx.array]] = {}
+
+    @hookimpl
+    def host_prefill_captures(self, target: Any, state: DecodeState) -> Optional[CaptureRequest]:
+        return CaptureRequest(self.layers)
+
+    @hookimpl
+    def host_decode_step(self, batch: DecodeBatch) -> Optional[List[StepOutput]]:
+        self.calls += 1
+        for i, h in batch.rows[0].captures.items():
+            self.seen.setdefault(i, []).append(h)
+        return [StepOutput([], self.run) for _ in batch.rows]
+
+
+@pytest.mark.parametrize("run", [1, 7])
+def test_captures_cover_chunked_prefill_and_plain_steps_once(llama_pair: Dict[str, Any], run: int) -> None:
+    plugin, other = Capture([0, 2], run), Capture([2], run)
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [other, plugin]))
     target = host.load(str(llama_pair["target"]))
     prompt = encode(target, "red green blue one two three red green blue one two three four five")
-    params = no_stop(6)
+    params = no_stop(20)
     params.prefill_step_size = 5  # several chunks
-    states: List[DecodeState] = []
-    tokens = [e.token for e in host.stream(target, prompt, params, state_out=states)]
-    state = states[0]
-    assert state.capture_layers == [0, 2]
-    fed = prompt + tokens[:-1]  # the last emitted token is pending, not fed
+    tokens = [e.token for e in host.stream(target, prompt, params)]
+    assert tokens == greedy_reference(target.model, prompt, 20)
+    assert plugin.calls == -(-19 // run) and other.calls == 0  # firstresult: the first plugin answers
+    fed = prompt + tokens[:-1]
+    handed = {i: mx.concatenate(v, axis=1) for i, v in plugin.seen.items()}
+    # Every position fed up to the last question, each once (the last run's are never asked about).
+    asked = handed[0].shape[1]
+    assert asked == len(prompt) + (plugin.calls - 1) * run and set(handed) == {0, 2}
     for layer in (0, 2):
-        got = state.captures[layer]
-        assert got.shape[1] == len(fed)
-        ref = _reference_hidden(target.model, fed, layer)
-        assert mx.allclose(got, ref, atol=1e-4).item(), layer
+        assert mx.allclose(handed[layer], _reference_hidden(target.model, fed[:asked], layer), atol=1e-4).item()
 
 
 class EchoSteps:
-    """Returns two tokens per step: the target's own greedy choices, computed by a 2-token forward."""
+    """Steps every row on alternate calls: two tokens, the target's own greedy choices, through
+    batch.forward inside a transaction (the second one's position rolled back)."""
 
     def __init__(self) -> None:
         self.calls = 0
 
     @hookimpl
-    def host_decode_step(self, state: DecodeState) -> Optional[StepOutput]:
+    def host_decode_step(self, batch: DecodeBatch) -> Optional[List[StepOutput]]:
         self.calls += 1
         if self.calls % 2:
-            return None  # every other step: the host's own one-token step
-        logits = state.forward([state.pending])
-        first = state.logprobs(logits)[0]
-        t1 = int(mx.argmax(first).item())
-        logits = state.forward([t1])
-        second = state.logprobs(logits)[0]
-        t2 = int(mx.argmax(second).item())
-        state.tokens += [t1, t2]
-        return StepOutput([GeneratedToken(t1, first), GeneratedToken(t2, second)])
+            return [StepOutput([], 1) for _ in batch.rows]  # the host's own step, then ask again
+        rows = batch.rows
+        with CacheTransaction(batch.cache) as txn:
+            logits, _ = batch.forward([[r.pending] for r in rows])
+            first = [r.logprobs(logits[b : b + 1])[0] for b, r in enumerate(rows)]
+            t1 = [int(mx.argmax(f).item()) for f in first]
+            logits, _ = batch.forward([[t] for t in t1])
+            second = [r.logprobs(logits[b : b + 1])[0] for b, r in enumerate(rows)]
+            t2 = [int(mx.argmax(s).item()) for s in second]
+            txn.commit(2)  # keep both positions fed; t2 becomes pending
+        return [StepOutput([GeneratedToken(a, f), GeneratedToken(b, s)]) for a, f, b, s in zip(t1, first, t2, second)]
 
 
 class Never:
     @hookimpl
-    def host_decode_step(self, state: DecodeState) -> Optional[StepOutput]:
+    def host_decode_step(self, batch: DecodeBatch) -> Optional[List[StepOutput]]:
         raise AssertionError("firstresult: not reached once another plugin returned a step")
 
 
 def test_host_decode_step_multi_token_steps_and_none(llama_pair: Dict[str, Any]) -> None:
+    class Silent:
+        @hookimpl
+        def host_decode_step(self, batch: DecodeBatch) -> Optional[List[StepOutput]]:
+            return None
+
     echo, never = EchoSteps(), Never()
-    pm = make_plugin_manager(False, [never, echo])  # registered last, called first
-    host = Host(HostConfig(), pm=pm)
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [never, echo]))  # registered last, called first
     target = host.load(str(llama_pair["target"]))
-    prompt = encode(target, "query key value tree query")
-    ref = greedy_reference(target.model, prompt, 25)
-    with pytest.raises(AssertionError, match="firstresult"):
-        host.generate(target, prompt, no_stop(25))
-    pm.unregister(never)
-    echo.calls = 0
-    result = host.generate(target, prompt, no_stop(25))
+    prompts = [encode(target, t) for t in ("query key value tree query", "one two three four five", "a b c")]
+    refs = [greedy_reference(target.model, p, 25) for p in prompts]
+    silent = Host(HostConfig(), pm=make_plugin_manager(False, [never, Silent()]))
+    with pytest.raises(AssertionError, match="firstresult"):  # None: the next plugin is asked
+        silent.generate(silent.load(str(llama_pair["target"])), prompts[0], no_stop(25))
+    assert host.generate(target, prompts[0], no_stop(25)).tokens == refs[0]  # cut exactly at max_tokens
     assert echo.calls > 5
-    assert result.tokens == ref  # truncated exactly at max_tokens, nothing lost or repeated
+    scheduler = Scheduler(host, target)
+    requests = [scheduler.submit(p, no_stop(25)) for p in prompts]
+    got: Dict[int, List[int]] = {r.id: [] for r in requests}
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            got[request.id].append(event.token)
+    assert [got[r.id] for r in requests] == refs  # a batch of three, stepped by the plugin and the host
 
 
 def test_plain_host_equals_generate_step_with_stop_token(llama_pair: Dict[str, Any]) -> None:
@@ -153,69 +211,46 @@ def test_plain_host_equals_generate_step_with_stop_token(llama_pair: Dict[str, A
     assert result.finish_reason == "stop" and result.tokens == ref[: ref.index(stop)]
 
 
-def test_host_batch_refusal_and_host_decode_batch(llama_pair: Dict[str, Any]) -> None:
-    """A plugin may refuse batching; host_decode_batch returning None gives the host's own batched step."""
-    from mlx_speculative.hooks.batch import DecodeBatch
+class Finished:
+    def __init__(self) -> None:
+        self.calls: List[Any] = []
 
-    class Batcher:
-        def __init__(self) -> None:
-            self.calls: List[int] = []
-            self.reason: Optional[str] = None
+    @hookimpl
+    def host_request_finished(self, state: DecodeState, discarded: int) -> None:
+        self.calls.append((state.generated, discarded))
 
-        @hookimpl
-        def host_batch_refusal(self, target: Any) -> Optional[str]:
-            return self.reason
 
-        @hookimpl
-        def host_decode_batch(self, batch: Any) -> Optional[List[StepOutput]]:
-            self.calls.append(len(batch.rows))
-            return None
-
-    plugin = Batcher()
-    host = Host(HostConfig(), pm=make_plugin_manager(False, [plugin]))
+def test_request_finished_counts_tokens_cut_by_a_stop_token(llama_pair: Dict[str, Any]) -> None:
+    finished, echo = Finished(), EchoSteps()
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [echo, finished]))
     target = host.load(str(llama_pair["target"]))
-    assert host.batch_refusal(target) is None
-    plugin.reason = "not today"
-    assert host.batch_refusal(target) == "not today"
-    prompts = [encode(target, t) for t in ("the model token draft", "red green blue one two three red")]
-    batch = DecodeBatch(target)
-    got = []
-    for p in prompts:
-        state = host.new_state(target, p, no_stop(12))
-        host.prefill(state)
-        batch.join(state)
-        got.append([state.pending])
-    for _ in range(11):
-        for g, out in zip(got, host.decode_batch(batch)):
-            g.extend(t.token for t in out.tokens)
-    assert plugin.calls == [2] * 11
-    for g, p in zip(got, prompts):
-        assert g == greedy_reference(target.model, p, 12)
+    prompt = encode(target, "the model token draft verify")
+    ref = greedy_reference(target.model, prompt, 25)
+    # Tokens: 0 (prefill), 1 (host), 2-3 (echo), 4 (host), 5-6 (echo)...: a stop token first in
+    # an echo pair cuts the second one.
+    j = next(j for j in range(2, 25, 3) if ref[j] not in ref[:j])
+    params = no_stop(25)
+    params.stop_token_ids = [ref[j]]
+    result = host.generate(target, prompt, params)
+    assert result.tokens == ref[:j] and result.finish_reason == "stop"
+    assert finished.calls == [(j + 2, 1)]
 
 
-class NeverIdle:
-    """Takes no step but never promises so: the host keeps its unpipelined one-token steps."""
+class Decline:
+    """Declines every step granting ``run`` plain steps (None: unlimited), counting the questions."""
+
+    def __init__(self, run: Optional[int]) -> None:
+        self.run, self.calls = run, 0
 
     @hookimpl
-    def host_decode_step(self, state: DecodeState) -> Optional[StepOutput]:
-        return None
-
-
-class IdleAfter:
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-        self.calls = 0
-
-    @hookimpl
-    def host_decode_step(self, state: DecodeState) -> Optional[StepOutput]:
+    def host_decode_step(self, batch: DecodeBatch) -> Optional[List[StepOutput]]:
         self.calls += 1
-        if self.calls >= self.steps:
-            state.idle_plugins.add(self)
-        return None
+        return [StepOutput([], self.run) for _ in batch.rows]
 
 
 @pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.9, seed=11)])
-def test_idle_plugins_let_the_host_pipeline_the_same_tokens(sampling: Dict[str, Any], llama_pair: Dict[str, Any]) -> None:
+def test_plain_runs_pipeline_the_same_tokens(sampling: Dict[str, Any], llama_pair: Dict[str, Any]) -> None:
+    """Unpipelined (one step per question), runs of 7, and unlimited runs give the same tokens as generate_step."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -228,55 +263,99 @@ def test_idle_plugins_let_the_host_pipeline_the_same_tokens(sampling: Dict[str, 
         params.sampling = SamplingParams(**sampling)
         return host.generate(target, encode(target, "river stone light night"), params).tokens
 
-    idle = IdleAfter(5)
-    unpipelined, pipelined, switched = run([NeverIdle()]), run([]), run([idle])
-    assert unpipelined == pipelined == switched
-    assert idle.calls == 5  # asked until it went idle, never after
+    one, seven, unlimited = Decline(1), Decline(7), Decline(None)
+    assert run([one]) == run([seven]) == run([unlimited]) == run([])
+    assert one.calls == 39 and seven.calls == -(-39 // 7) and unlimited.calls == 1
     if not sampling:
         target = Host(HostConfig(), pm=make_plugin_manager(False)).load(str(llama_pair["target"]))
         prompt = encode(target, "river stone light night")
         ref = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=40,
                                                 logits_processors=make_logits_processors({3: 1.5}, repetition_penalty=1.3))]
-        assert pipelined == ref
+        assert run([]) == ref
 
 
-class PlainRuns:
-    """Declines every step, granting plain runs of ``run`` steps; records the captures it is handed."""
+class StepLogger:
+    """A second host plugin written only against hooks/specs.py: logs each step's rows, takes none."""
 
-    def __init__(self, run: int, layers: List[int]) -> None:
-        self.run, self.layers, self.calls = run, layers, 0
-
-    @hookimpl
-    def host_prefill_captures(self, target: Any) -> Optional[CaptureRequest]:
-        return CaptureRequest(self.layers)
+    def __init__(self) -> None:
+        self.steps: List[int] = []
+        self.stacks: List[List[str]] = []
 
     @hookimpl
-    def host_decode_step(self, state: DecodeState) -> Optional[StepOutput]:
-        assert state.plain_run == 0  # reset by the host before every call
-        self.calls += 1
-        state.plain_run = self.run
+    def host_decode_step(self, batch: DecodeBatch) -> Optional[List[StepOutput]]:
+        self.steps.append(len(batch.rows))
+        self.stacks.append([f.function for f in inspect.stack()[1:12]])
         return None
 
 
-@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.9, seed=5)])
-def test_plain_run_takes_pipelined_steps_with_captures(sampling: Dict[str, Any], llama_pair: Dict[str, Any]) -> None:
-    from mlx_speculative.hooks.state import SamplingParams
+def test_a_second_plugin_beside_the_speculative_one(llama_pair: Dict[str, Any]) -> None:
+    from mlx_speculative.plugin import hookimpls
 
-    plugin = PlainRuns(7, [1])
-    host = Host(HostConfig(), pm=make_plugin_manager(False, [plugin]))
+    logger = StepLogger()
+    config = HostConfig(sections={"speculative": {"draft_model": str(llama_pair["drafter"])}})
+    host = Host(config, pm=make_plugin_manager(False, [hookimpls, logger]))  # the logger is asked first
     target = host.load(str(llama_pair["target"]))
-    prompt = encode(target, "river stone light night river")
-    params = no_stop(30)
-    params.sampling = SamplingParams(**sampling)
-    states: List[DecodeState] = []
-    tokens = [e.token for e in host.stream(target, prompt, params, state_out=states)]
-    reference = Host(HostConfig(), pm=make_plugin_manager(False, [NeverIdle()]))
-    assert tokens == reference.generate(target, prompt, params).tokens
-    assert plugin.calls == -(-29 // 7)  # 29 steps after the first token, asked once per run of 7
-    fed = prompt + tokens[:-1]
-    got = states[0].captures[1]
-    assert got.shape[1] == len(fed)  # every fed position captured, none twice
-    assert mx.allclose(got, _reference_hidden(target.model, fed, 1), atol=1e-4).item()
-    # the last step of a run queues nothing: the caches hold exactly the fed tokens (the invariant)
-    assert states[0].cache[0].offset == len(fed)
+    prompt = encode(target, "the cache layer block round target fast slow")
+    result = host.generate(target, prompt, no_stop(30))
+    assert result.tokens == greedy_reference(target.model, prompt, 30)
+    stats = result.report["speculative"]
+    assert stats.rounds > 0 and stats.accepted_tokens > 0
+    assert logger.steps and all(n == 1 for n in logger.steps)
+    assert len(logger.steps) == stats.rounds + stats.plain_steps  # every decode step asked both plugins
 
+
+def _calls_of_model(path: Path) -> List[str]:
+    """`X.model(...)` / `model(...)` call sites in a source file, as 'function: line'."""
+    tree = ast.parse(path.read_text())
+    out: List[str] = []
+    for node in ast.walk(tree):
+        for fn in [n for n in ast.walk(node) if isinstance(n, ast.FunctionDef)] if isinstance(node, ast.Module) else []:
+            for call in ast.walk(fn):
+                if isinstance(call, ast.Call) and (
+                    (isinstance(call.func, ast.Attribute) and call.func.attr == "model")
+                    or (isinstance(call.func, ast.Name) and call.func.id == "model")
+                ):
+                    out.append(f"{path.relative_to(ROOT)}::{fn.name}")
+    return sorted(set(out))
+
+
+def test_the_target_is_called_only_by_the_hosts_forward() -> None:
+    """The host's prefill, plain step and the plugin's verify all go through hooks/batch.forward."""
+    found = [c for folder in ("hooks", "plugin") for p in sorted((ROOT / folder).rglob("*.py"))
+             if "bench" not in p.parts for c in _calls_of_model(p)]
+    assert found == ["hooks/batch.py::forward"]
+
+
+def test_the_cli_and_the_server_run_the_same_step(llama_pair: Dict[str, Any]) -> None:
+    """The CLI's request and the server's go through the scheduler's step and the batch decoder."""
+    import json
+    import threading
+    import urllib.request
+
+    from mlx_speculative.hooks.server import build_server
+    from mlx_speculative.hooks.server_settings import server_settings
+
+    logger = StepLogger()
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [logger]))
+    target = host.load(str(llama_pair["target"]))
+    host.generate(target, encode(target, "one two three"), no_stop(3))
+    cli_stack = logger.stacks[0]
+    server = build_server(HostConfig(), str(llama_pair["target"]),
+                          server_settings(HostConfig(overrides={"server": {"port": 0}})),
+                          pm=make_plugin_manager(False, [logger]))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        body = json.dumps({"prompt": "one two three", "max_tokens": 3}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(request, timeout=60).read())["choices"]
+    finally:
+        server.shutdown()
+        server.engine.stop()
+        server.server_close()
+    server_stack = logger.stacks[-1]
+    for stack in (cli_stack, server_stack):
+        i = stack.index("_ask")  # BatchDecoder._ask / .step, then Scheduler._decode / .step
+        assert stack[i : i + 4] == ["_ask", "step", "_decode", "step"], stack

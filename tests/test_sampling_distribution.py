@@ -27,6 +27,7 @@ import pytest
 
 from conftest import make_host, no_stop
 from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.hooks.batch import DecodeBatch
 from mlx_speculative.hooks.state import SamplingParams
 from mlx_speculative.plugin import accept
 from mlx_speculative.plugin import round as round_mod
@@ -228,9 +229,16 @@ def host_tokens(pair: Dict[str, Any], temperature: float, samples: int, **specul
     rounds = {"zero": 0, "partial": 0, "full": 0}
     for seed in range(samples):
         sampling = SamplingParams(temperature=temperature, top_p=TOP_P, seed=seed)
-        state = host.new_state(target, PROMPT, no_stop(POSITIONS, sampling=sampling))
+        params = no_stop(POSITIONS, sampling=sampling)
+        state = host.new_state(target, PROMPT, params)
         state.pending_logprobs = mx.zeros((VOCAB,))  # what prefill leaves; the plugin reads its width
-        out[seed] = [g.token for g in host.decode_steps(state)]
+        batch = DecodeBatch(target, single=True)
+        batch.join(state, host.new_caches(target, params))  # nothing fed yet: PROMPT is the pending token
+        decoder = host.decoder(batch)
+        tokens: List[int] = []
+        while state.remaining > 0:
+            tokens += [g.token for _, gens in decoder.step() for g in gens]
+        out[seed] = tokens
         for name, n in state.report["speculative"].rounds_by_acceptance.items():
             rounds[name] += n
     return out, rounds
@@ -268,17 +276,17 @@ def test_rounds_hand_over_the_processed_p_and_q_of_the_right_contexts(pair: Dict
     tokens plus the drafts before each position, and every draft lies in q's support."""
     calls: List[Tuple[List[int], Any, Any, Any]] = []
     contexts: List[List[int]] = []
-    real_accept, real_round_accept = accept.rejection_accept, round_mod._accept
+    real_accept, real_rows = accept.rejection_accept, round_mod.accept_rows
 
-    def recording_round_accept(state, req, proposal, logprobs):
-        contexts.append(list(state.tokens))
-        return real_round_accept(state, req, proposal, logprobs)
+    def recording_rows(rows, proposals, logprobs, acceptance):
+        contexts.extend(list(r.tokens) for r, p in zip(rows, proposals) if len(p.tokens))
+        return real_rows(rows, proposals, logprobs, acceptance)
 
     def recording_accept(drafts, log_q, log_p, key=None):
         calls.append((np.array(drafts).tolist(), np.array(log_q), np.array(log_p), key))
         return real_accept(drafts, log_q, log_p, key)
 
-    monkeypatch.setattr(round_mod, "_accept", recording_round_accept)
+    monkeypatch.setattr(round_mod, "accept_rows", recording_rows)
     monkeypatch.setattr(accept, "rejection_accept", recording_accept)
     host_tokens(pair, 0.7, 40)
     assert len(calls) == len(contexts) > 40

@@ -62,10 +62,27 @@ def test_seeded_request_is_unchanged_by_requests_in_flight(llama_pair: Dict[str,
     assert outputs[0] == alone
 
 
-def _prefilled(host: Any, target: Any, prompt: List[int], seed: Optional[int]) -> DecodeState:
-    state = host.new_state(target, prompt, _sampled(seed))
-    host.prefill(state)
+def _prefilled(host: Any, target: Any, prompt: List[int], seed: Optional[int], params: Any = None) -> DecodeState:
+    """A request after its prefill, in a batch of its own (``state.extras['batch']``, test-only)."""
+    from mlx_speculative.hooks.batch import DecodeBatch
+
+    params = params or _sampled(seed)
+    state = host.new_state(target, prompt, params)
+    caches = host.new_caches(target, params)
+    for _ in host.prefill(state, caches):
+        pass
+    batch = DecodeBatch(target, single=True)
+    batch.join(state, caches)
+    state.extras["batch"] = batch
     return state
+
+
+def _plain_tokens(state: DecodeState, n: int) -> List[int]:
+    """The host's own plain steps (no plugin asked)."""
+    from mlx_speculative.hooks.step import PlainRun
+
+    run = PlainRun(state.extras["batch"], n)
+    return [gens[0].token for _ in range(n) for _, gens in run.next(lambda: True)]
 
 
 @pytest.mark.parametrize("seed", [3, None])
@@ -79,16 +96,17 @@ def test_drafter_sampling_does_not_move_the_target_stream(llama_pair: Dict[str, 
         global_before = np.array(mx.random.state[0])
         target_draws = state.rng.draws if state.rng is not None else None
         if draft_first:
-            session = drafter.new_session(state)
-            for _ in range(3):
-                proposal = session.propose(state, 3)
-                assert proposal.logprobs is not None and proposal.logprobs.shape == (3, state.pending_logprobs.shape[-1])
-            assert state.draft_rng is not None and state.draft_rng.draws == 9
+            drafts = drafter.new_batch()
+            drafts.sync([state])
+            drafts.prepare([state])
+            proposal = drafts.propose([state], [3])[0]
+            assert proposal.logprobs is not None and proposal.logprobs.shape == (3, state.pending_logprobs.shape[-1])
+            assert state.draft_rng is not None and state.draft_rng.draws == 3
             # Neither the request's own target stream nor mlx's global state moved.
             np.testing.assert_array_equal(np.array(mx.random.state[0]), global_before)
             assert (state.rng.draws if state.rng is not None else None) == target_draws
         # The target's next draws are the same as if the drafter had never drawn.
-        sampled.append([host._plain_step(state).token for _ in range(4)])
+        sampled.append(_plain_tokens(state, 4))
     assert sampled[0] == sampled[1]
 
 
@@ -154,10 +172,12 @@ def test_draft_q_gets_the_targets_processing_with_draft_history(llama_pair: Dict
     target = host.load(str(llama_pair["target"]))
     prompt = encode(target, "draft draft draft draft the the")
     params = _sampled(3, logits_processors=[make_repetition_penalty(3.0, 20)])
-    state = host.new_state(target, prompt, params)
-    host.prefill(state)
+    state = _prefilled(host, target, prompt, 3, params)
     drafter = target.attachments["speculative"].drafter
-    proposal = drafter.new_session(state).propose(state, 3)
+    drafts = drafter.new_batch()
+    drafts.sync([state])
+    drafts.prepare([state])
+    proposal = drafts.propose([state], [3])[0]
     tokens = list(state.tokens)
     penalty = make_repetition_penalty(3.0, 20)
     for i, x in enumerate(proposal.tokens):
@@ -170,16 +190,16 @@ def test_draft_q_gets_the_targets_processing_with_draft_history(llama_pair: Dict
 
 
 def test_a_q_of_the_wrong_shape_falls_back_with_a_clear_reason(llama_pair: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlx_speculative.drafters.draft_model import DraftModelSession
-    from mlx_speculative.plugin.types import Proposal
+    from mlx_speculative.drafters.base import Proposal
+    from mlx_speculative.drafters.draft_model import DraftModelBatch
 
-    real = DraftModelSession.propose
+    real = DraftModelBatch.propose
 
-    def narrow_q(self, state, max_drafts):
-        proposal = real(self, state, max_drafts)
-        return Proposal(proposal.tokens, proposal.logprobs[:, :100])  # q over 100 tokens, not the vocabulary
+    def narrow_q(self, rows, max_drafts):
+        # q over 100 tokens, not the vocabulary
+        return [Proposal(p.tokens, p.logprobs[:, :100]) for p in real(self, rows, max_drafts)]
 
-    monkeypatch.setattr(DraftModelSession, "propose", narrow_q)
+    monkeypatch.setattr(DraftModelBatch, "propose", narrow_q)
     host, target, prompt = _setup(llama_pair)
     plain = make_host(None, plugins=False)
     result = host.generate(target, prompt, _sampled(7, n=12))

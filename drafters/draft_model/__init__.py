@@ -71,7 +71,6 @@ class DraftModelBatch(DraftBatch):
         for start in range(0, len(history), PREFILL_STEP):
             forward(self.model, [history[start : start + PREFILL_STEP]], caches, [])
             mx.eval([c.state for c in caches])
-            self.forwards += 1
         if not self.rows:
             self.cache = caches
         elif len(self.rows) == 1:
