@@ -28,7 +28,6 @@ import collections
 import hmac
 import json
 import logging
-import os
 import queue
 import select
 import socket
@@ -41,80 +40,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from . import openai_compat as oc
-from .config import HostConfigError, load_host_config, model_or_demo
+from .config import load_host_config, model_or_demo
 from .batch import DecodeBatch, RowEvents
 from .host import GenerationParams, Host, HostEvent
 from .manager import make_plugin_manager
+from .server_settings import ServerSettings, check_port, request_defaults, serve_overrides, server_settings
 from .state import DecodeState, GeneratedToken, HostConfig, LoadedTarget
 
 log = logging.getLogger("mlx_speculative.server")
 
-SERVER_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue",
-               "model_name", "chat_template_args", "prefill_step_size", "batching")
-API_KEY_ENV = "MLX_SPEC_API_KEY"
 MAX_BODY_BYTES = 16 << 20
 POLL_SECONDS = 0.25
-
-
-# Settings ---------------------------------------------------------------------------------------
-
-@dataclass
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: Optional[str] = None
-    max_tokens: int = 512
-    context_length: Optional[int] = None  # default: the model config's max_position_embeddings
-    max_active: int = 8
-    max_queue: int = 64
-    model_name: Optional[str] = None  # the id clients send as "model"; default: the model spec
-    chat_template_args: Dict[str, Any] = field(default_factory=dict)
-    prefill_step_size: int = 2048
-    batching: bool = True  # batched decode steps (one target forward for all rows) where the target allows
-    sources: Dict[str, str] = field(default_factory=dict)
-
-
-def _int_setting(key: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise HostConfigError(f"server.{key}: got {value!r}; allowed: an integer >= {lo}")
-    try:
-        n = int(value)
-    except ValueError:
-        raise HostConfigError(f"server.{key}: got {value!r}; allowed: an integer >= {lo}") from None
-    if n < lo or (hi is not None and n > hi):
-        raise HostConfigError(f"server.{key}: got {n}; allowed: an integer from {lo}" + (f" to {hi}" if hi else " up"))
-    return n
-
-
-def server_settings(config: HostConfig, environ: Optional[Dict[str, str]] = None) -> ServerSettings:
-    """The ``server:`` section; precedence CLI > environment (API key only) > YAML > defaults."""
-    environ = os.environ if environ is None else environ
-    layers = [("yaml", config.section("server"))]
-    if environ.get(API_KEY_ENV):
-        layers.append(("env", {"api_key": environ[API_KEY_ENV]}))
-    layers.append(("cli", {k: v for k, v in config.overrides.get("server", {}).items() if v is not None}))
-    out = ServerSettings()
-    for source, values in layers:
-        for key, value in values.items():
-            if key not in SERVER_KEYS:
-                raise HostConfigError(f"server.{key}: unknown key (value {value!r}); allowed keys: {', '.join(SERVER_KEYS)}")
-            if key in ("host", "api_key", "model_name"):
-                if not isinstance(value, str) or not value.strip():
-                    raise HostConfigError(f"server.{key}: got {value!r}; allowed: a non-empty string")
-                value = value.strip()
-            elif key == "port":
-                value = _int_setting(key, value, 0, 65535)
-            elif key == "batching":
-                if not isinstance(value, bool):
-                    raise HostConfigError(f"server.{key}: got {value!r}; allowed: true or false")
-            elif key == "chat_template_args":
-                if not isinstance(value, dict):
-                    raise HostConfigError(f"server.{key}: got {value!r}; allowed: a mapping of template arguments")
-            else:
-                value = _int_setting(key, value, 1 if key != "max_queue" else 0)
-            setattr(out, key, value)
-            out.sources[key] = source
-    return out
 
 
 # Counters of the host's own (the plugin's spec_decode_* counters live in plugin.metrics) ---------
@@ -502,6 +438,8 @@ class Engine:
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # Connections waiting for accept(); the stdlib's 5 reset clients in bursts that the queue (503) would answer.
+    request_queue_size = 1024
 
     def __init__(self, address: Tuple[str, int], engine: Engine, counters: HostCounters, limits: oc.ServingLimits,
                  settings: ServerSettings, models: List[Dict[str, Any]], speculative: Dict[str, Any]):
@@ -786,22 +724,6 @@ def _speculative_info(target: LoadedTarget, startup_error: Optional[str]) -> Dic
     return info
 
 
-def request_defaults(config: HostConfig, settings: ServerSettings) -> Dict[str, Any]:
-    """Defaults for fields a request leaves out: ``generation:`` (as for `generate`), then mlx-lm's."""
-    gen = config.section("generation")
-    out: Dict[str, Any] = {}
-    for key, name, cast in (("temp", "temperature", float), ("top_p", "top_p", float), ("top_k", "top_k", int),
-                            ("min_p", "min_p", float), ("max_tokens", "max_tokens", int)):
-        if key in gen:
-            try:
-                out[name] = cast(gen[key])
-            except (TypeError, ValueError):
-                raise HostConfigError(f"generation.{key}: got {gen[key]!r}; expected {'an integer' if cast is int else 'a number'}") from None
-    if "max_tokens" in settings.sources or "max_tokens" not in out:
-        out["max_tokens"] = settings.max_tokens
-    return out
-
-
 def build_server(config: HostConfig, model: str, settings: ServerSettings) -> Server:
     counters = HostCounters()
     box: Dict[str, Any] = {}
@@ -856,11 +778,6 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings) -> Se
     return server
 
 
-def serve_overrides(args: argparse.Namespace) -> Dict[str, Any]:
-    return {k: getattr(args, k, None) for k in ("host", "port", "api_key", "max_tokens", "context_length",
-                                                "max_active", "max_queue", "model_name")}
-
-
 def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -> int:
     warning = oc.check_mlx_lm_version()
     logging.getLogger("mlx_speculative").setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -869,6 +786,7 @@ def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -
     overrides = {"speculative": speculative_overrides, "server": serve_overrides(args)}
     config = load_host_config(args.config, overrides, strict=False)
     settings = server_settings(config)
+    check_port(settings.host, settings.port)
     model = model_or_demo(args.model, config, speculative_overrides)
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", settings.host,
