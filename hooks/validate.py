@@ -31,8 +31,12 @@ class SettingError(HostConfigError):
 
 
 def show(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else json.dumps(value) if isinstance(value, (bool, type(None))) \
-        else str(value)
+    """A received value as the user wrote it: strings quoted, true/false/null as in YAML and JSON."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (bool, type(None))):
+        return json.dumps(value)
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -174,12 +178,13 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-# The host YAML's ``generation:`` section (and `generate`'s flags): key -> (flag, checker)
+# The host YAML's ``generation:`` section; `generate` has a flag for each (hooks/cli.py).
 GENERATION_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                    "repetition_context_size", "logit_bias")
 
 
 def generation_value(key: str, value: Any, field: str, vocab_size: Optional[int] = None) -> Any:
+    """One ``generation:`` value (or its flag's text) checked; None stays None (unset)."""
     if key == "logit_bias":
         return logit_bias(value, field, vocab_size)
     return optional(key, value, field)
