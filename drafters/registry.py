@@ -45,6 +45,11 @@ def kinds() -> List[str]:
     return sorted({f.kind for f in families().values()})
 
 
+def weightless_kinds() -> List[str]:
+    """Kinds that run without drafter weights (e.g. ngram)."""
+    return sorted({f.kind for f in families().values() if not f.needs_weights})
+
+
 @dataclass
 class Resolution:
     family: DrafterFamily
@@ -60,18 +65,28 @@ def detect_family(config: Dict[str, Any]) -> Optional[DrafterFamily]:
 
 
 def resolve(draft_model: Optional[str], kind: str = "auto") -> Resolution:
-    """The family and kind for a drafter checkpoint (or for a weightless kind)."""
+    """The family and kind for a drafter checkpoint (or for a weightless kind).
+
+    An explicit kind that needs no weights wins over ``draft_model`` (ignored, with a warning);
+    an explicit kind that conflicts with a checkpoint's family loses to the family (warning).
+    """
     fams = families()
     allowed = ["auto"] + kinds()
     if kind not in allowed:
         raise DrafterError(f"draft kind {kind!r} is not registered; allowed: {', '.join(allowed)}")
+    ignored: List[str] = []
+    if draft_model is not None and kind in weightless_kinds():
+        from ..plugin.settings import ignored_draft_model
+
+        ignored.append(ignored_draft_model(kind, draft_model))
+        draft_model = None
     if draft_model is None:
         if kind == "auto":
             kind = "ngram"
         weightless = [f for f in fams.values() if f.kind == kind and not f.needs_weights]
         if not weightless:
             raise DrafterError(f"draft kind {kind!r} needs a draft model (speculative.draft_model / --draft-model)")
-        return Resolution(weightless[0], kind, None, {}, [])
+        return Resolution(weightless[0], kind, None, {}, ignored)
     path = loading.resolve_path(draft_model, "draft model")
     config = loading.read_config(path, "draft model")
     family = detect_family(config)
@@ -91,7 +106,25 @@ def resolve(draft_model: Optional[str], kind: str = "auto") -> Resolution:
 
 
 def check(resolution: Resolution, target: DraftTarget) -> Compatibility:
-    return resolution.family.check(resolution.path, resolution.config, target)
+    """The family's verdict, plus every safetensors header of the checkpoint (truncated or corrupt
+    files make it incompatible before anything loads; a folder with no weight files at all is a
+    config-only check, said in the notes, and loading refuses it)."""
+    verdict = resolution.family.check(resolution.path, resolution.config, target)
+    if resolution.path is not None:
+        try:
+            headers = loading.safetensors_headers(resolution.path, "draft model", required=False)
+        except loading.CheckpointError as e:
+            verdict.fail(str(e))
+        else:
+            verdict.notes.append(describe_headers(headers))
+    return verdict
+
+
+def describe_headers(headers: Dict[str, loading.TensorHeader]) -> str:
+    if not headers:
+        return "safetensors: no weight files (only config.json and the tokenizer files were checked)"
+    files = len({h.file for h in headers.values()})
+    return f"safetensors: {len(headers)} tensor headers in {files} file(s), sizes consistent"
 
 
 def load(resolution: Resolution, target: DraftTarget, options: Dict[str, Any]) -> Drafter:
@@ -99,5 +132,5 @@ def load(resolution: Resolution, target: DraftTarget, options: Dict[str, Any]) -
     if not verdict.ok:
         raise DrafterError(f"{resolution.family.name} drafter is incompatible with the target: " + "; ".join(verdict.reasons))
     if resolution.path is not None:
-        loading.check_safetensors(resolution.path, "draft model")
+        loading.check_safetensors(resolution.path, "draft model")  # no weight files at all: refused here
     return resolution.family.load(resolution.path, resolution.config, target, options)

@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any, Dict, List, Optional
 
+from . import validate
 from .config import load_host_config, model_or_demo
 from .host import GenerationParams, Host
 from .manager import make_plugin_manager
@@ -16,21 +17,37 @@ from .state import SamplingParams
 DEFAULT_PROMPT = "the model token draft verify accept commit the model token draft"
 
 
+MODEL_HELP = "target: path, HF repo id, or 'demo' (default: the config's, else the demo pair)"
+DRAFT_HELP = "drafter: path, HF repo id, or 'demo-drafter'"
+# generate's sampling flags: argparse dest -> (generation: key, help). Values are checked by
+# hooks/validate.py (before any model loads), so the error names the flag and what is allowed.
+GENERATION_FLAGS = {
+    "max_tokens": ("max_tokens", "tokens to generate (default 100)"),
+    "temp": ("temp", "sampling temperature (0: greedy)"),
+    "top_p": ("top_p", "nucleus sampling, (0, 1] (1: off)"),
+    "top_k": ("top_k", "keep the k most likely tokens (0: off)"),
+    "min_p": ("min_p", "drop tokens below min_p x the top probability, [0, 1] (0: off)"),
+    "seed": ("seed", "seed of this request's random streams"),
+    "repetition_penalty": ("repetition_penalty", "mlx-lm's repetition penalty (0: off; 1: no change)"),
+    "repetition_context_size": ("repetition_context_size", "tokens the repetition penalty looks back (default 20)"),
+    "logit_bias": ("logit_bias", 'additive logit bias as JSON, e.g. \'{"12": -100}\''),
+}
+GENERATION_DEFAULTS = {"max_tokens": 100, "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
+                       "repetition_penalty": 0.0, "repetition_context_size": 20, "logit_bias": None}
+
+
 def add_generate(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="generate text (speculative when configured)")
     p.add_argument("--config", help="host YAML file (model, speculative: ...)")
-    p.add_argument("--model", help="target: path or HF repo id (default: the config's, else the tiny demo)")
-    p.add_argument("--draft-model", help="drafter: path or HF repo id")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--draft-model", help=DRAFT_HELP)
     p.add_argument("--draft-kind", help="auto or a registered kind (see `mlx-spec drafters`)")
     p.add_argument("--draft-block-size", help="positions verified per round, or 'auto'")
     p.add_argument("--no-speculative", action="store_true", help="plain one-token decoding")
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin)")
-    p.add_argument("--max-tokens", "-m", type=int, default=None, help="tokens to generate (default 100)")
-    p.add_argument("--temp", type=float, default=None, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    for dest, (_, help_) in GENERATION_FLAGS.items():
+        flags = ["--" + dest.replace("_", "-")] + (["-m"] if dest == "max_tokens" else [])
+        p.add_argument(*flags, dest=dest, default=None, help=help_)
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(func=cmd_generate)
@@ -43,10 +60,22 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
     if args.draft_kind is not None:
         spec["kind"] = args.draft_kind
     if args.draft_block_size is not None:
+        validate.block_size(args.draft_block_size, "--draft-block-size")  # before any model loads
         spec["block_size"] = args.draft_block_size
     if args.no_speculative:
         spec["enabled"] = False
     return {"speculative": spec}
+
+
+def generation_settings(args: argparse.Namespace, config: Any) -> Dict[str, Any]:
+    """Flags over ``generation:`` over the defaults, every value checked."""
+    out = dict(GENERATION_DEFAULTS)
+    out.update({k: v for k, v in validate.generation_section(config.section("generation")).items() if v is not None})
+    for dest, (key, _) in GENERATION_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            out[key] = validate.generation_value(key, value, "--" + dest.replace("_", "-"))
+    return out
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> List[int]:
@@ -56,25 +85,31 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> List[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from mlx_lm.sample_utils import make_logits_processors
+
     overrides = _overrides(args)
     config = load_host_config(args.config, overrides)
-    gen = config.section("generation")
+    gen = generation_settings(args, config)
     model = model_or_demo(args.model, config, overrides["speculative"])
     host = Host(config, pm=getattr(args, "pm", None))
     target = host.load(model)
+    if gen["logit_bias"]:  # token ids against this model's vocabulary
+        vocab = target.model_config.get("vocab_size") or (target.model_config.get("text_config") or {}).get("vocab_size")
+        if args.logit_bias is not None:
+            validate.logit_bias(args.logit_bias, "--logit-bias", vocab)
+        else:
+            validate.logit_bias(config.section("generation").get("logit_bias"), "generation.logit_bias", vocab)
     prompt_text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if prompt_text == "-":
         prompt_text = sys.stdin.read()
     prompt = encode_prompt(target.tokenizer, prompt_text, chat=not args.ignore_chat_template)
     params = GenerationParams(
-        max_tokens=args.max_tokens if args.max_tokens is not None else int(gen.get("max_tokens", 100)),
-        sampling=SamplingParams(
-            temperature=args.temp if args.temp is not None else float(gen.get("temp", 0.0)),
-            top_p=args.top_p if args.top_p is not None else float(gen.get("top_p", 1.0)),
-            top_k=args.top_k if args.top_k is not None else int(gen.get("top_k", 0)),
-            min_p=args.min_p if args.min_p is not None else float(gen.get("min_p", 0.0)),
-            seed=args.seed if args.seed is not None else gen.get("seed"),
-        ),
+        max_tokens=gen["max_tokens"],
+        sampling=SamplingParams(temperature=gen["temp"], top_p=gen["top_p"], top_k=gen["top_k"], min_p=gen["min_p"],
+                                seed=gen["seed"]),
+        logits_processors=make_logits_processors(logit_bias=gen["logit_bias"],
+                                                 repetition_penalty=gen["repetition_penalty"],
+                                                 repetition_context_size=gen["repetition_context_size"]),
     )
     if args.json:
         result = host.generate(target, prompt, params)
@@ -115,17 +150,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_serve(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (speculative when configured)")
     p.add_argument("--config", help="host YAML file (model, server: ..., speculative: ...)")
-    p.add_argument("--model", help="target: path or HF repo id (default: the config's, else the tiny demo)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--model-name", help="the model id clients send (default: the --model/config value)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8080; 0 picks a free one)")
+    # Numbers stay text here: hooks/server_settings.py checks them (error: flag, value, allowed).
+    p.add_argument("--port", help="port (default 8080; 0 picks a free one)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on every route but /health "
                    "(also $MLX_SPEC_API_KEY or server.api_key)")
-    p.add_argument("--max-tokens", type=int, help="default max_tokens of a request (default 512)")
-    p.add_argument("--context-length", type=int, help="prompt + completion limit (default: the model config's)")
-    p.add_argument("--max-active", type=int, help="requests interleaved on the generation thread (default 8)")
-    p.add_argument("--max-queue", type=int, help="requests waiting beyond those; more get 503 (default 64)")
-    p.add_argument("--draft-model", help="drafter: path or HF repo id")
+    p.add_argument("--max-tokens", help="default max_tokens of a request (default 512)")
+    p.add_argument("--context-length", help="prompt + completion limit (default: the model config's)")
+    p.add_argument("--max-active", help="requests decoded together on the generation thread (default 8)")
+    p.add_argument("--max-queue", help="requests waiting beyond those; more get 503 (default 64)")
+    p.add_argument("--draft-model", help=DRAFT_HELP)
     p.add_argument("--draft-kind", help="auto or a registered kind (see `mlx-spec drafters`)")
     p.add_argument("--draft-block-size", help="positions verified per round, or 'auto'")
     p.add_argument("--no-speculative", action="store_true", help="plain one-token decoding")
@@ -138,8 +174,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, _overrides(args)["speculative"])
 
 
+def version_line() -> str:
+    """``mlx-spec <version>`` from the installed package's metadata, with mlx's and mlx-lm's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"mlx-spec {v('mlx-speculative')} (mlx {v('mlx')}, mlx-lm {v('mlx-lm')})"
+
+
 def build_parser(pm: Any) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-spec", description="Lossless speculative decoding for mlx-lm.")
+    parser.add_argument("-V", "--version", action="version", version=version_line())
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the plugins decide")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)

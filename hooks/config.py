@@ -2,18 +2,57 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import yaml
 
+from . import validate
+from .loading import DEMO_DRAFTER, DEMO_TARGET, resolve_relative
 from .state import HostConfig
+from .validate import HostConfigError, SettingError
 
 SECTIONS = ("model", "server", "generation", "speculative")
+# Values that name a checkpoint: relative paths are read from the YAML file's folder.
+PATH_KEYS = (("model",), ("speculative", "draft_model"))
+
+__all__ = ["HostConfigError", "SECTIONS", "load_host_config", "model_or_demo"]
 
 
-class HostConfigError(ValueError):
-    pass
+def _line_of(text: str, keys: Sequence[str]) -> Optional[int]:
+    """1-based line of the value at ``keys`` (e.g. ("generation", "temp")) in the YAML text."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for key in keys:
+        if not isinstance(node, yaml.MappingNode):
+            return line
+        for k, v in node.value:
+            if getattr(k, "value", None) == key:
+                node, line = v, v.start_mark.line + 1
+                break
+        else:
+            return line
+    return line
+
+
+def _check_sections(sections: Dict[str, Any]) -> None:
+    """Every value with a rule, before anything loads (the plugin checks its own keys again)."""
+    from .server_settings import server_value
+
+    if "generation" in sections:
+        validate.generation_section(sections["generation"])
+    for key, value in sections.get("server", {}).items():
+        server_value(key, value, f"server.{key}")
+    spec = sections.get("speculative")
+    if isinstance(spec, dict):
+        if "block_size" in spec:
+            validate.block_size(spec["block_size"])
+        if "ngram_n" in spec:
+            validate.check("ngram_n", spec["ngram_n"], "speculative.ngram_n", text_ok=False)
 
 
 def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str, Any]]] = None, strict: bool = True) -> HostConfig:
@@ -22,8 +61,14 @@ def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str
         p = Path(path)
         if not p.is_file():
             raise HostConfigError(f"config file {path!r} not found")
+        text = p.read_text()
         try:
-            sections = yaml.safe_load(p.read_text()) or {}
+            sections = yaml.safe_load(text) or {}
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+            raise HostConfigError(f"{where}: not valid YAML: {e.problem or e.context}"
+                                  + (f" ({e.context})" if e.problem and e.context else "")) from e
         except yaml.YAMLError as e:
             raise HostConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from e
         if not isinstance(sections, dict):
@@ -38,24 +83,38 @@ def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str
         for name in ("server", "generation"):
             if name in sections and not isinstance(sections[name], dict):
                 raise HostConfigError(f"{name}: got {sections[name]!r}; allowed: a mapping")
+        try:
+            _check_sections(sections)
+        except SettingError as e:
+            line = _line_of(text, e.field.split("."))
+            raise HostConfigError(f"{path}:{line}: {e}" if line else f"{path}: {e}") from e
+        base = p.resolve().parent
+        for keys in PATH_KEYS:
+            owner = sections if len(keys) == 1 else sections.get(keys[0])
+            if isinstance(owner, dict) and isinstance(owner.get(keys[-1]), str):
+                owner[keys[-1]] = resolve_relative(owner[keys[-1]], base)
     return HostConfig(sections=sections, overrides=overrides or {}, source=path, strict=strict)
 
 
-def model_or_demo(model: Optional[str], config: HostConfig, speculative_overrides: Dict[str, Any]) -> str:
-    """The target to load: the flag, else the config's ``model``, else the embedded tiny demo.
+def model_or_demo(model: Optional[str], config: HostConfig, speculative_overrides: Dict[str, Any],
+                  environ: Optional[Dict[str, str]] = None) -> str:
+    """The target to load: the flag, else the config's ``model``, else the embedded demo pair.
 
-    For the demo, its drafter is used unless speculation was configured or switched off.
+    For the demo, its drafter is used unless some speculative setting was given (a YAML
+    ``speculative:`` section, a flag, an MLX_VLM_* variable) or speculation was switched off.
     """
     model = model or config.sections.get("model")
     if model is not None:
         return model
-    import sys
+    import os
 
-    from .tiny_models import ensure_demo_pair
-
-    target_dir, drafter_dir = ensure_demo_pair(announce=lambda m: print(m, file=sys.stderr))
-    spec = speculative_overrides
-    if "speculative" not in config.sections and not spec.get("draft_model") and spec.get("enabled") is not False:
-        spec.setdefault("draft_model", str(drafter_dir))
-    print(f"[mlx-spec] target {target_dir}", file=sys.stderr)
-    return str(target_dir)
+    environ = os.environ if environ is None else environ
+    configured = ("speculative" in config.sections or any(v is not None for v in speculative_overrides.values())
+                  or any(k.startswith("MLX_VLM_DRAFT_") and v.strip() for k, v in environ.items()))
+    if not configured:
+        speculative_overrides["draft_model"] = DEMO_DRAFTER
+        print(f"[mlx-spec] no model given: target {DEMO_TARGET!r}, drafter {DEMO_DRAFTER!r} (the embedded demo pair)",
+              file=sys.stderr)
+    else:
+        print(f"[mlx-spec] no model given: target {DEMO_TARGET!r} (the embedded demo pair)", file=sys.stderr)
+    return DEMO_TARGET

@@ -6,22 +6,56 @@ import json
 import os
 import re
 import struct
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+
+# Symbolic names of the embedded demo pair, accepted wherever a model is named (flags, YAML,
+# requests). They always mean the pair (a folder called "demo" is ./demo); the pair is made on
+# first use by ``demo_pair`` below, the one place that knows how it is made.
+DEMO_TARGET = "demo"
+DEMO_DRAFTER = "demo-drafter"
+SYMBOLIC = (DEMO_TARGET, DEMO_DRAFTER)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message says what was expected and found."""
 
 
+def demo_pair() -> Tuple[Path, Path]:
+    """(target, drafter) folders of the demo pair, made once and cached; announced on stderr."""
+    from .tiny_models import ensure_demo_pair
+
+    return ensure_demo_pair(announce=lambda m: print(m, file=sys.stderr, flush=True))
+
+
+def resolve_relative(spec: str, base: Path) -> str:
+    """A model value from a YAML file in folder ``base``: relative paths are read from ``base``.
+
+    Symbolic names, absolute and ~ paths stay as they are; so does a value that looks like a
+    Hugging Face repo id ('org/name') unless ``base/value`` is a folder.
+    """
+    if spec in SYMBOLIC or spec.startswith(("/", "~")) or Path(spec).is_absolute():
+        return spec
+    candidate = base / spec
+    if candidate.is_dir() or spec.startswith(".") or not _REPO_ID.match(spec):
+        return str(candidate)
+    return spec
+
+
 def resolve_path(spec: str, what: str = "model") -> Path:
-    """A local directory for ``spec``: an existing path, or a repo id from the HF cache/hub.
+    """A local directory for ``spec``: a symbolic name (``demo``, ``demo-drafter``), an existing
+    path, or a repo id from the HF cache/hub.
 
     With ``HF_HUB_OFFLINE=1`` only the local cache is used.
     """
+    if spec in SYMBOLIC:
+        target, drafter = demo_pair()
+        return target if spec == DEMO_TARGET else drafter
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -29,8 +63,8 @@ def resolve_path(spec: str, what: str = "model") -> Path:
         return path
     if not _REPO_ID.match(spec) or spec.startswith((".", "/", "~")):
         raise CheckpointError(
-            f"{what} {spec!r} not found: expected an existing directory or a Hugging Face repo id "
-            "like 'org/name'"
+            f"{what} {spec!r} not found: expected an existing directory, a Hugging Face repo id "
+            f"like 'org/name', or {DEMO_TARGET!r} / {DEMO_DRAFTER!r} (the embedded demo pair)"
         )
     try:
         from huggingface_hub import snapshot_download
@@ -64,21 +98,69 @@ def read_config(path: Path, what: str = "model") -> Dict[str, Any]:
     return config
 
 
-def check_safetensors(path: Path, what: str = "model") -> None:
-    """Every *.safetensors file has a readable header (catches truncated or corrupt files)."""
+# Bytes per element of the safetensors dtypes.
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+               "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """What a safetensors header says of one tensor (its data is not read)."""
+
+    dtype: str
+    shape: Tuple[int, ...]
+    file: Path
+
+
+def _read_header(f: Path) -> Dict[str, TensorHeader]:
+    size = f.stat().st_size
+    with f.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"the file has {size} bytes, less than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n <= 0 or 8 + n > size:
+            raise ValueError(f"header length {n} does not fit in a {size}-byte file")
+        header = json.loads(fh.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    out: Dict[str, TensorHeader] = {}
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (start, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
+        if 8 + n + end > size:
+            raise ValueError(f"tensor {name!r} ends at byte {8 + n + end} but the file has {size}")
+        count = 1
+        for d in shape:
+            count *= d
+        if dtype in DTYPE_BYTES and end - start != count * DTYPE_BYTES[dtype]:
+            raise ValueError(f"tensor {name!r}: {dtype} {list(shape)} needs {count * DTYPE_BYTES[dtype]} bytes, "
+                             f"its data_offsets give {end - start}")
+        out[name] = TensorHeader(dtype, shape, f)
+    return out
+
+
+def safetensors_headers(path: Path, what: str = "model", required: bool = True) -> Dict[str, TensorHeader]:
+    """Name -> dtype and shape of every tensor in a checkpoint's *.safetensors files, from the
+    headers alone (no tensor data is read; each file's size is checked against its header).
+
+    ``required=False``: a folder without weight files (config-only, e.g. checking a published
+    config.json) gives {} instead of an error."""
     files = sorted(path.glob("*.safetensors"))
+    if not files and not required:
+        return {}
     if not files:
         raise CheckpointError(f"{what} {str(path)!r} has no *.safetensors weights (only safetensors are loaded)")
+    out: Dict[str, TensorHeader] = {}
     for f in files:
-        size = f.stat().st_size
         try:
-            with f.open("rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                if n <= 0 or 8 + n > size:
-                    raise ValueError(f"header length {n} does not fit in a {size}-byte file")
-                header = json.loads(fh.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-            if 8 + n + end > size:
-                raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {size}")
+            out.update(_read_header(f))
         except (struct.error, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{what} weights {str(f)!r} are not a valid safetensors file: {e}") from e
+    return out
+
+
+def check_safetensors(path: Path, what: str = "model") -> None:
+    """Every *.safetensors file has a readable header that fits the file (catches truncated or corrupt files)."""
+    safetensors_headers(path, what)

@@ -27,6 +27,7 @@ from mlx_lm.generate import StopSequences, TextStateMachine, make_stop_sequences
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.server import ToolCallFormatter, convert_chat, process_message_content
 
+from . import validate
 from .state import LogitsProcessor, SamplingParams
 
 log = logging.getLogger("mlx_speculative.server")
@@ -87,6 +88,11 @@ class ServingLimits:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # Defaults from the host YAML's generation: section (none in mlx-lm's server).
+    seed: Optional[int] = None
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = 20
+    logit_bias: Optional[Dict[int, float]] = None
     chat_template_args: Dict[str, Any] = field(default_factory=dict)
     vocab_size: Optional[int] = None
     drafter_names: Tuple[str, ...] = ()  # what a request may send as draft_model
@@ -155,6 +161,14 @@ def _in_range(name: str, value: float, lo: Optional[float] = None, hi: Optional[
         raise _bad_value(name, value, allowed)
 
 
+def _checked(name: str, value: Any, rule: Optional[str] = None) -> Any:
+    """``value`` (already of the right JSON type) against the shared rule (hooks/validate.py)."""
+    try:
+        return validate.check(rule or name, value, name, text_ok=False)
+    except validate.SettingError as e:
+        raise _bad_value(name, value, e.allowed) from None
+
+
 def _unsupported(name: str, value: Any, allowed: str) -> APIError:
     return APIError(400, f"{name}: {_described(value)} is not supported by this server; allowed: {allowed}",
                     name, "unsupported_parameter")
@@ -197,19 +211,15 @@ def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: Servi
     max_name = "max_completion_tokens" if requested_max is not None else "max_tokens"
     max_tokens = _get(body, max_name, ["int"], None)
     if max_tokens is not None:
-        _in_range(max_name, max_tokens, lo=1, allowed="an integer >= 1")
+        max_tokens = _checked(max_name, max_tokens, "max_tokens")
 
-    temperature = float(_get(body, "temperature", ["number"], limits.temperature))
-    _in_range("temperature", temperature, lo=0, allowed="a number >= 0 (0: greedy)")
-    top_p = float(_get(body, "top_p", ["number"], limits.top_p))
-    _in_range("top_p", top_p, lo=0, hi=1, lo_open=True, allowed="a number in (0, 1]")
-    top_k = _get(body, "top_k", ["int"], limits.top_k)
-    _in_range("top_k", top_k, lo=0, allowed="an integer >= 0 (0: off)")
-    min_p = float(_get(body, "min_p", ["number"], limits.min_p))
-    _in_range("min_p", min_p, lo=0, hi=1, allowed="a number in [0, 1]")
-    seed = _get(body, "seed", ["int"], None)
+    temperature = _checked("temperature", _get(body, "temperature", ["number"], limits.temperature), "temp")
+    top_p = _checked("top_p", _get(body, "top_p", ["number"], limits.top_p))
+    top_k = _checked("top_k", _get(body, "top_k", ["int"], limits.top_k))
+    min_p = _checked("min_p", _get(body, "min_p", ["number"], limits.min_p))
+    seed = _get(body, "seed", ["int"], limits.seed)
     if seed is not None:
-        _in_range("seed", seed, lo=0, hi=2**64 - 1, allowed="an integer from 0 to 2**64 - 1")
+        seed = _checked("seed", seed)
 
     stop = _get(body, "stop", ["str", "list"], [])
     stop_words = [stop] if isinstance(stop, str) else list(stop)
@@ -217,7 +227,7 @@ def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: Servi
         if not isinstance(w, str) or not w:
             raise _bad_value(f"stop[{i}]", w, "a non-empty string")
 
-    logits_args = _logits_args(body, limits.vocab_size)
+    logits_args = _logits_args(body, limits)
 
     logprobs = _get(body, "logprobs", ["bool"], False)
     top_logprobs = _get(body, "top_logprobs", ["int"], 0)
@@ -287,24 +297,23 @@ def logits_processors(request: ParsedRequest) -> List[LogitsProcessor]:
     return make_logits_processors(**request.logits_args)
 
 
-def _logits_args(body: Dict[str, Any], vocab_size: Optional[int]) -> Dict[str, Any]:
-    """mlx-lm's penalties and logit_bias with its defaults (off unless given)."""
+def _logits_args(body: Dict[str, Any], limits: ServingLimits) -> Dict[str, Any]:
+    """mlx-lm's penalties and logit_bias with its defaults (off unless given, or set in generation:)."""
     values: Dict[str, Any] = {}
-    for name, default in (("repetition_penalty", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        values[name] = float(_get(body, name, ["number"], default))
-    _in_range("repetition_penalty", values["repetition_penalty"], lo=0, allowed="a number >= 0 (0: off)")
-    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-        values[name] = _get(body, name, ["int"], 20)
-        _in_range(name, values[name], lo=0, allowed="an integer >= 0")
+    for name, default in (("repetition_penalty", limits.repetition_penalty), ("presence_penalty", 0.0),
+                          ("frequency_penalty", 0.0)):
+        values[name] = _checked(name, _get(body, name, ["number"], default))
+    for name, default in (("repetition_context_size", limits.repetition_context_size),
+                          ("presence_context_size", 20), ("frequency_context_size", 20)):
+        values[name] = _checked(name, _get(body, name, ["int"], default))
     bias = _get(body, "logit_bias", ["dict"], None)
-    if bias is not None:
+    if bias is None:
+        bias = limits.logit_bias
+    else:
         try:
-            bias = {int(k): float(v) for k, v in bias.items()}
-        except (TypeError, ValueError):
-            raise _bad_value("logit_bias", body["logit_bias"], "an object mapping token ids to numbers") from None
-        bad = [k for k in bias if vocab_size is not None and not 0 <= k < vocab_size]
-        if bad:
-            raise _bad_value("logit_bias", body["logit_bias"], f"token ids from 0 to {vocab_size - 1}")
+            bias = validate.logit_bias(bias, "logit_bias", limits.vocab_size, text_ok=False)
+        except validate.SettingError as e:
+            raise _bad_value("logit_bias", body["logit_bias"], e.allowed) from None
     return dict(values, logit_bias=bias)
 
 

@@ -28,7 +28,7 @@ from .engine import Engine, Finished, Job
 from .host import Host
 from .manager import make_plugin_manager
 from .metrics import HostCounters, render
-from .server_settings import ServerSettings, request_defaults, serve_overrides, server_settings
+from .server_settings import ServerSettings, check_port, request_defaults, serve_overrides, server_settings
 from .specs import Description
 from .state import HostConfig, LoadedTarget
 
@@ -384,6 +384,7 @@ def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -
     overrides = {"speculative": speculative_overrides, "server": serve_overrides(args)}
     config = load_host_config(args.config, overrides, strict=False)
     settings = server_settings(config)
+    check_port(settings.host, settings.port)  # before the model loads
     model = model_or_demo(args.model, config, speculative_overrides)
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", settings.host,

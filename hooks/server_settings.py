@@ -1,18 +1,27 @@
-"""The server's settings: the ``server:`` YAML section, the API-key variable, CLI flags; request defaults."""
+"""``mlx-spec serve``'s settings: the ``server:`` section, its flags, and the request defaults.
+
+Precedence: CLI flag > environment (API key only) > YAML > defaults. Every value is checked with
+the shared rules (hooks/validate.py) before the model loads; so is the port (``check_port``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from .config import HostConfigError
+from . import validate
 from .state import HostConfig
+from .validate import HostConfigError, SettingError
 
 SERVER_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue",
                "model_name", "chat_template_args", "prefill_step_size", "batching")
 API_KEY_ENV = "MLX_SPEC_API_KEY"
+# `serve`'s flags that set server: keys (argparse dest = key)
+FLAG_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue", "model_name")
 
 
 @dataclass
@@ -31,20 +40,27 @@ class ServerSettings:
     sources: Dict[str, str] = field(default_factory=dict)
 
 
-def _int_setting(key: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise HostConfigError(f"server.{key}: got {value!r}; allowed: an integer >= {lo}")
-    try:
-        n = int(value)
-    except ValueError:
-        raise HostConfigError(f"server.{key}: got {value!r}; allowed: an integer >= {lo}") from None
-    if n < lo or (hi is not None and n > hi):
-        raise HostConfigError(f"server.{key}: got {n}; allowed: an integer from {lo}" + (f" to {hi}" if hi else " up"))
-    return n
+def server_value(key: str, value: Any, field_name: str) -> Any:
+    """One ``server:`` value checked; ``field_name`` is what the user wrote (server.port, --port)."""
+    if key not in SERVER_KEYS:
+        raise HostConfigError(f"{field_name}: unknown key (value {value!r}); allowed keys: {', '.join(SERVER_KEYS)}")
+    if key in ("host", "api_key", "model_name"):
+        if not isinstance(value, str) or not value.strip():
+            raise SettingError(field_name, value, "a non-empty string")
+        return value.strip()
+    if key == "batching":
+        if not isinstance(value, bool):
+            raise SettingError(field_name, value, "true or false")
+        return value
+    if key == "chat_template_args":
+        if not isinstance(value, dict):
+            raise SettingError(field_name, value, "a mapping of template arguments")
+        return value
+    return validate.check(key, value, field_name)
 
 
 def server_settings(config: HostConfig, environ: Optional[Dict[str, str]] = None) -> ServerSettings:
-    """The ``server:`` section; precedence CLI > environment (API key only) > YAML > defaults."""
+    """The ``server:`` section with the environment and the flags on top, every value checked."""
     environ = os.environ if environ is None else environ
     layers = [("yaml", config.section("server"))]
     if environ.get(API_KEY_ENV):
@@ -53,43 +69,45 @@ def server_settings(config: HostConfig, environ: Optional[Dict[str, str]] = None
     out = ServerSettings()
     for source, values in layers:
         for key, value in values.items():
-            if key not in SERVER_KEYS:
-                raise HostConfigError(f"server.{key}: unknown key (value {value!r}); allowed keys: {', '.join(SERVER_KEYS)}")
-            if key in ("host", "api_key", "model_name"):
-                if not isinstance(value, str) or not value.strip():
-                    raise HostConfigError(f"server.{key}: got {value!r}; allowed: a non-empty string")
-                value = value.strip()
-            elif key == "port":
-                value = _int_setting(key, value, 0, 65535)
-            elif key == "batching":
-                if not isinstance(value, bool):
-                    raise HostConfigError(f"server.{key}: got {value!r}; allowed: true or false")
-            elif key == "chat_template_args":
-                if not isinstance(value, dict):
-                    raise HostConfigError(f"server.{key}: got {value!r}; allowed: a mapping of template arguments")
-            else:
-                value = _int_setting(key, value, 1 if key != "max_queue" else 0)
-            setattr(out, key, value)
+            name = {"yaml": f"server.{key}", "env": API_KEY_ENV, "cli": "--" + key.replace("_", "-")}[source]
+            setattr(out, key, server_value(key, value, name))
             out.sources[key] = source
     return out
 
 
 def request_defaults(config: HostConfig, settings: ServerSettings) -> Dict[str, Any]:
-    """Defaults for fields a request leaves out: ``generation:`` (as for `generate`), then mlx-lm's."""
-    gen = config.section("generation")
-    out: Dict[str, Any] = {}
-    for key, name, cast in (("temp", "temperature", float), ("top_p", "top_p", float), ("top_k", "top_k", int),
-                            ("min_p", "min_p", float), ("max_tokens", "max_tokens", int)):
-        if key in gen:
-            try:
-                out[name] = cast(gen[key])
-            except (TypeError, ValueError):
-                raise HostConfigError(f"generation.{key}: got {gen[key]!r}; expected {'an integer' if cast is int else 'a number'}") from None
+    """Defaults for fields a request leaves out: ``generation:`` (as for `generate`), then mlx-lm's.
+
+    Returns ServingLimits' keyword arguments (hooks/openai_compat.py)."""
+    gen = validate.generation_section(config.section("generation"))
+    names = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "max_tokens": "max_tokens",
+             "seed": "seed", "repetition_penalty": "repetition_penalty",
+             "repetition_context_size": "repetition_context_size", "logit_bias": "logit_bias"}
+    out = {names[k]: v for k, v in gen.items() if v is not None}
     if "max_tokens" in settings.sources or "max_tokens" not in out:
         out["max_tokens"] = settings.max_tokens
     return out
 
 
 def serve_overrides(args: argparse.Namespace) -> Dict[str, Any]:
-    return {k: getattr(args, k, None) for k in ("host", "port", "api_key", "max_tokens", "context_length",
-                                                "max_active", "max_queue", "model_name")}
+    return {k: getattr(args, k, None) for k in FLAG_KEYS}
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port that cannot be bound, before the model loads (the server binds it after)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise SettingError("server.host", host, f"an address of this machine ({e.strerror})") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As the server binds (allow_reuse_address): a port left in TIME_WAIT is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise HostConfigError(f"server.port: {host}:{port} {why}; allowed: a free port (--port), "
+                                  "or 0 to pick one") from None

@@ -178,15 +178,17 @@ def demo_dir() -> Path:
 
 
 def ensure_demo_pair(announce=print) -> tuple[Path, Path]:
-    """The embedded default: a tiny random llama target and a 1-layer drafter cut from it.
+    """The embedded demo pair: a tiny random llama target and a 2-layer drafter cut from it.
 
-    Made on first use and cached (``$MLX_SPEC_CACHE`` or ~/.cache/mlx-speculative).
+    Made on first use and cached (``$MLX_SPEC_CACHE`` or ~/.cache/mlx-speculative). Its names
+    (``demo``, ``demo-drafter``) and their resolution live in hooks/loading.py.
     """
     root = demo_dir()
     target, drafter = root / "target", root / "drafter"
     if not (target / "model.safetensors").exists() or not (drafter / "model.safetensors").exists():
-        announce(f"[mlx-spec] no model given: making the tiny random demo pair in {root} (once; random weights, the text is gibberish)")
-        tmp = root.with_name(root.name + ".tmp")
+        announce(f"[mlx-spec] making the tiny random demo pair (once; random weights, the text is gibberish): "
+                 f"target 'demo' in {target}, drafter 'demo-drafter' in {drafter}")
+        tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         make_checkpoint(
             tmp / "target", llama_config(num_hidden_layers=4, hidden_size=128, intermediate_size=256),
@@ -194,11 +196,13 @@ def ensure_demo_pair(announce=print) -> tuple[Path, Path]:
         )
         make_truncated_drafter(tmp / "target", tmp / "drafter", num_layers=2)
         shutil.rmtree(root, ignore_errors=True)
-        tmp.rename(root)
+        try:
+            tmp.rename(root)
+        except OSError:  # another process made it meanwhile (the same seeded pair)
+            shutil.rmtree(tmp, ignore_errors=True)
     return target, drafter
 
 
-# Tiny configs of the other cache layouts mlx-lm models use (rolling back each is plugin/commit.py's job).
 def gemma3_text_config(**over: Any) -> Dict[str, Any]:
     """Sliding-window attention (RotatingKVCache) on every layer but each 2nd (KVCache)."""
     config = llama_config(

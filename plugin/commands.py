@@ -26,9 +26,12 @@ def cmd_drafters(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     target_path = loading.resolve_path(args.model, "model")
     target_config = loading.read_config(target_path, "model")
+    # Every header of the target's files (no tensor is read); a corrupt file is an error.
+    target_headers = loading.safetensors_headers(target_path, "model", required=False)
     num_layers = target_config.get("num_hidden_layers") or (target_config.get("text_config") or {}).get("num_hidden_layers")
     resolution = registry.resolve(args.draft_model, args.draft_kind)
     verdict = registry.check(resolution, DraftTarget(config=target_config, path=target_path, num_layers=num_layers))
+    verdict.notes.append("target " + registry.describe_headers(target_headers))
     report: dict[str, Any] = {
         "kind": resolution.kind,
         "family": resolution.family.name,
@@ -57,8 +60,8 @@ def add_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_drafters)
 
     p = subparsers.add_parser("check", help="resolve a drafter's kind and check it against a target")
-    p.add_argument("--model", required=True, help="target model: path or HF repo id")
-    p.add_argument("--draft-model", default=None, help="drafter: path or HF repo id (none for ngram)")
+    p.add_argument("--model", required=True, help="target model: path, HF repo id or 'demo'")
+    p.add_argument("--draft-model", default=None, help="drafter: path, HF repo id or 'demo-drafter' (none for ngram)")
     p.add_argument("--draft-kind", default="auto", help="auto or a registered kind")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_check)

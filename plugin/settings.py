@@ -5,9 +5,12 @@ Precedence: CLI flag > environment > YAML > the drafter's config (block size) > 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
+
+from ..hooks import validate
 
 ENV = {
     "kind": "MLX_VLM_DRAFT_KIND",
@@ -16,11 +19,19 @@ ENV = {
 }
 KEYS = ("enabled", "draft_model", "kind", "block_size", "adaptive", "acceptance", "ngram_n")
 ACCEPTANCE = ("rejection", "exact")
-MAX_BLOCK = 128
+MAX_BLOCK = validate.MAX_BLOCK
+log = logging.getLogger("mlx_speculative")
 
 
 class ConfigError(ValueError):
     """A bad setting: names the key, the value received and what is allowed."""
+
+
+def ignored_draft_model(kind: str, draft_model: str, kind_source: Optional[str] = None,
+                        model_source: Optional[str] = None) -> str:
+    """The one line said when an explicit weightless kind overrides a configured draft model."""
+    return (f"draft kind {kind!r}{f' ({kind_source})' if kind_source else ''} needs no drafter weights: "
+            f"ignoring the draft model {draft_model!r}{f' ({model_source})' if model_source else ''}")
 
 
 @dataclass
@@ -56,17 +67,10 @@ def _bool(key: str, value: Any) -> bool:
 
 
 def _block_size(key: str, value: Any) -> Optional[int]:
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
     try:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"speculative.{key}: got {value!r}; allowed: 'auto' or an integer from 2 to {MAX_BLOCK}") from None
-    if not 2 <= n <= MAX_BLOCK:
-        raise ConfigError(f"speculative.{key}: got {n}; allowed: 'auto' or an integer from 2 to {MAX_BLOCK}")
-    return n
+        return validate.block_size(value, f"speculative.{key}")
+    except validate.SettingError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate(key: str, value: Any, kinds: list[str]) -> Any:
@@ -88,9 +92,10 @@ def _validate(key: str, value: Any, kinds: list[str]) -> Any:
             raise ConfigError(f"speculative.acceptance: got {value!r}; allowed: {', '.join(ACCEPTANCE)}")
         return value
     if key == "ngram_n":
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 32:
-            raise ConfigError(f"speculative.ngram_n: got {value!r}; allowed: an integer from 1 to 32")
-        return value
+        try:
+            return validate.check("ngram_n", value, "speculative.ngram_n", text_ok=False)
+        except validate.SettingError as e:
+            raise ConfigError(str(e)) from None
     raise AssertionError(key)
 
 
@@ -99,11 +104,17 @@ def resolve(
     cli: Optional[Mapping[str, Any]] = None,
     environ: Optional[Mapping[str, str]] = None,
     kinds: Optional[list[str]] = None,
+    weightless: Optional[list[str]] = None,
 ) -> SpeculativeSettings:
-    """Merge the layers into settings; ``enabled`` follows from any layer asking for a drafter."""
+    """Merge the layers into settings; ``enabled`` follows from any layer asking for a drafter.
+
+    An explicit kind that needs no drafter weights (``weightless``, e.g. ngram) wins over a
+    configured draft model, which is then dropped with one log line.
+    """
     from ..drafters import registry
 
     kinds = kinds if kinds is not None else registry.kinds()
+    weightless = weightless if weightless is not None else registry.weightless_kinds()
     environ = os.environ if environ is None else environ
     if yaml_section is not None and not isinstance(yaml_section, Mapping):
         raise ConfigError(f"speculative: got {type(yaml_section).__name__}; allowed: a mapping of {', '.join(KEYS)}")
@@ -122,4 +133,9 @@ def resolve(
     explicit_on = yaml_section is not None or any(v for _, v in layers[1:])
     if "enabled" not in settings.sources:
         settings.enabled = explicit_on
+    if settings.kind in weightless and settings.draft_model is not None:
+        log.warning("%s", ignored_draft_model(settings.kind, settings.draft_model, settings.sources.get("kind"),
+                                              settings.sources.get("draft_model")))
+        settings.draft_model = None
+        settings.sources["draft_model"] = f"ignored for kind {settings.kind!r}"
     return settings

@@ -139,8 +139,8 @@ def test_vocab_mismatch_refused_naming_both_sizes(llama_pair: Dict[str, Path], t
 
 @pytest.mark.parametrize("args, expected", [
     (["--draft-kind", "medusa"], "speculative.kind: got 'medusa'; allowed: auto,"),
-    (["--draft-block-size", "1"], "speculative.block_size: got 1; allowed: 'auto' or an integer from 2"),
-    (["--draft-block-size", "many"], "speculative.block_size: got 'many'"),
+    (["--draft-block-size", "1"], "--draft-block-size: got 1; allowed: 'auto' or an integer from 2"),
+    (["--draft-block-size", "many"], "--draft-block-size: got 'many'"),
 ])
 def test_bad_settings_name_key_value_and_allowed(args: List[str], expected: str, llama_pair: Dict[str, Path]) -> None:
     line = one_line_error(mlx_spec("generate", "--model", str(llama_pair["target"]), *args))

@@ -64,9 +64,11 @@ def test_builtins_come_from_entry_points() -> None:
 def test_resolution_from_config_and_conflict_warning(llama_pair: Dict[str, Path]) -> None:
     r = registry.resolve(str(llama_pair["drafter"]), "auto")
     assert (r.kind, r.family.name, r.warnings) == ("draft_model", "draft_model", [])
-    r = registry.resolve(str(llama_pair["drafter"]), "ngram")
+    r = registry.resolve(str(llama_pair["drafter"]), "dflash")
     assert r.kind == "draft_model"
-    assert "'ngram' conflicts with the drafter's family 'draft_model'" in r.warnings[0]
+    assert "'dflash' conflicts with the drafter's family 'draft_model'" in r.warnings[0]
+    # An explicit kind that needs no weights wins instead (tests/test_first_hour.py).
+    assert registry.resolve(str(llama_pair["drafter"]), "ngram").kind == "ngram"
     assert registry.resolve(None, "auto").kind == "ngram"
     with pytest.raises(DrafterError, match="needs a draft model"):
         registry.resolve(None, "draft_model")

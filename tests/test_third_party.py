@@ -1,11 +1,18 @@
-"""The example third-party drafter package is installed, discovered through its entry point and used."""
+"""The example third-party drafter package is installed, discovered through its entry point and used.
+
+The package is installed from a copy (a build writes build/ and *.egg-info next to its sources) into
+a temporary folder; the tests hold whether or not it is also installed in the environment (CI
+installs it first, as its README says).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Dict
 
@@ -18,32 +25,66 @@ from test_cli import mlx_spec
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "third_party_drafter"
 
 
+def _installed_in_environment() -> bool:
+    try:
+        distribution("spec-bigram")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def _tree(root: Path) -> set:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if "__pycache__" not in p.parts}
+
+
+EXAMPLE_BEFORE = _tree(EXAMPLE)
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tmp_path_factory.mktemp("src") / "third_party_drafter"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     site = tmp_path_factory.mktemp("site")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(EXAMPLE)], check=True, capture_output=True, timeout=300)
+                    "--target", str(site), str(source)], check=True, capture_output=True, timeout=300)
     return site
 
 
-def _bigram_checkpoint(target_dir: Path, out: Path) -> Path:
-    """A [V, V] table of the target's greedy next token after each single token."""
-    target = make_host(None, plugins=False).load(str(target_dir))
+def test_install_writes_nothing_into_the_example(installed: Path) -> None:
+    assert (installed / "spec_bigram" / "make.py").is_file()
+    assert _tree(EXAMPLE) == EXAMPLE_BEFORE  # no build/ or *.egg-info from the install above
+
+
+def test_make_writes_the_target_bigram_table(installed: Path, llama_pair: Dict[str, Path], tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(installed), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "bigram"
+    done = subprocess.run([sys.executable, "-m", "spec_bigram.make", "--target", str(llama_pair["target"]),
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    target = make_host(None, plugins=False).load(str(llama_pair["target"]))
+    table = mx.load(str(out / "model.safetensors"))["bigram.weight"]
     vocab = target.model_config["vocab_size"]
-    logits = target.model(mx.arange(vocab)[:, None])[:, 0, :]  # [V, V]
-    out.mkdir()
-    mx.save_safetensors(str(out / "model.safetensors"), {"bigram.weight": logits})
-    (out / "config.json").write_text(json.dumps({"model_type": "bigram_drafter", "vocab_size": vocab}))
-    return out
+    assert table.shape == (vocab, vocab)
+    for t in (0, 5, vocab - 1):  # row t: the target's logits after the one-token prompt [t]
+        assert mx.allclose(table[t], target.model(mx.array([[t]]))[0, -1], atol=1e-5).item()
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "bigram_drafter", "vocab_size": vocab}
+    bad = subprocess.run([sys.executable, "-m", "spec_bigram.make", "--target", str(tmp_path / "nope"),
+                          "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "not found" in bad.stderr
 
 
 def test_example_family_is_discovered_and_used(installed: Path, llama_pair: Dict[str, Path], tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join([str(installed), os.environ.get("PYTHONPATH", "")])}
     rows = {r["kind"]: r for r in json.loads(mlx_spec("drafters", "--json", env=env).stdout)}
     assert rows["bigram"]["distribution"] == "spec-bigram"
-    assert "bigram" not in {r["kind"] for r in json.loads(mlx_spec("drafters", "--json").stdout)}
+    without = {r["kind"] for r in json.loads(mlx_spec("drafters", "--json").stdout)}
+    assert ("bigram" in without) == _installed_in_environment()
 
-    ckpt = _bigram_checkpoint(llama_pair["target"], tmp_path / "bigram")
+    ckpt = tmp_path / "bigram"
+    done = subprocess.run([sys.executable, "-m", "spec_bigram.make", "--target", str(llama_pair["target"]),
+                           "--out", str(ckpt)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, **env))
+    assert done.returncode == 0, done.stderr
     args = ["generate", "--model", str(llama_pair["target"]), "--prompt", "one two three four", "--max-tokens", "40",
             "--json", "--ignore-chat-template"]
     spec = mlx_spec(*args, "--draft-model", str(ckpt), env=env)

@@ -24,8 +24,9 @@ from ...hooks.batch import extend_rows, extract_row, filter_rows, merge_rows
 from ...hooks.transaction import CacheTransaction
 from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget, Proposal, Verified
 from ..compat import check_tokenizer, config_value
+from ...hooks import loading
 from .features import target_features
-from .model import MUSE_ASSISTANT, UNSUPPORTED_ARCHITECTURES, Model, ModelArgs, config_layout
+from .model import MUSE_ASSISTANT, UNSUPPORTED_ARCHITECTURES, Model, ModelArgs, canonical_name, config_layout
 
 KIND = "dflash"
 
@@ -283,8 +284,39 @@ def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> 
                      f"the target's vocab_size is {t_vocab}")
     if not 2 <= args.block_size <= 128:
         verdict.fail(f"block_size: {args.block_size}; allowed: 2 to 128")
+    if path is not None:
+        _check_fc(path, config, args, verdict)
     check_tokenizer(target.path, path, verdict)
     return verdict
+
+
+def _fc_problem(shape: Tuple[int, ...], args: ModelArgs) -> Optional[str]:
+    expected = (args.hidden_size, len(args.target_layer_ids) * args.hidden_size)
+    if tuple(shape) == expected:
+        return None
+    return (f"fc.weight has shape {list(shape)}; expected {list(expected)} (hidden_size x "
+            f"len(target_layer_ids)*hidden_size with {len(args.target_layer_ids)} target layers)")
+
+
+def _check_fc(path: Path, config: Dict[str, Any], args: ModelArgs, verdict: Compatibility) -> None:
+    """fc.weight's shape from the safetensors headers (no tensor is loaded)."""
+    try:
+        headers = loading.safetensors_headers(path, "draft model", required=False)
+    except loading.CheckpointError:
+        return  # the registry reports unreadable weights
+    if not headers:
+        return  # a config-only check
+    fc = [h for name, h in headers.items() if canonical_name(name) == "fc.weight"]
+    if not fc:
+        verdict.fail(f"fc.weight: not found in {path}'s safetensors files; a DFlash drafter needs it")
+    elif "quantization" in config:
+        verdict.notes.append("fc.weight: quantized, shape not compared")
+    elif args.target_layer_ids:
+        problem = _fc_problem(fc[0].shape, args)
+        if problem:
+            verdict.fail(problem)
+        else:
+            verdict.notes.append(f"fc.weight: {list(fc[0].shape)} (from the safetensors header)")
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -337,12 +369,9 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     model = Model(args)
     weights = model.sanitize(_read_weights(path))
     fc = weights.get("fc.weight")
-    expected = (args.hidden_size, len(args.target_layer_ids) * args.hidden_size)
-    if fc is not None and "quantization" not in config and tuple(fc.shape) != expected:
-        raise DrafterError(
-            f"draft model {str(path)!r}: fc.weight has shape {list(fc.shape)}; expected {list(expected)} "
-            f"(hidden_size x len(target_layer_ids)*hidden_size with {len(args.target_layer_ids)} target layers)"
-        )
+    problem = _fc_problem(fc.shape, args) if fc is not None and "quantization" not in config else None
+    if problem:
+        raise DrafterError(f"draft model {str(path)!r}: {problem}")
     quant = config.get("quantization")
     if quant:
         nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],

@@ -275,17 +275,28 @@ class Model(nn.Module):
         return [factory() for _ in self.layers]
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        renames = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}  # Muse assistant
         out = {}
         for k, v in weights.items():
-            if k.startswith("model."):
-                k = k[len("model."):]
-            for old, new in renames.items():
-                if k.startswith(old):
-                    k = new + k[len(old):]
-            # The target's embedding and head are used. speculators exports may carry copies (its
-            # lm_head is the verifier's, frozen) and the d2t/t2d maps of a full draft vocabulary.
-            if k.split(".")[0] in ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm", "d2t", "t2d"):
-                continue
-            out[k] = v
+            name = canonical_name(k)
+            if name is not None:
+                out[name] = v
         return out
+
+
+_RENAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}  # Muse assistant
+
+
+def canonical_name(name: str) -> Optional[str]:
+    """A checkpoint tensor's name in this Model, or None for tensors the drafter does not use.
+
+    The target's embedding and head are used. speculators exports may carry copies (its lm_head
+    is the verifier's, frozen) and the d2t/t2d maps of a full draft vocabulary.
+    """
+    if name.startswith("model."):
+        name = name[len("model."):]
+    for old, new in _RENAMES.items():
+        if name.startswith(old):
+            name = new + name[len(old):]
+    if name.split(".")[0] in ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm", "d2t", "t2d"):
+        return None
+    return name

@@ -41,12 +41,19 @@ def add_command(subparsers: Any) -> None:
     run = p.add_argument_group("what to run")
     run.add_argument("--oracle-acceptance", type=_floats, default=None, metavar="TAU[,TAU...]",
                      help="replace proposals by the target's greedy continuation with errors injected so that the "
-                          "mean acceptance length is TAU (the drafter still runs; 'real' = its own proposals)")
+                          "mean acceptance length is TAU, from 1 to the smallest block size (the drafter still "
+                          "runs; 'real' = its own proposals; default: real). The plugin's dflash and ngram kinds "
+                          "run every TAU at every block size; draft_model (unless --kind draft_model) and mlx-lm's "
+                          "speculative_generate_step run only the first TAU (mlx-lm at the largest block size)")
     run.add_argument("--adaptive-at", type=_floats, default=[], metavar="TAU[,TAU...]",
-                     help="also run these oracle taus with the adaptive block size")
+                     help="also run these oracle taus with the adaptive block size (at the largest block size)")
     run.add_argument("--block-sizes", type=_ints, default=[16], metavar="B[,B...]", help="block sizes (default 16)")
     run.add_argument("--prompt-lengths", type=_ints, default=[128, 512, 1024], metavar="L[,L...]",
-                     help="base prompt lengths (default 128,512,1024)")
+                     help="base prompt lengths (default 128,512,1024). The fresh regime gives every method its own "
+                          "length at or above each base, so that no method meets a key length another ran: a "
+                          "method's prompt can be up to (methods x bases - 1) x (max-tokens + 2 x largest block + 9) "
+                          "tokens longer than its base (the report's prompt_lengths.per_method lists them); the warm "
+                          "regime replays the same lengths")
     run.add_argument("--max-tokens", type=int, default=256, help="new tokens per request (default 256)")
     run.add_argument("--padded-cache", default="auto", choices=["auto", "on", "off"],
                      help="shape-stable padded KV caches (auto: on for CUDA only)")
@@ -69,6 +76,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for b in args.block_sizes:
         if not 2 <= b <= 128:
             raise ValueError(f"--block-sizes: got {b}; allowed: 2 to 128")
+    if not args.block_sizes:
+        raise ValueError("--block-sizes: got none; allowed: integers from 2 to 128 separated by commas")
+    if not args.prompt_lengths or min(args.prompt_lengths) < 1:
+        raise ValueError(f"--prompt-lengths: got {args.prompt_lengths}; allowed: integers >= 1 separated by commas")
+    # Checked before anything loads: every TAU runs with every block size (alpha_for_tau's range).
+    for flag, values, cap in (("--oracle-acceptance", args.oracle_acceptance or [], min(args.block_sizes)),
+                              ("--adaptive-at", args.adaptive_at, max(args.block_sizes))):
+        for tau in values:
+            if tau is not None and not 1.0 <= tau <= cap:
+                raise ValueError(f"{flag}: got tau {tau:g}; allowed: 1 to the block size ({cap}; --block-sizes "
+                                 f"{','.join(map(str, args.block_sizes))})")
     taus = args.oracle_acceptance if args.oracle_acceptance is not None else [None]
     if args.plot:  # fail before the run, not after
         try:

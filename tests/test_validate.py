@@ -1,0 +1,166 @@
+"""Every setting is checked with the same rule (hooks/validate.py) on the command line, in the YAML
+(with file and line) and in requests, flags and YAML before any model loads (issue 14)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from mlx_speculative.hooks import openai_compat as oc
+from mlx_speculative.hooks import validate
+from mlx_speculative.hooks.server_settings import ServerSettings, request_defaults, server_settings
+from mlx_speculative.hooks.state import HostConfig
+from test_first_hour import error_line, run
+
+
+CLI_CASES = [
+    (["--temp", "-1"], "--temp: got -1; allowed: a number >= 0 (0: greedy)"),
+    (["--temp", "hot"], "--temp: got 'hot'; allowed: a number >= 0 (0: greedy)"),
+    (["--top-p", "2"], "--top-p: got 2; allowed: a number in (0, 1]"),
+    (["--top-p", "0"], "--top-p: got 0; allowed: a number in (0, 1]"),
+    (["--top-k", "-1"], "--top-k: got -1; allowed: an integer >= 0 (0: off)"),
+    (["--top-k", "1.5"], "--top-k: got '1.5'; allowed: an integer >= 0"),
+    (["--min-p", "1.5"], "--min-p: got 1.5; allowed: a number in [0, 1]"),
+    (["--max-tokens", "-5"], "--max-tokens: got -5; allowed: an integer >= 1"),
+    (["--max-tokens", "0"], "--max-tokens: got 0; allowed: an integer >= 1"),
+    (["--seed", "-1"], "--seed: got -1; allowed: an integer from 0 to 2**64 - 1"),
+    (["--seed", "nan"], "--seed: got 'nan'"),
+    (["--repetition-penalty", "-1"], "--repetition-penalty: got -1; allowed: a number >= 0"),
+    (["--repetition-context-size", "0"], "--repetition-context-size: got 0; allowed: an integer >= 1"),
+    (["--logit-bias", '{"x": 1}'], "--logit-bias: got '{\"x\": 1}'; allowed: an object mapping token ids to numbers"),
+    (["--logit-bias", "[1, 2]"], "--logit-bias: got '[1, 2]'; allowed: an object mapping"),
+    (["--draft-block-size", "1"], "--draft-block-size: got 1; allowed: 'auto' or an integer from 2 to 128"),
+]
+
+
+@pytest.mark.parametrize("args, expected", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
+def test_generate_flags_checked_before_loading(args: List[str], expected: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
+    # The model does not exist: a check after loading would report that instead.
+    rc, _, err = run(capsys, "generate", "--model", str(tmp_path / "absent"), *args)
+    assert rc == 2 and expected in error_line(err)
+
+
+SERVE_CASES = [
+    (["--port", "70000"], "--port: got 70000; allowed: an integer from 0 to 65535 (0: a free port)"),
+    (["--port", "http"], "--port: got 'http'; allowed: an integer from 0 to 65535"),
+    (["--max-active", "0"], "--max-active: got 0; allowed: an integer >= 1"),
+    (["--max-queue", "-1"], "--max-queue: got -1; allowed: an integer >= 0"),
+    (["--context-length", "0"], "--context-length: got 0; allowed: an integer >= 1"),
+    (["--max-tokens", "0"], "--max-tokens: got 0; allowed: an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("args, expected", SERVE_CASES, ids=[" ".join(c[0]) for c in SERVE_CASES])
+def test_serve_flags_checked_before_loading(args: List[str], expected: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    rc, _, err = run(capsys, "serve", "--model", str(tmp_path / "absent"), *args)
+    assert rc == 2 and expected in error_line(err)
+
+
+YAML_CASES = [
+    ("generation", "temp", "hot", "got 'hot'; allowed: a number >= 0 (0: greedy)"),
+    ("generation", "temp", -1, "got -1; allowed: a number >= 0 (0: greedy)"),
+    ("generation", "top_p", 2, "got 2; allowed: a number in (0, 1]"),
+    ("generation", "top_k", -1, "got -1; allowed: an integer >= 0"),
+    ("generation", "min_p", 2, "got 2; allowed: a number in [0, 1]"),
+    ("generation", "max_tokens", -5, "got -5; allowed: an integer >= 1"),
+    ("generation", "seed", -1, "got -1; allowed: an integer from 0 to 2**64 - 1"),
+    ("generation", "repetition_penalty", -1, "got -1; allowed: a number >= 0"),
+    ("generation", "repetition_context_size", 0, "got 0; allowed: an integer >= 1"),
+    ("generation", "logit_bias", "{x: 1}", "allowed: an object mapping token ids to numbers"),
+    ("server", "port", 70000, "got 70000; allowed: an integer from 0 to 65535"),
+    ("server", "max_active", 0, "got 0; allowed: an integer >= 1"),
+    ("server", "max_queue", -1, "got -1; allowed: an integer >= 0"),
+    ("server", "context_length", 0, "got 0; allowed: an integer >= 1"),
+    ("speculative", "block_size", 1, "got 1; allowed: 'auto' or an integer from 2 to 128"),
+    ("speculative", "ngram_n", 0, "got 0; allowed: an integer from 1 to 32"),
+]
+
+
+@pytest.mark.parametrize("section, key, value, expected", YAML_CASES, ids=[f"{c[0]}.{c[1]}={c[2]}" for c in YAML_CASES])
+def test_yaml_values_checked_with_file_and_line(section: str, key: str, value: Any, expected: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "host.yaml"
+    cfg.write_text(f"model: {tmp_path / 'absent'}\n{section}:\n  # the value is on line 4\n  {key}: {value}\n")
+    rc, _, err = run(capsys, "serve" if section == "server" else "generate", "--config", str(cfg))
+    line = error_line(err)
+    assert rc == 2 and line.startswith(f"mlx-spec: error: {cfg}:4: {section}.{key}: got ") and expected in line
+
+
+def test_yaml_unknown_generation_key_and_broken_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "host.yaml"
+    cfg.write_text("generation:\n  tmep: 0.5\n")
+    rc, _, err = run(capsys, "generate", "--config", str(cfg))
+    assert rc == 2 and "generation.tmep: unknown key (value 0.5); allowed keys: max_tokens, temp" in error_line(err)
+    cfg.write_text("model: demo\ngeneration:\n  temp: 0.5\n   top_p: 1\n")  # line 4 is indented wrong
+    rc, _, err = run(capsys, "generate", "--config", str(cfg))
+    assert rc == 2 and f"{cfg}:4:" in error_line(err) and "not valid YAML" in error_line(err)
+
+
+REQUEST_CASES = [
+    ({"temperature": -1}, "temperature", "temp"),
+    ({"top_p": 2}, "top_p", "top_p"),
+    ({"top_k": -1}, "top_k", "top_k"),
+    ({"min_p": 1.5}, "min_p", "min_p"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"seed": -1}, "seed", "seed"),
+    ({"repetition_penalty": -0.5}, "repetition_penalty", "repetition_penalty"),
+    ({"repetition_context_size": 0}, "repetition_context_size", "repetition_context_size"),
+]
+
+
+@pytest.mark.parametrize("body, param, rule", REQUEST_CASES, ids=[c[1] for c in REQUEST_CASES])
+def test_requests_use_the_same_rules(body: Dict[str, Any], param: str, rule: str) -> None:
+    limits = oc.ServingLimits(model_id="m", vocab_size=384)
+    with pytest.raises(oc.APIError) as e:
+        oc.parse_request("text", dict(body, prompt="x"), tokenizer=None, limits=limits)
+    assert (e.value.status, e.value.param) == (400, param)
+    assert e.value.message.startswith(f"{param}: got ") and e.value.message.endswith(
+        f"; allowed: {validate.RULES[rule].allowed}")
+
+
+def test_request_logit_bias_and_yaml_defaults_reach_requests() -> None:
+    limits = oc.ServingLimits(model_id="m", vocab_size=384)
+    for bad, allowed in (({"x": 1}, validate.LOGIT_BIAS_ALLOWED), ({"400": 1}, "token ids from 0 to 383")):
+        with pytest.raises(oc.APIError, match="logit_bias: got") as e:
+            oc.parse_request("text", {"prompt": "x", "logit_bias": bad}, tokenizer=None, limits=limits)
+        assert allowed in e.value.message
+    config = HostConfig(sections={"generation": {"temp": 0.5, "seed": 3, "repetition_penalty": 1.2,
+                                                  "repetition_context_size": 8, "logit_bias": {"5": 1}}})
+    limits = oc.ServingLimits(model_id="m", vocab_size=384, **request_defaults(config, ServerSettings()))
+
+    class Tok:
+        def encode(self, text: str) -> List[int]:
+            return [1, 2]
+
+    req = oc.parse_request("text", {"prompt": "x"}, tokenizer=Tok(), limits=limits)
+    assert (req.sampling.temperature, req.sampling.seed) == (0.5, 3)
+    assert (req.logits_args["repetition_penalty"], req.logits_args["repetition_context_size"]) == (1.2, 8)
+    assert req.logits_args["logit_bias"] == {5: 1.0}
+
+
+def test_server_settings_name_the_layer() -> None:
+    with pytest.raises(validate.SettingError, match=r"^--port: got 'x'; allowed: an integer from 0 to 65535"):
+        server_settings(HostConfig(overrides={"server": {"port": "x"}}), environ={})
+    with pytest.raises(validate.SettingError, match=r"^server\.max_queue: got -1"):
+        server_settings(HostConfig(sections={"server": {"max_queue": -1}}), environ={})
+    s = server_settings(HostConfig(sections={"server": {"port": "8081"}}, overrides={"server": {"max_queue": "3"}}),
+                        environ={})
+    assert (s.port, s.max_queue, s.sources) == (8081, 3, {"port": "yaml", "max_queue": "cli"})
+
+
+def test_busy_port_refused_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, _, err = run(capsys, "serve", "--model", str(tmp_path / "absent"), "--port", str(port))
+    assert rc == 2
+    assert error_line(err) == (f"mlx-spec: error: server.port: 127.0.0.1:{port} is already in use; allowed: a free "
+                               "port (--port), or 0 to pick one")
+
+
