@@ -328,16 +328,23 @@ def describe(host: Host, target: LoadedTarget, startup_error: Optional[str]) -> 
     return found
 
 
-def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None) -> Server:
+def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
+                 target: Optional[LoadedTarget] = None) -> Server:
     """Load the target on the engine's thread and bind the HTTP server (``pm``: the plugins; default:
-    the entry points)."""
+    the entry points). ``target``: one already loaded (benchmarks build synthetic ones in memory)."""
     counters = HostCounters()
     box: Dict[str, Any] = {}
 
     def load() -> Tuple[Host, LoadedTarget]:
-        host, target, error = load_target(config, model, pm)
+        if target is not None:
+            host = Host(config, pm=pm)
+            policy = host.pm.hook.host_cache_policy(target=target)
+            if policy is not None:
+                target.cache_policy = policy
+            return host, target
+        host, loaded, error = load_target(config, model, pm)
         box["error"] = error
-        return host, target
+        return host, loaded
 
     engine = Engine(load, settings, counters)
     engine.start()

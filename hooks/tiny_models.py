@@ -283,6 +283,49 @@ def mamba2_config(**over: Any) -> Dict[str, Any]:
     return config
 
 
+def qwen3_next_config(**over: Any) -> Dict[str, Any]:
+    """GatedDeltaNet hybrid with routed experts: ArraysCache layers and a full-attention KVCache layer."""
+    config = llama_config(
+        model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, full_attention_interval=2,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True,
+        partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+    )
+    config.update(over)
+    return config
+
+
+def jamba_config(**over: Any) -> Dict[str, Any]:
+    """Mamba (its own selective scan, ArraysCache) and attention (KVCache) layers, every 2nd with experts."""
+    config = {
+        "model_type": "jamba", "architectures": ["JambaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_offset": 1,
+        "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2, "num_experts": 4,
+        "num_experts_per_tok": 2, "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2, "mamba_dt_rank": "auto",
+        "mamba_proj_bias": False, "mamba_conv_bias": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "vocab_size": 384, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+        "torch_dtype": "float32",
+    }
+    config.update(over)
+    return config
+
+
+def lfm2_config(**over: Any) -> Dict[str, Any]:
+    """Gated short convolutions (ArraysCache: a conv window only) and attention (KVCache) layers."""
+    config = {
+        "model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 4096,
+        "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 192,
+        "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True,
+        "rope_theta": 1000000.0, "full_attn_idxs": [1, 3], "tie_word_embeddings": True, "bos_token_id": 0,
+        "eos_token_id": 1, "torch_dtype": "float32",
+    }
+    config.update(over)
+    return config
+
+
 EXTRA_CONFIGS = {
     "mamba2": mamba2_config,
     "gemma3_text": gemma3_text_config,
@@ -290,6 +333,9 @@ EXTRA_CONFIGS = {
     "falcon_h1": falcon_h1_config,
     "deepseek_v3": deepseek_v3_config,
     "gpt_oss": gpt_oss_config,
+    "qwen3_next": qwen3_next_config,
+    "jamba": jamba_config,
+    "lfm2": lfm2_config,
 }
 
 

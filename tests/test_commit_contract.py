@@ -1,8 +1,11 @@
-"""Cache-transaction contract on every cache layout mlx-lm's models create (tiny random weights, fp32).
+"""Cache-transaction contract (hooks/transaction.py) on every cache layout mlx-lm's models create
+(tiny random weights, fp32).
 
 After a verify block of k tokens and ``commit(n)`` (n = 1: nothing accepted, a middle n, n = k: all
 accepted) the cache state and the next token's logits equal those of feeding the same n tokens one
-at a time; ``abort()`` gives back the start state exactly.
+at a time; ``abort()`` gives back the start state exactly. The models' recurrent layers are scoped
+(``hooks.recurrent.scope_model``, as the host does at load), so recurrent caches keep partial blocks
+from their recorded forward, with no model replay.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from mlx_speculative.hooks import recurrent
 from mlx_speculative.hooks import tiny_models as tm
-from mlx_speculative.plugin.commit import HANDLERS, CacheTransaction, UnsupportedCache, check_supported, handler_for
+from mlx_speculative.hooks.transaction import HANDLERS, CacheTransaction, UnsupportedCache, check_supported, handler_for
 
 ARCHS = tm.ARCH_CONFIGS
 EXPECTED = {  # the cache types each architecture's make_cache creates
@@ -42,6 +46,7 @@ def model_for(arch: str) -> Any:
         mx.random.seed(3)
         model = tm.build_model(ARCHS[arch]())
         mx.eval(model.parameters())
+        recurrent.scope_model(model)  # what the host does for every model it loads
         _models[arch] = model
     return _models[arch]
 
@@ -147,7 +152,7 @@ def test_commit_equals_one_token_feeding(arch: str, prompt_len: int) -> None:
         with CacheTransaction(spec, replay=replay_for(model, spec, block)) as txn:
             model(mx.array([block[:K]]), cache=spec)
             txn.commit(n)
-        # Recurrent caches keep partial blocks through the innovation tape: no model replay.
+        # Recurrent caches keep partial blocks from their recorded forward: no model replay.
         recurrent = sum(isinstance(c, ArraysCache) or (isinstance(c, CacheList) and isinstance(c.caches[0], ArraysCache))
                         for c in spec)
         assert txn.replayed == 0
@@ -283,8 +288,8 @@ def test_unknown_cache_is_refused_by_name() -> None:
 
 
 def test_recurrent_partial_commit_needs_no_replay_callback() -> None:
-    """The innovation tape keeps a partial block of a recurrent cache by itself (the refusal without
-    a replay callback, when a layer's recurrence is not recorded: tests/test_commit_tape.py)."""
+    """A scoped recurrent layer's recording keeps a partial block of its cache by itself (the refusal
+    without a replay callback, when a layer's recurrence is not recorded: tests/test_commit_recurrent.py)."""
     model = model_for("qwen3_5")
     prompt, block = tokens(9, 8), tokens(K, 9)
     cache = prefilled(model, prompt)

@@ -22,3 +22,37 @@ def test_pyproject_lists_every_subpackage() -> None:
             found.add(".".join((package, *rel)))
     assert set(config["packages"]) == found
     assert not any(p.split(".")[0] in TOP for p in config["packages"]), "nothing installs as top-level hooks/plugin/drafters"
+
+
+def _imported_packages(path: Path) -> set:
+    """The top-level packages (hooks, plugin, drafters) a module imports, relative imports resolved."""
+    import ast
+
+    folder = path.relative_to(ROOT).parts
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: climb from the module's package
+                base = list(folder[:-1])[: len(folder) - node.level]
+                parts = base + (node.module.split(".") if node.module else [])
+            else:
+                parts = (node.module or "").split(".")[1:] if (node.module or "").startswith("mlx_speculative") else []
+            if parts and parts[0] in TOP:
+                found.add(parts[0])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("mlx_speculative."):
+                    found.add(alias.name.split(".")[1])
+    return found
+
+
+def test_no_import_cycle_between_hooks_drafters_and_plugin() -> None:
+    """The host never imports the plugin or the drafters; the drafters never import the plugin."""
+    allowed = {"hooks": {"hooks"}, "drafters": {"hooks", "drafters"}, "plugin": {"hooks", "drafters", "plugin"}}
+    bad = []
+    for folder in TOP:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            extra = _imported_packages(path) - allowed[folder]
+            if extra:
+                bad.append(f"{path.relative_to(ROOT)} imports {sorted(extra)}")
+    assert not bad, bad

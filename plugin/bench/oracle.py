@@ -11,7 +11,7 @@ acceptance process.
 from __future__ import annotations
 
 import random
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -47,28 +47,39 @@ class Oracle:
         self.rng = random.Random(seed)
         self.sequence: List[int] = []  # prompt + reference continuation
         self.prompt_len = 0
+        self.sequences: Dict[Tuple[int, ...], List[int]] = {}  # per prompt, for several requests
 
     def set_request(self, prompt: Sequence[int], continuation: Sequence[int], seed: int) -> None:
         self.sequence = list(prompt) + list(continuation)
         self.prompt_len = len(prompt)
         self.rng = random.Random(seed)
 
-    def token(self, position: int, right: bool) -> int:
+    def register(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
+        """A reference for requests with this prompt (several requests in flight: a server)."""
+        self.sequences[tuple(prompt)] = list(prompt) + list(continuation)
+
+    def token(self, position: int, right: bool, sequence: Optional[List[int]] = None) -> int:
         """The reference token at absolute ``position`` (or a wrong one)."""
-        ref = self.sequence[position] if position < len(self.sequence) else 0
+        seq = self.sequence if sequence is None else sequence
+        ref = seq[position] if position < len(seq) else 0
         return ref if right else (ref + 1) % self.vocab_size
 
     def draw(self) -> bool:
         return self.rng.random() < self.alpha
 
-    def drafts(self, start: int, k: int) -> List[int]:
+    def drafts(self, start: int, k: int, sequence: Optional[List[int]] = None) -> List[int]:
         """k proposals for absolute positions start..start+k-1: right until the first error."""
         out: List[int] = []
         right = True
         for i in range(k):
             right = right and self.draw()
-            out.append(self.token(start + i, right))
+            out.append(self.token(start + i, right, sequence))
         return out
+
+    def drafts_for(self, row: Any, k: int) -> List[int]:
+        """k proposals after the row's tokens (its pending token last), from its prompt's reference."""
+        sequence = self.sequences.get(tuple(row.tokens[: row.prompt_len]))
+        return self.drafts(len(row.tokens), k, sequence)
 
 
 class OracleBatch(DraftBatch):
@@ -104,7 +115,7 @@ class OracleBatch(DraftBatch):
             mx.async_eval([p.tokens for p in real if isinstance(p.tokens, mx.array)],
                           [p.logprobs for p in real if p.logprobs is not None])
             # row.tokens ends with the pending token at position len - 1: drafts start at len.
-            out = [Proposal(self.oracle.drafts(len(r.tokens), m)) if m else Proposal([]) for r, m in zip(rows, max_drafts)]
+            out = [Proposal(self.oracle.drafts_for(r, m)) if m else Proposal([]) for r, m in zip(rows, max_drafts)]
         self.drafted.extend(len(p.tokens) for p in out if len(p.tokens))
         return out
 

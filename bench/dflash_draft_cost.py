@@ -1,6 +1,6 @@
 """Cost of one DFlash drafting step at a real checkpoint's size (random weights, no target needed).
 
-    python -m mlx_speculative.drafters.dflash.bench --config path/to/dflash/config.json
+    python bench/dflash_draft_cost.py --config path/to/dflash/config.json
 
 Each simulated round appends ``--accepted + 1`` context positions (as after a round that accepted
 ``--accepted`` drafts), runs the drafter over a block of ``--block`` positions and the target-sized
@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .model import Model, ModelArgs
+from mlx_speculative.drafters.dflash.model import Model, ModelArgs
 
 
 def _rounds(model: Model, embed: nn.Module, head: nn.Module, hidden: mx.array, cache: List[Any], rounds: int,
@@ -41,7 +41,7 @@ def _rounds(model: Model, embed: nn.Module, head: nn.Module, hidden: mx.array, c
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlx_speculative.drafters.dflash.bench")
+    p = argparse.ArgumentParser(prog="python bench/dflash_draft_cost.py")
     p.add_argument("--config", required=True, help="a DFlash config.json")
     p.add_argument("--context", type=int, default=512, help="prompt positions before the first round")
     p.add_argument("--rounds", type=int, default=64)
@@ -86,7 +86,7 @@ def _factories(bucket: int) -> Dict[str, Callable[[], Any]]:
 
     out: Dict[str, Callable[[], Any]] = {"KVCache": KVCache}
     if bucket:
-        from ...plugin.cache_policy import PaddedKVCache
+        from mlx_speculative.plugin.cache_policy import PaddedKVCache
 
         out[f"PaddedKVCache({bucket})"] = lambda: PaddedKVCache(bucket)
     return out

@@ -1,0 +1,247 @@
+"""No process-wide patching (issue 13): speculative rounds on a recurrent target leave mlx, mlx-lm and
+every other module as they were, and other models in the process run mlx-lm's own code.
+
+One process loads every drafter family (draft_model, ngram, dflash) for a tiny qwen3_5 target and
+runs rounds (alone and batched: partial commits of its GatedDeltaNet caches included). Before and
+after, every module's globals are compared by identity, and so are the attributes of every class
+defined in an ``mlx`` / ``mlx_lm`` module; ``mx.concatenate`` and every function defined in those
+modules must be the originals. A second copy of the model, loaded with ``mlx_lm.load`` in the same
+process, keeps mlx-lm's layer classes and decodes the same before and after. The scoped layers
+(``hooks.recurrent.scope_model``) run mlx-lm's code when no transaction records them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import sysconfig
+import types
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from conftest import greedy_reference, make_host, no_stop
+from mlx_speculative.drafters import registry
+from mlx_speculative.drafters.dflash import tiny
+from mlx_speculative.hooks import recurrent
+from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.hooks.scheduler import Scheduler
+from mlx_speculative.hooks.transaction import CacheTransaction
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 20, 21, 22, 20, 21], [40, 41, 42, 43, 44]]
+MAX_TOKENS = 20
+# Imported before the "before" snapshot, so that their globals are compared too (the plugin comes
+# in through its entry point; the drafter families and mlx-lm's model modules on first use).
+MODULES = [
+    "mlx_lm.generate", "mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3",
+    "mlx_lm.models.gated_delta", "mlx_lm.models.ssm", "mlx_lm.models.mamba2", "mlx_lm.models.falcon_h1",
+    "mlx_speculative.plugin.hookimpls", "mlx_speculative.drafters.draft_model", "mlx_speculative.drafters.ngram",
+    "mlx_speculative.drafters.dflash",
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("no_patching")
+    target = tm.make_checkpoint(root / "target", tm.qwen3_5_config(), seed=51, tokenizer_dir=tokenizer_dir,
+                                logit_scale=3.0, quiet_layers_from=1)
+    real = json.loads((FIXTURES / "z-lab__Qwen3.5-4B-DFlash.config.json").read_text())
+    dflash = tiny.shrink_config(real, target_layer_ids=[0, 1], mask_token_id=383, num_target_layers=4)
+    return {
+        "target": target,
+        "truncated": tm.make_truncated_drafter(target, root / "truncated", num_layers=2),
+        "dflash": tiny.write_checkpoint(root / "dflash", dflash, seed=52),
+    }
+
+
+def _ours(name: str) -> bool:
+    return name in ("mlx", "mlx_lm") or name.startswith(("mlx.", "mlx_lm."))
+
+
+def snapshot() -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Any]]]:
+    """(module name -> its globals, class -> its attributes for classes defined in mlx / mlx-lm)."""
+    modules: Dict[str, Dict[str, Any]] = {}
+    for name, module in list(sys.modules.items()):
+        if isinstance(module, types.ModuleType):
+            try:
+                modules[name] = dict(vars(module))
+            except TypeError:
+                continue
+    classes: Dict[str, Dict[str, Any]] = {}
+    for name, names in modules.items():
+        if _ours(name):
+            for value in names.values():
+                if isinstance(value, type) and getattr(value, "__module__", None) == name:
+                    classes[f"{name}.{value.__qualname__}"] = dict(vars(value))
+    return modules, classes
+
+
+# copyreg caches a class's slot names on the class the first time one of its objects is copied
+# (mlx-lm's tokenizer wrapper copies a detokenizer per request).
+BENIGN = {"__slotnames__"}
+
+
+def rewritten(before: Dict[str, Dict[str, Any]], after: Dict[str, Dict[str, Any]], classes: bool) -> List[str]:
+    """Names bound to another object, removed, or (modules) added other than as a submodule."""
+    out = []
+    for owner, names in before.items():
+        now = after.get(owner)
+        if now is None:
+            out.append(f"{owner}: gone")
+            continue
+        out += [f"{owner}.{k}" for k, v in names.items() if k not in now or now[k] is not v]
+        for k in set(now) - set(names):
+            submodule = isinstance(now[k], types.ModuleType) and now[k].__name__ == f"{owner}.{k}"
+            if not (submodule and not classes) and k not in BENIGN:
+                out.append(f"{owner}.{k} (added)")
+    return out
+
+
+# Where decorators of installed libraries live (contextlib's, huggingface_hub's validators, ...).
+INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def not_original(modules: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Functions in mlx / mlx-lm modules that are not the function their defining module holds under
+    that name, or are not its own code: the code of the innermost function must be that module's
+    file, and any wrapper around it (a decorator) must come from an installed library."""
+    out = []
+    for name, names in modules.items():
+        if not _ours(name):
+            continue
+        for key, fn in names.items():
+            if not isinstance(fn, types.FunctionType):
+                continue
+            home = sys.modules.get(fn.__module__)
+            if home is None or not getattr(home, "__file__", None):
+                continue
+            if fn.__qualname__ == fn.__name__ and vars(home).get(fn.__name__, fn) is not fn:
+                out.append(f"{name}.{key}: not {fn.__module__}.{fn.__name__}")
+            chain, f = [fn], getattr(fn, "__wrapped__", None)
+            while isinstance(f, types.FunctionType) and len(chain) < 8:
+                chain.append(f)
+                f = getattr(f, "__wrapped__", None)
+            wrappers = [w.__code__.co_filename for w in chain[:-1]]
+            if chain[-1].__code__.co_filename != home.__file__ or not all(w.startswith(INSTALLED) for w in wrappers):
+                out.append(f"{name}.{key}: code from {[w.__code__.co_filename for w in chain]}")
+    return out
+
+
+def original_classes(model: Any) -> List[str]:
+    """Modules of ``model`` whose class is not the class its mlx / mlx-lm module defines."""
+    out = []
+    for m in model.modules():
+        cls = type(m)
+        home = sys.modules.get(cls.__module__)
+        if home is None or getattr(home, cls.__qualname__.split(".")[0], None) is not cls:
+            out.append(f"{cls.__module__}.{cls.__qualname__}")
+    return out
+
+
+def rounds(host: Any, target: Any, refs: Dict[tuple, List[int]]) -> Dict[str, int]:
+    """Each prompt alone, then all in one batch; greedy tokens equal generate_step's."""
+    totals = {"rounds": 0, "partial_or_zero": 0}
+
+    def count(stats: Any) -> None:
+        assert stats.fallback is None, stats.fallback
+        totals["rounds"] += stats.rounds
+        totals["partial_or_zero"] += stats.rounds_by_acceptance["partial"] + stats.rounds_by_acceptance["zero"]
+
+    for p in PROMPTS:
+        result = host.generate(target, p, no_stop(MAX_TOKENS))
+        assert result.tokens == refs[tuple(p)], p
+        count(result.report["speculative"])
+    scheduler = Scheduler(host, target)
+    requests = [scheduler.submit(p, no_stop(MAX_TOKENS)) for p in PROMPTS]
+    got: Dict[int, List[int]] = {r.id: [] for r in requests}
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            got[request.id].append(event.token)
+    for r, p in zip(requests, PROMPTS):
+        assert got[r.id] == refs[tuple(p)], ("batch", p)
+        count(r.state.report["speculative"])
+    return totals
+
+
+def test_rounds_patch_nothing(checkpoints: Dict[str, Path]) -> None:
+    import mlx_lm.models.gated_delta as gated_delta
+    import mlx_lm.models.qwen3_5 as qwen3_5
+
+    for name in MODULES:
+        importlib.import_module(name)
+    registry.families()  # the registry's own lazy table of entry points, filled once, as an import would
+    other, _ = load(str(checkpoints["target"]))  # the user's own model, in the same process
+    assert original_classes(other) == []
+    refs = {tuple(p): greedy_reference(other, p, MAX_TOKENS) for p in PROMPTS}
+    concatenate = mx.concatenate
+    modules, classes = snapshot()
+    assert not_original(modules) == []
+
+    for speculative in ({"draft_model": str(checkpoints["truncated"])}, {"kind": "ngram"},
+                        {"draft_model": str(checkpoints["dflash"]), "kind": "dflash"}):
+        host = make_host(dict(speculative, block_size=5))
+        target = host.load(str(checkpoints["target"]))
+        assert target.attachments["speculative"].drafter is not None
+        # The host scoped this target's recurrent layers: the mechanism is in use in this process.
+        scoped = [m for m in target.model.modules() if getattr(type(m), "_spec_recurrent", False)]
+        assert len(scoped) == 2 and all(isinstance(m, qwen3_5.GatedDeltaNet) for m in scoped)
+        totals = rounds(host, target, refs)
+        assert totals["rounds"] > 0 and totals["partial_or_zero"] > 0, (speculative, totals)
+
+    assert mx.concatenate is concatenate and not isinstance(mx.concatenate, types.FunctionType)
+    assert qwen3_5.gated_delta_update is gated_delta.gated_delta_update
+    modules_after, classes_after = snapshot()
+    assert rewritten(modules, modules_after, classes=False) == []
+    assert rewritten(classes, classes_after, classes=True) == []
+    assert not_original(modules_after) == []  # modules imported since included
+    assert recurrent._open == {}
+
+    # The user's model: mlx-lm's classes, the same tokens; and one loaded now as well.
+    assert original_classes(other) == []
+    assert all(type(m) is qwen3_5.GatedDeltaNet for m in other.modules() if isinstance(m, qwen3_5.GatedDeltaNet))
+    assert {tuple(p): greedy_reference(other, p, MAX_TOKENS) for p in PROMPTS} == refs
+    fresh, _ = load(str(checkpoints["target"]))
+    assert original_classes(fresh) == []
+    assert {tuple(p): greedy_reference(fresh, p, MAX_TOKENS) for p in PROMPTS} == refs
+
+
+def _feed(model: Any, cache: List[Any]) -> List[mx.array]:
+    """A prompt chunk, one-token steps and a block: every logit."""
+    out = [model(mx.array([[5, 6, 7, 8, 9, 10, 11]]), cache=cache)]
+    out += [model(mx.array([[t]]), cache=cache) for t in (12, 13)]
+    out.append(model(mx.array([[14, 15, 16, 17]]), cache=cache))
+    return out
+
+
+def test_scoped_layers_run_the_original_code(checkpoints: Dict[str, Path]) -> None:
+    """Outside a transaction a scoped model computes what mlx-lm's does, bit for bit; a recorded
+    forward computes the same too (the recording only keeps the inputs)."""
+    plain, _ = load(str(checkpoints["target"]))
+    scoped, _ = load(str(checkpoints["target"]))
+    assert recurrent.scope_model(scoped) == 2
+    assert original_classes(plain) == [] and len(original_classes(scoped)) == 2
+    attention_only = tm.build_model(tm.llama_config())
+    assert recurrent.scope_model(attention_only) == 0 and original_classes(attention_only) == []
+    ref_cache, cache = make_prompt_cache(plain), make_prompt_cache(scoped)
+    for want, got in zip(_feed(plain, ref_cache), _feed(scoped, cache)):
+        assert mx.array_equal(want, got).item()
+    assert recurrent._open == {}
+    for a, b in zip(ref_cache, cache):
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state) if isinstance(x, mx.array))
+    # Recorded: the same logits and states as mlx-lm's forward; commit(all) keeps them.
+    block = mx.array([[30, 31, 32, 33, 34]])
+    want = plain(block, cache=ref_cache)
+    with CacheTransaction(cache) as txn:
+        assert len(recurrent._open) == sum(isinstance(c, ArraysCache) for c in cache) == 2
+        got = scoped(block, cache=cache)
+        assert mx.array_equal(want, got).item()
+        txn.commit(5)
+    assert txn.taped == 0 and txn.replayed == 0 and recurrent._open == {}
+    for a, b in zip(ref_cache, cache):
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state) if isinstance(x, mx.array))
