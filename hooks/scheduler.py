@@ -216,6 +216,9 @@ class Scheduler:
         request.done, request.finish_reason = True, reason
         if request.batch is not None:
             request.batch.leave(request.state)
+            for decoder in self.decoders:
+                if decoder.batch is request.batch:
+                    decoder.emptied()
             request.batch = None
         self.rows.pop(id(request.state), None)
         request.caches = []

@@ -107,6 +107,11 @@ class BatchDecoder:
         """A plain step is queued: the caches are one token ahead; rows may not join now."""
         return self.run is not None
 
+    def emptied(self) -> None:
+        """The batch's last row left: a step queued for it has no one to serve."""
+        if not self.batch.rows:
+            self.run = None
+
     def step(self, more: Callable[[], bool] = lambda: True) -> Emitted:
         """One decode step for every row; ``more()`` False ends a plain run at this step."""
         if self.run is None:

@@ -225,6 +225,17 @@ class CacheTransaction:
         assert self._starts is not None, "written() outside a transaction"
         return max_written(self._items(self._starts))
 
+    def exact(self, n: Lengths, written: Optional[int] = None) -> bool:
+        """Whether ``commit(n)`` keeps unequal per-row lengths without replaying the model: a replay of
+        rows of different lengths relies on every layer honouring mlx-lm's ``lengths``, which some
+        recurrent layers (jamba's and mamba's own selective scans) do not. Equal lengths: always."""
+        assert self._starts is not None, "exact() outside a transaction"
+        if isinstance(n, int) or uniform(n) is not None:
+            return True
+        written = written if written is not None else self.written()
+        return not any(getattr(h, "needs_replay", None) and h.needs_replay(c, t, list(n), written)
+                       for h, c, t in leaves(self._items(self._starts)))
+
     def commit(self, n: Lengths, written: Optional[int] = None) -> None:
         """Keep the first n positions written since ``begin`` (a list: n per row of batched caches).
 

@@ -19,6 +19,18 @@ from .accept import RoundOutcome
 from .draft import Drafted
 
 
+def fit(txn: CacheTransaction, outcomes: List[RoundOutcome], width: int) -> List[RoundOutcome]:
+    """The outcomes the target's caches can keep exactly. Rows keep different lengths unless a cache
+    could only take them by replaying the model over unequal rows (recurrent layers that ignore
+    mlx-lm's ``lengths``); then every row emits as many tokens as the row that emits fewest: still
+    lossless, each row's first tokens are its own (accepted drafts, or its bonus)."""
+    emitted = [o.emitted for o in outcomes]
+    if txn.exact(emitted, width):
+        return outcomes
+    m = min(emitted)
+    return [RoundOutcome(o.draft_tokens, min(o.accepted, m - 1), o.tokens[:m]) for o in outcomes]
+
+
 def commit_target(txn: CacheTransaction, outcomes: Sequence[RoundOutcome], width: int) -> None:
     """Row b keeps its pending token and its accepted drafts of the ``width`` positions fed."""
     txn.commit([o.emitted for o in outcomes], written=width)

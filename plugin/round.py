@@ -173,6 +173,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         proposals = as_ints(proposals, vocab)
         logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
         outcomes: List[RoundOutcome] = accept_rows(rows, proposals, logprobs, att.settings.acceptance)
+        outcomes = commit.fit(target, outcomes, inputs.shape[1])
         commit.commit_target(target, outcomes, inputs.shape[1])
     except (UnsupportedCache, DraftError) as e:
         # A target cache that cannot be rolled back exactly for this forward, or drafts outside the

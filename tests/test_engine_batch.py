@@ -182,3 +182,24 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(models: Dict[str, Path]
     while not late.done:
         scheduler.step()
     assert late.state.tokens[late.state.prompt_len:] == greedy_reference(target.model, long_prompt, 4)
+
+
+def test_a_request_after_the_last_row_ended_mid_run(models: Dict[str, Path]) -> None:
+    """The only row ends at a stop token while its next plain step is queued; a later request must
+    still join and decode (the queued step is dropped with the row)."""
+    host = make_host(None, plugins=False)
+    target = host.load(str(models["llama"]))
+    prompt = encode(target, PROMPTS[3])
+    ref = greedy_reference(target.model, prompt, 30)
+    stop = next(t for i, t in enumerate(ref) if i > 4 and t not in ref[:i])
+    scheduler = Scheduler(host, target)
+    first = scheduler.submit(prompt, GenerationParams(max_tokens=30, stop_token_ids=[stop]))
+    while not first.done:
+        scheduler.step()
+    assert first.finish_reason == "stop" and scheduler._main(create=False).in_run is False
+    second = scheduler.submit(prompt, no_stop(12))
+    steps = 0
+    while not second.done and steps < 100:
+        scheduler.step()
+        steps += 1
+    assert second.state.tokens[second.state.prompt_len:] == ref[:12]

@@ -39,22 +39,6 @@ ECHO = 12  # tokens of the target's continuation held in the 2nd and 3rd prompts
 LENGTHS = [20, 26, 32]  # max_tokens per prompt (rows of a batch end at different steps)
 BLOCK = 5  # pinned: 4 draft tokens per round, no adaptive pauses
 MODES = ["alone", "batch"]
-# Known failures (strict: a fix makes them fail, so that the marks go).
-DFLASH_ON_MAMBA2 = pytest.mark.xfail(
-    strict=True, raises=DrafterError,
-    reason="drafters/dflash target_embedding_and_head finds no model.model.embed_tokens on mlx_lm's mamba2 "
-           "(its embedding is model.backbone.embeddings): the DFlash drafter is refused at load")
-JAMBA_DRAFT_MODEL = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="a jamba draft model cannot keep part of its draft steps: the draft_model drafter's transactions "
-           "(plugin/draft.py) get no replay callback, so its first partial commit raises UnsupportedCache and "
-           "the request falls back to plain decoding (stats.fallback set)")
-JAMBA_BATCH = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="ragged commits on a batched jamba target replay through prepare(lengths=) (hooks/batch.py replay), "
-           "which jamba's Mamba mixer ignores: rows keeping fewer positions than the longest get a wrong state")
-
-
 def cases(known: Dict[Tuple[str, str], Any]) -> List[Any]:
     return [pytest.param(a, m, marks=known[a, m]) if (a, m) in known else pytest.param(a, m)
             for a in ARCHS for m in MODES]
@@ -181,10 +165,14 @@ def run(made: Dict[str, Any], speculative: Dict[str, Any], mode: str) -> Dict[st
     got: Dict[int, List[int]] = {r.id: [] for r in requests}
     while scheduler.busy:
         per_row: Dict[int, int] = {}
+        ended = {r.id for r in requests if not got[r.id]}  # a first token comes from the prefill, not a round
         for request, event in scheduler.step():
             if event.emitted:
                 got[request.id].append(event.token)
                 per_row[request.id] = per_row.get(request.id, 0) + 1
+            if event.finish_reason is not None:
+                ended.add(request.id)  # cut by max_tokens: not what the round kept
+        per_row = {k: v for k, v in per_row.items() if k not in ended}
         if len(per_row) > 1 and len(set(per_row.values())) > 1:
             totals["mixed_steps"] += 1  # rows of one batch step emitting different counts
     for request, prompt, n in zip(requests, prompts, LENGTHS):
@@ -193,39 +181,55 @@ def run(made: Dict[str, Any], speculative: Dict[str, Any], mode: str) -> Dict[st
     return totals
 
 
-@pytest.mark.parametrize("arch,mode", cases({("jamba", "alone"): JAMBA_DRAFT_MODEL,
-                                             ("jamba", "batch"): [JAMBA_DRAFT_MODEL, JAMBA_BATCH]}))
+@pytest.mark.parametrize("arch,mode", cases({}))
 def test_draft_model(arch: str, mode: str, checkpoints: Dict[str, Dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     made = checkpoints[arch]
     commits = Commits(monkeypatch)
     full = run(made, {"draft_model": str(made["identical"])}, mode)
-    assert full["rounds"] > 0 and full["accepted"] == full["drafted"] and full["full"] == full["rounds"], full
+    if _uniform(arch, mode):  # rows drafting fewer near their end hold the others back
+        assert full["rounds"] > 0 and full["full"] > 0 and full["mixed_steps"] == 0, full
+    else:
+        assert full["rounds"] > 0 and full["accepted"] == full["drafted"] and full["full"] == full["rounds"], full
     partial = run(made, {"draft_model": str(made["truncated"])}, mode)
-    assert 0 < partial["accepted"] < partial["drafted"] and partial["partial"] > 0, partial
-    assert mode == "alone" or partial["mixed_steps"] > 0, partial
+    assert 0 < partial["accepted"] < partial["drafted"], partial
+    if _uniform(arch, mode):
+        assert partial["mixed_steps"] == 0, partial
+    else:
+        assert partial["partial"] > 0 and (mode == "alone" or partial["mixed_steps"] > 0), partial
     zero = run(made, {"draft_model": str(made["random"])}, mode)
     assert zero["zero"] > 0, zero
     _check_commits(arch, commits)
 
 
-@pytest.mark.parametrize("arch,mode", cases({("jamba", "batch"): JAMBA_BATCH}))
+@pytest.mark.parametrize("arch,mode", cases({}))
 def test_ngram(arch: str, mode: str, checkpoints: Dict[str, Dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     commits = Commits(monkeypatch)
     totals = run(checkpoints[arch], {"kind": "ngram"}, mode)
-    assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
+    if _uniform(arch, mode):
+        assert totals["zero"] > 0 and totals["mixed_steps"] == 0, totals
+    else:
+        assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
     _check_commits(arch, commits)
 
 
-@pytest.mark.parametrize("arch,mode", cases({("jamba", "batch"): JAMBA_BATCH, ("mamba2", "alone"): DFLASH_ON_MAMBA2,
-                                             ("mamba2", "batch"): DFLASH_ON_MAMBA2}))
+@pytest.mark.parametrize("arch,mode", cases({}))
 def test_dflash(arch: str, mode: str, checkpoints: Dict[str, Dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     made = checkpoints[arch]
     commits = Commits(monkeypatch)
     Oracle(made["refs"], monkeypatch, seed=len(arch))
     totals = run(made, {"draft_model": str(made["dflash"]), "kind": "dflash"}, mode)
-    assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
-    assert mode == "alone" or totals["mixed_steps"] > 0, totals
+    if _uniform(arch, mode):
+        assert totals["zero"] > 0 and totals["accepted"] > 0 and totals["mixed_steps"] == 0, totals
+    else:
+        assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
+        assert mode == "alone" or totals["mixed_steps"] > 0, totals
     _check_commits(arch, commits)
+
+
+def _uniform(arch: str, mode: str) -> bool:
+    """Rows of a batch of a target whose partial commits replay the model keep equal lengths
+    (plugin/commit.py ``fit``): a replay of unequal rows would need lengths jamba's scan ignores."""
+    return mode == "batch" and arch in REPLAYS
 
 
 def _check_commits(arch: str, commits: Commits) -> None:

@@ -321,14 +321,26 @@ def _check_fc(path: Path, config: Dict[str, Any], args: ModelArgs, verdict: Comp
 
 # -- loading ----------------------------------------------------------------------------------
 
+_INNER = ("model", "backbone", "transformer")  # where mlx-lm's models keep their decoder stack
+_EMBED = ("embed_tokens", "embeddings", "wte")
+_NORM = ("norm", "norm_f", "ln_f")
+
+
+def _stacks(model: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
+    """(owner, decoder stack) pairs: model.model, model.backbone (mamba), model.language_model.model..."""
+    out = []
+    for owner in (getattr(model, "language_model", None), model):
+        for name in _INNER:
+            inner = getattr(owner, name, None) if owner is not None else None
+            if isinstance(inner, nn.Module):
+                out.append((owner, inner))
+    return out
+
+
 def target_embedding_and_head(model: nn.Module) -> Tuple[nn.Module, Callable[[mx.array], mx.array]]:
     """The loaded mlx-lm target's token embedding and output head (tied or not)."""
-    owners = [getattr(model, "language_model", None), model]
-    for owner in owners:
-        if owner is None:
-            continue
-        inner = getattr(owner, "model", None)
-        embed = getattr(inner, "embed_tokens", None) if inner is not None else None
+    for owner, inner in _stacks(model):
+        embed = next((getattr(inner, n) for n in _EMBED if isinstance(getattr(inner, n, None), nn.Module)), None)
         if embed is None:
             continue
         head = getattr(owner, "lm_head", None)
@@ -339,19 +351,19 @@ def target_embedding_and_head(model: nn.Module) -> Tuple[nn.Module, Callable[[mx
             break
         return embed, embed.as_linear
     raise DrafterError(
-        f"cannot find the target's embedding and lm_head on {type(model).__module__}.{type(model).__name__}: "
-        "expected model.model.embed_tokens (or model.language_model.model.embed_tokens) and lm_head or tied embeddings"
+        f"cannot find the target's embedding and lm_head on {type(model).__module__}.{type(model).__name__}: expected "
+        f"one of {', '.join(_EMBED)} on model.{{{', '.join(_INNER)}}} and an lm_head or tied embeddings"
     )
 
 
 def target_final_norm(model: nn.Module) -> Callable[[mx.array], mx.array]:
-    for owner in (getattr(model, "language_model", None), model):
-        norm = getattr(getattr(owner, "model", None), "norm", None) if owner is not None else None
+    for _, inner in _stacks(model):
+        norm = next((getattr(inner, n) for n in _NORM if isinstance(getattr(inner, n, None), nn.Module)), None)
         if norm is not None:
             return norm
     raise DrafterError(
         f"a target_layer_id names the target's last layer, whose HF hidden state is taken after the final "
-        f"norm, but {type(model).__name__} has no model.norm"
+        f"norm, but {type(model).__name__} has none of {', '.join(_NORM)} on its decoder stack"
     )
 
 

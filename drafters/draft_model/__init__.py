@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, make_prompt_cache
 
 from ...hooks import recurrent
 from ...hooks.batch import extend_rows, extract_row, filter_rows, forward, merge_rows, mergeable, replay
@@ -37,6 +37,7 @@ class DraftModelBatch(DraftBatch):
         self.cache: List[Any] = []  # per layer: one row's own caches, or batched caches
         self.first: Optional[mx.array] = None  # [B, V] logits after each row's pending token
         self.written = 0  # draft steps fed by the last propose
+        self.fed_drafts: Optional[mx.array] = None  # [B, written]: the drafts they fed
 
     # rows ---------------------------------------------------------------------------------------
     def sync(self, rows: Sequence[Any]) -> None:
@@ -100,7 +101,7 @@ class DraftModelBatch(DraftBatch):
         k = max(max_drafts)
         logits, self.first = self.first, None
         greedy = all(r.sampling.greedy and not r.logits_processors for r in rows)
-        drafts: List[mx.array] = []  # [B] per step
+        drafts: List[mx.array] = []  # [B] per step; all but the last are fed to the draft model
         qs: List[List[mx.array]] = [[] for _ in rows]  # per row: [1, V] per step
         history: List[List[int]] = [[] for _ in rows]  # drafts as ints, where logits processors read them
         self.written = 0
@@ -120,6 +121,7 @@ class DraftModelBatch(DraftBatch):
             self.forwards += 1
             self.written += 1
         tokens = mx.stack(drafts, axis=1)  # [B, k]
+        self.fed_drafts = tokens[:, : self.written]  # what the draft transaction replays, if it must
         q = [mx.concatenate(x, axis=0) if x else None for x in qs]  # [k, V] per sampled row
         mx.eval(tokens, [x for x in q if x is not None])
         out = []
@@ -139,21 +141,27 @@ class DraftModelBatch(DraftBatch):
     def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
         return [(self.cache, list(range(len(self.rows))))]
 
+    def replay_group(self, group: int, n: Any) -> None:
+        """Feed the first n drafts of this round again (the transaction restored the caches first):
+        how a recurrent draft model whose forward could not be recorded keeps part of a round."""
+        replay(self.model, self.cache, self.fed_drafts.astype(mx.uint32), n)
+
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         # The cache holds drafts[:written] of every row; a row keeps those it had accepted.
         kept = [min(v.accepted, self.written) for v in verified]
-        if len(kept) > 1 and _has_rotating(self.cache):
+        if len(kept) > 1 and _has_rotating_or_recurrent(self.cache):
             # A sliding window cannot keep unequal parts of one-token updates per row (mlx-lm's
-            # right-padding path is multi-token only): every row keeps the fewest; the others feed
-            # their remaining accepted drafts again at the next prepare.
+            # right-padding path is multi-token only), and a recurrent layer that cannot be recorded
+            # could only replay unequal rows through lengths it may ignore: every row keeps the
+            # fewest; the others feed their remaining accepted drafts again at the next prepare.
             kept = [min(kept)] * len(kept)
         self.fed = [f + n for f, n in zip(self.fed, kept)]
         return kept
 
 
-def _has_rotating(caches: Sequence[Any]) -> bool:
-    return any(isinstance(c, BatchRotatingKVCache) or (isinstance(c, CacheList) and _has_rotating(c.caches))
-               for c in caches)
+def _has_rotating_or_recurrent(caches: Sequence[Any]) -> bool:
+    return any(isinstance(c, (BatchRotatingKVCache, ArraysCache))
+               or (isinstance(c, CacheList) and _has_rotating_or_recurrent(c.caches)) for c in caches)
 
 
 class DraftModelDrafter(Drafter):

@@ -7,9 +7,8 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from mlx_speculative.drafters.base import Compatibility, DraftSession, Drafter, DrafterFamily, DraftTarget
+from mlx_speculative.drafters.base import Compatibility, DraftSession, Drafter, DrafterFamily, DraftTarget, Proposal
 from mlx_speculative.drafters.compat import check_vocab
-from mlx_speculative.plugin.types import Proposal
 
 MODEL_TYPE = "bigram_drafter"
 
