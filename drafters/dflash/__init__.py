@@ -12,6 +12,7 @@ and the flat Muse-Glimmer assistant. DFlash2 checkpoints are recognised and refu
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -358,5 +359,6 @@ family = DrafterFamily(
     load=load,
     check=check,
     detect=detect,
+    trainer=lambda: importlib.import_module(".train", __name__).DFlashTrainer,  # mlx-spec train-drafter
     priority=10,
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -127,5 +128,6 @@ family = DrafterFamily(
     load=load,
     check=check,
     detect=detect,
+    trainer=lambda: importlib.import_module(".train", __name__).DraftModelTrainer,  # mlx-spec train-drafter
     priority=-100,
 )
