@@ -61,7 +61,7 @@ def add_command(subparsers: Any) -> None:
     o.add_argument("--seed", type=int, default=0, help="seed of the data order, anchors, sampling and a new drafter's weights")
     m = p.add_argument_group("the drafter")
     m.add_argument("--block-size", type=int, help="block size B (dflash: trained and written, default 16; draft_model: the tau estimate's, default 4)")
-    m.add_argument("--num-layers", type=int, help="decoder layers of a new drafter (dflash default 1, draft_model default 2)")
+    m.add_argument("--num-layers", type=int, help="decoder layers of a new drafter (default 2)")
     m.add_argument("--hidden-size", type=int, help="draft_model: width of a new drafter (default the target's, starting from its first layers)")
     m.add_argument("--target-layers", type=_ints, metavar="I,J,...", help="dflash: target layers read (output of layer i; default z-lab's spread)")
     m.add_argument("--mask-token-id", type=int, help="dflash: the mask token (default the first embedding row past the tokenizer's tokens, else the last id)")
@@ -72,9 +72,10 @@ def add_command(subparsers: Any) -> None:
     r = p.add_argument_group("progress, evaluation, checkpoints")
     r.add_argument("--log-every", type=int, default=10, help="progress line every N steps (loss, lr, steps/s, tokens/s)")
     r.add_argument("--eval-every", type=int, default=100,
-                   help="held-out tau every N steps and at the end (0: at the end only): offline and greedy, 1 + the "
-                        "length of the prefix of the drafter's block that matches the target's greedy tokens, "
-                        "averaged over every anchor position after the prompt")
+                   help="held-out tau every N steps and at the end (0: at the end only), offline and greedy: a round "
+                        "at anchor p accepts the prefix of the drafter's block that matches the target's greedy tokens "
+                        "p+1..; tau = 1 + accepted / rounds over the rounds greedy decoding of the held-out prompts makes "
+                        "at this block size (also reported: the mean over every anchor position after the prompt)")
     r.add_argument("--checkpoint-every", type=int, default=100, help="write the checkpoint and resumable state every N steps (and at the end)")
     r.add_argument("--resume", action="store_true", help="continue the run in --out (same options; exact: same weights as an uninterrupted run)")
     r.add_argument("--max-time", type=float, help="stop after this many seconds with a checkpoint (continue with --resume)")

@@ -24,8 +24,10 @@ from mlx_speculative.hooks.cli import main
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 COMMON = ["--seq-len", "40", "--prompt-tokens", "8", "--batch-size", "8", "--heldout-sequences", "8",
           "--log-every", "1", "--cpu"]
-DFLASH = ["--kind", "dflash", "--steps", "40", "--lr", "3e-3", "--block-size", "8", "--num-layers", "2",
-          "--anchors", "4", "--eval-every", "20", "--checkpoint-every", "20"]
+# 16 training sequences seen 40 times: the drafter learns them (high acceptance on them, see
+# test_offline_tau_is_the_decoding_tau), while the held-out tau stays low.
+DFLASH = ["--kind", "dflash", "--steps", "80", "--sequences", "16", "--lr", "3e-3", "--block-size", "8",
+          "--num-layers", "2", "--anchors", "4", "--eval-every", "40", "--checkpoint-every", "40"]
 DRAFT_MODEL = ["--kind", "draft_model", "--steps", "40", "--lr", "1e-3", "--num-layers", "1", "--kl-weight", "0.5",
                "--eval-every", "20", "--checkpoint-every", "20"]
 
@@ -70,15 +72,15 @@ def draft_model_run(setup: Dict[str, Path]) -> Dict[str, Any]:
     return _run(setup, "draft_model", DRAFT_MODEL)
 
 
-def _trained(run: Dict[str, Any]) -> None:
+def _trained(run: Dict[str, Any], steps: int) -> None:
     losses = [e["loss"] for e in run["log"] if e["event"] == "step"]
-    assert len(losses) == 40
+    assert len(losses) == steps
     assert sum(losses[-5:]) < 0.85 * sum(losses[:5]), losses
     evals = [e for e in run["log"] if e["event"] == "eval"]
-    assert [e["step"] for e in evals] == [20, 40]
-    assert evals[-1]["loss"] < evals[0]["loss"] and evals[-1]["tau"] > 1.0, evals
-    assert re.search(r"eval step 40: held-out tau \d\.\d{3} at block \d+", run["stdout"])
-    assert re.search(r"step 40/40  loss [\d.]+ .* steps/s  \d+ tok/s", run["stdout"])
+    assert [e["step"] for e in evals] == [steps // 2, steps]
+    assert evals[-1]["tau"] > 1.0 and evals[-1]["tau_all_anchors"] > 1.0, evals
+    assert re.search(rf"eval step {steps}: held-out tau \d\.\d{{3}} at block \d+", run["stdout"])
+    assert re.search(rf"step {steps}/{steps}  loss [\d.]+ .* steps/s  \d+ tok/s", run["stdout"])
     assert "held-out tau" in run["stderr"]  # the closing summary
 
 
@@ -101,7 +103,7 @@ def _decodes_exactly(setup: Dict[str, Path], out: Path, block: int) -> None:
 
 
 def test_dflash_trains_and_reports_tau(dflash_run: Dict[str, Any]) -> None:
-    _trained(dflash_run)
+    _trained(dflash_run, 80)
 
 
 def test_dflash_checkpoint_has_the_real_layout(setup: Dict[str, Path], dflash_run: Dict[str, Any]) -> None:
@@ -127,6 +129,49 @@ def test_dflash_trained_decodes_exactly(setup: Dict[str, Path], dflash_run: Dict
     _decodes_exactly(setup, dflash_run["out"], 8)
 
 
+def test_offline_tau_is_the_decoding_tau(setup: Dict[str, Path], dflash_run: Dict[str, Any],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The evaluation's rounds are the ones greedy decoding makes, round for round: the same
+    features, blocks and positions. On the training sequences, which the drafter learnt (a feature
+    mismatch between training and decoding would lose that acceptance)."""
+    import numpy as np
+
+    from mlx_speculative.drafters.dflash.train import DFlashTrainer
+    from mlx_speculative.drafters.training.data import Data
+    from mlx_speculative.drafters.training.loop import evaluate, load_target
+    from mlx_speculative.hooks import taps
+    from mlx_speculative.plugin.metrics import SpecStats
+
+    out = dflash_run["out"]
+    options = TrainOptions(target=str(setup["target"]), kind="dflash", out=str(out), init=str(out), batch_size=8)
+    target = load_target(options.target)
+    trainer = DFlashTrainer(options)
+    model = trainer.build(target)
+    taps.install_taps(target.model, trainer.capture_layers())
+    sequences = np.array(mx.load(str(out / "training" / "data.safetensors"))["train"])[:8]  # [8, L]
+    P, L, B = 8, sequences.shape[1], trainer.block_size
+    offline = evaluate(trainer, model, target, Data(sequences, sequences, P - 1, {"prompt_tokens": P}), options)
+    assert offline["tau"] > 2.5, offline
+
+    outcomes: List[int] = []
+    record = SpecStats.record
+    monkeypatch.setattr(SpecStats, "record", lambda self, o: (outcomes.append(o.accepted), record(self, o))[1])
+    host = make_host({"draft_model": str(out), "block_size": B, "adaptive": False})
+    loaded = host.load(str(setup["target"]))
+    rounds = accepted = 0
+    for row in sequences:
+        outcomes.clear()
+        # B tokens more than the sequence: every round that starts inside it has a whole block.
+        result = host.generate(loaded, [int(t) for t in row[:P]], no_stop(L - P + B))
+        assert result.tokens[:L - P] == [int(t) for t in row[P:]]
+        p = P  # the pending token's position: the first generated token, then after each round's accepted
+        for a in outcomes:
+            if p > L - B:
+                break
+            rounds, accepted, p = rounds + 1, accepted + a, p + a + 1
+    assert (rounds, accepted) == (offline["rounds"], round((offline["tau"] - 1) * offline["rounds"])), offline
+
+
 def test_dflash_init_keeps_the_nested_layout(setup: Dict[str, Path]) -> None:
     from mlx_speculative.drafters.dflash import tiny
 
@@ -148,7 +193,9 @@ def test_dflash_init_keeps_the_nested_layout(setup: Dict[str, Path]) -> None:
 def test_draft_model_trains_loads_and_decodes(setup: Dict[str, Path], draft_model_run: Dict[str, Any]) -> None:
     from mlx_lm import load
 
-    _trained(draft_model_run)
+    _trained(draft_model_run, 40)
+    evals = [e for e in draft_model_run["log"] if e["event"] == "eval"]
+    assert evals[-1]["loss"] < evals[0]["loss"], evals
     out = draft_model_run["out"]
     config = json.loads((out / "config.json").read_text())
     target_config = json.loads((setup["target"] / "config.json").read_text())
@@ -239,7 +286,7 @@ BAD = [
     (["--target", "/nonexistent/target"], r"target '/nonexistent/target' not found"),
     (["--steps", "0"], r"--steps: got 0; allowed: 1 or more"),
     (["--block-size", "1"], r"--block-size: got 1; allowed: 2 to 128"),
-    (["--warmup", "50"], r"--warmup: got 50 steps; allowed: fewer than --steps \(40\)"),
+    (["--warmup", "90"], r"--warmup: got 90 steps; allowed: fewer than --steps \(80\)"),
     (["--kl-weight", "0.5"], r"--kl-weight does not apply to --kind dflash"),
     (["--anchors", "0"], r"--anchors: got 0"),
     (["--seq-len", "12"], r"--seq-len: got 12; allowed: at least"),
@@ -263,11 +310,33 @@ def test_bad_input_is_one_line_before_loading(setup: Dict[str, Path], monkeypatc
     assert not (setup["root"] / "never").exists()
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--target-layers", "0,9"], r"the DFlash drafter would not fit the target: dflash_config.target_layer_ids: "
+                                 r"\[0, 9\] names layer\(s\) \[9\] .* 4 decoder layers \(0..3\)"),
+    (["--mask-token-id", "384"], r"dflash_config.mask_token_id: 384 is outside the target's vocabulary"),
+    (["--kind", "draft_model", "--kl-weight", "0.1", "--anchors", None, "--hidden-size", "40"],
+     r"--hidden-size: got 40; allowed: a multiple of the target's head_dim 16"),
+])
+def test_bad_input_for_this_target_is_one_line(setup: Dict[str, Path], extra: List[Any], message: str) -> None:
+    args = _args(setup, setup["root"] / "never_fits", DFLASH)
+    for i in range(0, len(extra), 2):
+        name, value = extra[i:i + 2]
+        if value is None:  # drop an option of the other kind
+            at = args.index(name)
+            del args[at:at + 2]
+        else:
+            args += [name, value]
+    rc, _, err = cli(*args)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("mlx-spec: error: "), err
+    assert re.search(message, err), err
+    assert not (setup["root"] / "never_fits" / "training" / "data.safetensors").exists()  # failed before generating
+
+
 def test_out_dir_checks(setup: Dict[str, Path], dflash_run: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loop, "load_target", lambda spec: pytest.fail("the target was loaded"))
     out = dflash_run["out"]
     rc, _, err = cli(*_args(setup, out, DFLASH))
-    assert rc == 2 and "holds a training run at step 40 of 40; pass --resume" in err, err
+    assert rc == 2 and "holds a training run at step 80 of 80; pass --resume" in err, err
     rc, _, err = cli(*_args(setup, out, DFLASH), "--resume", "--lr", "1e-3")
     assert rc == 2 and "--resume: --lr was 0.003 in the run" in err and len(err.splitlines()) == 1, err
     rc, stdout, _ = cli(*_args(setup, out, DFLASH), "--resume")

@@ -20,14 +20,15 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ...hooks import loading
+from ..base import DraftTarget
 from ..compat import config_value
 from ..training.spec import Batch, FamilyTrainer, TrainOptions, TrainTarget
 from . import features
-from .model import Model, ModelArgs, build_target_layer_ids, config_layout, set_dflash_fields
+from .model import Model, ModelArgs, build_target_layer_ids, set_dflash_fields
 from .tiny import tensor_names
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_LAYERS = 1
+DEFAULT_LAYERS = 2
 DEFAULT_ANCHORS = 32
 
 
@@ -123,15 +124,14 @@ class DFlashTrainer(FamilyTrainer):
         return int(self.args.block_size) if self.args is not None else DEFAULT_BLOCK_SIZE
 
     def build(self, target: TrainTarget) -> nn.Module:
-        from . import _read_weights, target_embedding_and_head
+        from . import _read_weights, check, detect, target_embedding_and_head
 
         o = self.options
         vocab = int(config_value(target.config, "vocab_size"))
         if o.init is not None:
             path = loading.resolve_path(o.init, "--init drafter")
             config = loading.read_config(path, "--init drafter")
-            if config_layout(config) == "flat" and "DFlashDraftModel" not in (config.get("architectures") or []) \
-                    and "target_layer_ids" not in config:
+            if not detect(config):
                 raise ValueError(f"--init: {o.init!r} is not a DFlash drafter (no dflash_config, DFlashDraftModel or target_layer_ids)")
             if "quantization" in config:
                 raise ValueError(f"--init: {o.init!r} is quantized; training needs float weights")
@@ -143,8 +143,11 @@ class DFlashTrainer(FamilyTrainer):
             config = new_config(target, o.num_layers or DEFAULT_LAYERS, self.block_size, mask, layers)
             raw = None
         set_dflash_fields(config, block_size=o.block_size, mask_token_id=o.mask_token_id, num_target_layers=target.num_layers)
+        # The family's own check, as `mlx-spec check` will run it on the written checkpoint.
+        verdict = check(None, config, DraftTarget(config=target.config, path=target.path, num_layers=target.num_layers))
+        if not verdict.ok:
+            raise ValueError("the DFlash drafter would not fit the target: " + "; ".join(verdict.reasons))
         self.config, self.args = config, ModelArgs.from_dict(config)
-        self._check_against(target, vocab)
         model = Model(self.args)
         if raw is not None:
             weights = model.sanitize(raw)
@@ -158,19 +161,6 @@ class DFlashTrainer(FamilyTrainer):
         k = mx.arange(1, self.block_size, dtype=mx.float32)
         self.weights = mx.exp(-(k - 1) / gamma) if gamma else mx.ones_like(k)  # [B-1]
         return model
-
-    def _check_against(self, target: TrainTarget, vocab: int) -> None:
-        a = self.args
-        bad = [i for i in a.capture_layers if not 0 <= i < target.num_layers]
-        if bad:
-            raise ValueError(f"target layers {a.target_layer_ids}: {bad} outside the target's {target.num_layers} decoder layers "
-                             f"(0..{target.num_layers - 1})")
-        hidden = config_value(target.config, "hidden_size")
-        if a.hidden_size != hidden:
-            raise ValueError(f"hidden_size: the drafter has {a.hidden_size}, the target {hidden}; a DFlash drafter reads "
-                             "the target's embedding and hidden states at the target's width")
-        if a.mask_token_id is None or not 0 <= a.mask_token_id < vocab:
-            raise ValueError(f"mask token id {a.mask_token_id}: outside the target's vocabulary (vocab_size {vocab})")
 
     def _names(self) -> Dict[str, str]:
         return tensor_names(self.args.layout, self.config)

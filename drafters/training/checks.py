@@ -40,10 +40,11 @@ def _at_least(o: TrainOptions, name: str, low: float) -> None:
         raise ValueError(f"{option_name(name)}: got {value}; allowed: {low:g} or more")
 
 
-def check_options(o: TrainOptions) -> Type[FamilyTrainer]:
-    """Everything about ``o`` that depends on the arguments only; returns the family's trainer class."""
+def check_options(o: TrainOptions, prompts: bool = False) -> Type[FamilyTrainer]:
+    """Everything about ``o`` that depends on the arguments only; returns the family's trainer class.
+    ``prompts``: token prompts are given instead of text (no --data needed)."""
     cls = trainer_class(o.kind)
-    if not o.data:
+    if not o.data and not prompts:
         raise ValueError("--data: no text given; expected one or more text files or directories")
     for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("prompt_tokens", 1), ("sequences", 1),
                       ("heldout_sequences", 0), ("temperature", 0), ("warmup", 0), ("weight_decay", 0),
