@@ -346,3 +346,39 @@ def test_out_dir_checks(setup: Dict[str, Path], dflash_run: Dict[str, Any], monk
     (busy / "notes.txt").write_text("x")
     rc, _, err = cli(*_args(setup, busy, DFLASH))
     assert rc == 2 and "is not empty and holds no training run" in err
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])  # tied embeddings; per-layer layer_types and experts
+def test_both_kinds_on_other_architectures(setup: Dict[str, Path], tokenizer_dir: Path, arch: str) -> None:
+    root = setup["root"] / arch
+    target = tm.make_checkpoint(root / "target", tm.ARCH_CONFIGS[arch](num_hidden_layers=4), seed=5, tokenizer_dir=tokenizer_dir)
+    for kind, extra in (("dflash", ["--block-size", "4", "--anchors", "2"]), ("draft_model", [])):
+        out = root / kind
+        rc, _, err = cli("train-drafter", "--target", str(target), "--data", str(setup["data"]), "--out", str(out),
+                         "--kind", kind, "--steps", "2", "--seq-len", "16", "--prompt-tokens", "8", "--batch-size", "2",
+                         "--heldout-sequences", "2", "--num-layers", "2", *extra, "--cpu")
+        assert rc == 0, err
+        rc, stdout, _ = cli("check", "--model", str(target), "--draft-model", str(out))
+        assert rc == 0 and "verdict: compatible" in stdout, stdout
+        config = json.loads((out / "config.json").read_text())
+        if kind == "draft_model" and "layer_types" in config:  # per-layer lists cut with the layers
+            assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    # A draft LM from an existing one (--init): mlx-lm's loader, same layout.
+    init = tm.make_truncated_drafter(target, root / "init", num_layers=2)
+    out = root / "from_init"
+    rc, _, err = cli("train-drafter", "--target", str(target), "--data", str(setup["data"]), "--out", str(out),
+                     "--kind", "draft_model", "--init", str(init), "--steps", "2", "--seq-len", "16", "--prompt-tokens", "8",
+                     "--batch-size", "2", "--heldout-sequences", "0", "--cpu")
+    assert rc == 0, err
+    assert set(json.loads((out / "config.json").read_text())) == set(json.loads((init / "config.json").read_text()))
+    assert set(mx.load(str(out / "model.safetensors"))) == set(mx.load(str(init / "model.safetensors")))
+
+
+def test_draft_lm_keeps_every_layer_type() -> None:
+    from mlx_speculative.drafters.draft_model.train import kept_layers
+
+    pattern = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    assert kept_layers(pattern, 2) == [0, 5] and kept_layers(pattern, 3) == [0, 1, 5]
+    assert kept_layers({"num_hidden_layers": 6}, 2) == [0, 1]
+    with pytest.raises(ValueError, match=r"--num-layers: got 1; allowed: at least 2 for this target"):
+        kept_layers(pattern, 1)

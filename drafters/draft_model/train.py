@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List
@@ -50,17 +51,38 @@ def _text(config: Dict[str, Any]) -> Dict[str, Any]:
     return config["text_config"] if isinstance(config.get("text_config"), dict) and "num_hidden_layers" not in config else config
 
 
+def kept_layers(config: Dict[str, Any], num_layers: int) -> List[int]:
+    """The target layers a drafter of ``num_layers`` layers keeps: the first ones, with the last
+    layer of each type the first ones would lose in place of the last of them (e.g. gpt-oss's full
+    attention after sliding ones: its caches need every type)."""
+    text = _text(config)
+    depth = int(text["num_hidden_layers"])
+    keep = list(range(min(num_layers, depth)))
+    for types in (v for k, v in text.items() if k.endswith("types") and isinstance(v, list) and len(v) == depth):
+        missing = sorted(set(types) - {types[i] for i in keep}, key=types.index)
+        if not missing:
+            continue
+        if len(set(types)) > len(keep):
+            raise ValueError(f"--num-layers: got {num_layers}; allowed: at least {len(set(types))} for this target "
+                             f"(one layer of each of its layer types: {', '.join(sorted(set(types)))})")
+        last = [max(i for i, t in enumerate(types) if t == m) for m in missing]
+        keep = sorted(keep[:len(keep) - len(missing)] + last)
+    return keep
+
+
 def shrink(config: Dict[str, Any], num_layers: int, hidden_size: Any) -> Dict[str, Any]:
-    """The target's config at ``num_layers`` layers (per-layer lists cut) and optionally another width."""
+    """The target's config at ``num_layers`` layers (per-layer lists cut as ``kept_layers``) and
+    optionally another width."""
+    keep = kept_layers(config, num_layers)
     config = copy.deepcopy(config)
     for key in ("quantization", "quantization_config"):
         config.pop(key, None)
     text = _text(config)
     depth = int(text["num_hidden_layers"])
-    text["num_hidden_layers"] = num_layers
+    text["num_hidden_layers"] = len(keep)
     for k, v in list(text.items()):
-        if isinstance(v, list) and len(v) == depth:
-            text[k] = v[:num_layers]
+        if k.endswith("types") and isinstance(v, list) and len(v) == depth:  # per-layer lists, e.g. layer_types
+            text[k] = [v[i] for i in keep]
     if "max_window_layers" in text:
         text["max_window_layers"] = min(int(text["max_window_layers"]), num_layers)
     if hidden_size is not None and hidden_size != text.get("hidden_size"):
@@ -95,26 +117,26 @@ class DraftModelTrainer(FamilyTrainer):
         return bool(self.options.kl_weight)
 
     def build(self, target: TrainTarget) -> nn.Module:
-        from mlx_lm.utils import _get_classes, load_model
+        from mlx_lm.utils import _get_classes, dequantize_model, load_model
 
         o = self.options
         if o.init is not None:
             path = loading.resolve_path(o.init, "--init drafter")
             model, config = load_model(path)
-            from mlx_lm.utils import dequantize_model
-
             model = dequantize_model(model)
             config = shrink(config, int(_text(config)["num_hidden_layers"]), None)
         else:
-            depth = min(o.num_layers or DEFAULT_LAYERS, target.num_layers)
+            depth = o.num_layers or DEFAULT_LAYERS
             config = shrink(target.config, depth, o.hidden_size)
             model_class, args_class = _get_classes(config)
             model = model_class(args_class.from_dict(config))
             if o.hidden_size is None or o.hidden_size == config_value(target.config, "hidden_size"):
+                keep = kept_layers(target.config, depth)
                 source = dense_parameters(target.model)
                 own = dict(tree_flatten(model.parameters()))
-                model.load_weights([(k, source[k]) for k, v in own.items() if k in source and source[k].shape == v.shape],
-                                   strict=False)
+                from_target = {k: re.sub(r"\blayers\.(\d+)\.", lambda m: f"layers.{keep[int(m[1])]}.", k) for k in own}
+                model.load_weights([(k, source[t]) for k, t in from_target.items()
+                                    if t in source and source[t].shape == own[k].shape], strict=False)
         vocab = config_value(config, "vocab_size")
         if vocab != config_value(target.config, "vocab_size"):
             raise ValueError(f"vocab_size: the drafter has {vocab}, the target {config_value(target.config, 'vocab_size')}; they must be equal")

@@ -157,8 +157,9 @@ def prepare(
     """The run's sequences, from ``cache_file`` when it holds the same run's, else generated (and saved)."""
     o = options
     files, held_files = sources.files, sources.held_files
+    digests = digest_files(files)
     fingerprint = json.dumps({
-        "target": str(target.path.resolve()), "data": digest_files(files), "heldout": digest_files(held_files),
+        "target": str(target.path.resolve()), "data": digests, "heldout": digest_files(held_files),
         "prompts": hashlib.sha256(json.dumps([prompts, heldout_prompts]).encode()).hexdigest()[:16],
         **{k: getattr(o, k) for k in ("prompt_tokens", "seq_len", "temperature", "seed", "sequences",
                                        "heldout_sequences", "steps", "batch_size")},
@@ -176,7 +177,9 @@ def prepare(
         if not windows:
             raise ValueError(f"--data: the text gives no prompt of --prompt-tokens {o.prompt_tokens} tokens")
     else:
-        windows = [list(p) for p in prompts]
+        windows = [list(w) for w in prompts]
+        if not windows:
+            raise ValueError("prompts: none given; expected token lists")
     p = len(windows[0])
     if heldout_prompts is not None:
         held, _ = _pick([list(w) for w in heldout_prompts], o.heldout_sequences, rng, p)
@@ -199,7 +202,7 @@ def prepare(
                  else np.zeros((0, o.seq_len), np.int32))
     # Anchors start at the prompt's last token (never 0: a round always has some context).
     info = {"first": max(p - 1, 1), "prompt_tokens": p, "train": len(train), "heldout": len(held),
-            "files": [f for f, _ in digest_files(files)], "seconds": round(time.perf_counter() - start, 2)}
+            "files": [f for f, _ in digests], "seconds": round(time.perf_counter() - start, 2)}
     data = Data(seqs, held_seqs, info["first"], info)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_suffix(".tmp.safetensors")

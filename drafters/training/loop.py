@@ -191,6 +191,7 @@ def train(
     ``prompts`` / ``heldout_prompts``: token lists to use instead of windows of ``options.data``
     (tests and scripts). ``on_step(step, loss)`` runs after each completed step.
     """
+    began = time.perf_counter()  # --max-time counts from here: loading and making the data included
     o = options
     cls = check_options(o, prompts is not None)
     resolved = _resolve(o)
@@ -225,12 +226,12 @@ def train(
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log(f"train: {trainer.describe()}, {n_params / 1e6:.2f}M parameters; {o.steps} steps of {o.batch_size} x "
         f"{o.seq_len} tokens, lr {o.lr:g} (warmup {warmup_steps(o)}, cosine)")
-    return _loop(trainer, model, opt, target, data, o, resolved, out, start, dtype, log, on_step)
+    return _loop(trainer, model, opt, target, data, o, resolved, out, start, dtype, log, on_step, began)
 
 
 def _loop(trainer: FamilyTrainer, model: nn.Module, opt: optim.Optimizer, target: TrainTarget, data: Data,
           o: TrainOptions, resolved: Dict[str, Any], out: Path, start: int, dtype: mx.Dtype,
-          log: Callable[[str], None], on_step: Optional[Callable[[int, float], None]]) -> Dict[str, Any]:
+          log: Callable[[str], None], on_step: Optional[Callable[[int, float], None]], began: float) -> Dict[str, Any]:
     loss_and_grad = nn.value_and_grad(model, trainer.loss)
     journal = (out / STATE_DIR / "log.jsonl").open("a")
 
@@ -241,7 +242,7 @@ def _loop(trainer: FamilyTrainer, model: nn.Module, opt: optim.Optimizer, target
     losses: List[float] = []
     last_eval: Optional[Dict[str, Any]] = None
     step, saved = start, start
-    began = window_start = time.perf_counter()
+    window_start = time.perf_counter()
     window_steps = 0
     L = data.train.shape[1]
     cache = cached_targets(trainer, target, data, o)
@@ -274,6 +275,7 @@ def _loop(trainer: FamilyTrainer, model: nn.Module, opt: optim.Optimizer, target
                 record({"event": "step", "step": step, "loss": losses[-1], "lr": lr, "steps_per_s": rate,
                         "tokens_per_s": rate * o.batch_size * L})
                 window_start, window_steps = now, 0
+            paused = time.perf_counter()  # evaluation and checkpoints stay out of the throughput
             if len(data.heldout) and ((o.eval_every and step % o.eval_every == 0) or step == o.steps):
                 last_eval = evaluate(trainer, model, target, data, o)
                 ev = last_eval
@@ -281,11 +283,10 @@ def _loop(trainer: FamilyTrainer, model: nn.Module, opt: optim.Optimizer, target
                     f"{ev['rounds']} rounds; acceptance rate {ev['acceptance_rate']:.1%}; over all "
                     f"{ev['anchors']} anchors {ev['tau_all_anchors']:.3f}), loss {ev['loss']:.4f}")
                 record({"event": "eval", "step": step, **last_eval})
-                window_start = time.perf_counter()
             if (o.checkpoint_every and step % o.checkpoint_every == 0) or step == o.steps:
                 save(trainer, model, opt, target, out, step, resolved, dtype, step == o.steps, log)
                 saved = step
-                window_start = time.perf_counter()
+            window_start += time.perf_counter() - paused
             if on_step is not None:
                 on_step(step, losses[-1])
             if o.max_time is not None and time.perf_counter() - began >= o.max_time and step < o.steps:
