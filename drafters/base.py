@@ -195,3 +195,4 @@ class DrafterFamily:
     # Higher wins when several families detect the same config (generic draft LMs are lowest).
     priority: int = 0
     distribution: str = ""  # filled by the registry: the package it came from
+    trainer: Optional[Callable[[], Any]] = None  # the family's FamilyTrainer class (drafters/training), lazily

@@ -12,6 +12,7 @@ and the flat Muse-Glimmer assistant. DFlash2 checkpoints are recognised and refu
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -25,7 +26,7 @@ from ...hooks.transaction import CacheTransaction
 from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget, Proposal, Verified
 from ..compat import check_tokenizer, config_value
 from ...hooks import loading
-from .features import target_features
+from .features import final_norm_tap, target_features
 from .model import MUSE_ASSISTANT, UNSUPPORTED_ARCHITECTURES, Model, ModelArgs, canonical_name, config_layout
 
 KIND = "dflash"
@@ -398,9 +399,7 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
         raise DrafterError("dflash drafters borrow the target's embedding and lm_head: load the target first")
     embed, head = target_embedding_and_head(target.model)
     drafter = DFlashDrafter(model, embed, head, target.cache_policy)
-    n_layers = target.num_layers
-    if n_layers is not None and n_layers - 1 in drafter.capture_layers():
-        drafter.final_norm = (n_layers - 1, target_final_norm(target.model))
+    drafter.final_norm = final_norm_tap(target.model, drafter.capture_layers())
     if drafter.shape_stable:
         prewarm(drafter, int(getattr(target.cache_policy, "prewarm_tokens", 0)),
                 max(args.block_size, int(options.get("block_size") or 0)))
@@ -451,5 +450,6 @@ family = DrafterFamily(
     load=load,
     check=check,
     detect=detect,
+    trainer=lambda: importlib.import_module(".train", __name__).DFlashTrainer,  # mlx-spec train-drafter
     priority=10,
 )

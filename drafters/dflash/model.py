@@ -86,6 +86,43 @@ def normalize_config(config: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in flat.items() if v is not None or k == "sliding_window"}
 
 
+def set_dflash_fields(
+    config: Dict[str, Any], *, block_size: Optional[int] = None, mask_token_id: Optional[int] = None,
+    target_layer_ids: Optional[List[int]] = None, num_target_layers: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Write DFlash fields where ``config``'s layout keeps them (the inverse of ``normalize_config``), in place.
+
+    z-lab: ids and mask token in ``dflash_config``; ``block_size`` where the config already has it
+    (top level for the Qwen3 b16 drafters, ``dflash_config`` for Qwen3.5-4B; both when both).
+    speculators: ``aux_hidden_state_layer_ids`` and the rest at the top level. flat: the top level.
+    """
+    layout = config_layout(config)
+    if layout == "dflash_config":
+        nested = config["dflash_config"]
+        if target_layer_ids is not None:
+            nested["target_layer_ids"] = list(target_layer_ids)
+        if mask_token_id is not None:
+            nested["mask_token_id"] = int(mask_token_id)
+        if block_size is not None:
+            if "block_size" in nested:
+                nested["block_size"] = int(block_size)
+            if "block_size" in config or "block_size" not in nested:
+                config["block_size"] = int(block_size)
+        if num_target_layers is not None:
+            config["num_target_layers"] = int(num_target_layers)
+        return config
+    ids_field = "aux_hidden_state_layer_ids" if layout == "speculators" else "target_layer_ids"
+    if target_layer_ids is not None:
+        config[ids_field] = list(target_layer_ids)
+    if mask_token_id is not None:
+        config["mask_token_id"] = int(mask_token_id)
+    if block_size is not None:
+        config["block_size"] = int(block_size)
+    if num_target_layers is not None and "num_target_layers" in config:
+        config["num_target_layers"] = int(num_target_layers)
+    return config
+
+
 @dataclass
 class ModelArgs(BaseModelArgs):
     model_type: str = "qwen3"
@@ -212,6 +249,42 @@ class Attention(nn.Module):
             mask = mask & ((q_pos[:, :, None] - key_pos[:, None, :]) < self.window)[:, None]  # [B|1, 1, T, S]
         return mask
 
+    def blocks(self, x: mx.array, context: mx.array, anchors: mx.array) -> mx.array:
+        """``__call__`` for many blocks at once (training, offline evaluation).
+
+        x: [b, n*T, H] n blocks back to back, block j at positions anchors[:, j] + 0..T-1;
+        context: [b, S, H] positions 0..S-1; anchors: [b, n]. Block j sees the context positions
+        before its anchor and its own block (non-causal), as a round's block sees its cache.
+        """
+        b, S, _ = context.shape
+        n = anchors.shape[1]
+        T = x.shape[1] // n
+        xb = x.reshape(b * n, T, -1)
+        offsets = anchors.reshape(-1)  # [b*n]: one RoPE offset per block
+        q = self.q_norm(self.q_proj(xb).reshape(b * n, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=offsets)  # [b*n, heads, T, D]
+        k, v = self.keys_values(xb, offsets)  # [b*n, n_kv, T, D]
+        ctx_k, ctx_v = self.keys_values(context, 0)  # [b, n_kv, S, D]
+
+        def side_by_side(t: mx.array) -> mx.array:  # [b*n, h, T, D] -> [b, h, n*T, D]
+            h = t.shape[1]
+            return t.reshape(b, n, h, T, -1).transpose(0, 2, 1, 3, 4).reshape(b, h, n * T, -1)
+
+        q = side_by_side(q)
+        k = mx.concatenate([ctx_k, side_by_side(k)], axis=2)  # [b, n_kv, S + n*T, D]
+        v = mx.concatenate([ctx_v, side_by_side(v)], axis=2)
+        q_pos = (anchors[:, :, None] + mx.arange(T)).reshape(b, n * T)  # [b, n*T]
+        q_anchor = mx.repeat(anchors, T, axis=1)  # [b, n*T]
+        ctx_seen = mx.arange(S)[None, None] < q_anchor[:, :, None]  # [b, n*T, S]
+        block_id = mx.arange(n * T) // T
+        own_block = mx.broadcast_to(block_id[:, None] == block_id[None], (b, n * T, n * T))
+        mask = mx.concatenate([ctx_seen, own_block], axis=2)  # [b, n*T, S + n*T]
+        if self.window is not None:
+            key_pos = mx.concatenate([mx.broadcast_to(mx.arange(S)[None], (b, S)), q_pos], axis=1)
+            mask = mask & ((q_pos[:, :, None] - key_pos[:, None]) < self.window)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask[:, None])
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n * T, -1))
+
 
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
@@ -236,6 +309,10 @@ class DecoderLayer(nn.Module):
         # The context is already normalised (hidden_norm) and sits in the cache; only the block
         # goes through input_layernorm.
         h = x + self.self_attn(self.input_layernorm(x), cache, widths)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def blocks(self, x: mx.array, context: mx.array, anchors: mx.array) -> mx.array:
+        h = x + self.self_attn.blocks(self.input_layernorm(x), context, anchors)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -269,6 +346,21 @@ class Model(nn.Module):
         for layer, c in zip(self.layers, cache):
             h = layer(h, c, widths)
         return self.norm(h)
+
+    def blocks(self, embeddings: mx.array, hidden: mx.array, anchors: mx.array) -> mx.array:
+        """Many blocks over one sequence's features in one forward (training, offline evaluation).
+
+        embeddings: [b, n, T, H] blocks [token at the anchor, mask x (T-1)]; hidden: [b, S, taps*H]
+        the target's features of positions 0..S-1; anchors: [b, n] (each <= S). Block j sees the
+        features of positions < anchors[:, j], as ``__call__`` with those positions in its cache.
+        Returns [b, n, T, H] normed states.
+        """
+        b, n, T, H = embeddings.shape
+        context = self.context_states(hidden)
+        h = embeddings.reshape(b, n * T, H)
+        for layer in self.layers:
+            h = layer.blocks(h, context, anchors)
+        return self.norm(h).reshape(b, n, T, H)
 
     def make_cache(self, factory: Callable[[], Any] = KVCache) -> List[Any]:
         """One context cache per layer (``factory``: e.g. a padded KVCache on CUDA)."""

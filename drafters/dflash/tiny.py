@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .model import Model, ModelArgs, config_layout
+from .model import Model, ModelArgs, config_layout, set_dflash_fields
 
 TINY = {
     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -43,17 +43,10 @@ def shrink_config(
         geometry["max_window_layers"] = n
     if geometry.get("sliding_window") is not None and sliding_window is not None:
         geometry["sliding_window"] = sliding_window
-    if layout == "dflash_config":
-        config["dflash_config"]["target_layer_ids"] = list(target_layer_ids)
-        config["dflash_config"]["mask_token_id"] = mask_token_id
-        config["num_target_layers"] = num_target_layers
-    elif layout == "speculators":
-        config["aux_hidden_state_layer_ids"] = list(target_layer_ids)
-        config["mask_token_id"] = mask_token_id
+    set_dflash_fields(config, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                      num_target_layers=num_target_layers, block_size=over.pop("block_size", None))
+    if layout == "speculators":
         config["draft_vocab_size"] = sizes["vocab_size"]
-    else:
-        config["target_layer_ids"] = list(target_layer_ids)
-        config["mask_token_id"] = mask_token_id
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if config.get(k) is not None:
             config[k] = min(int(config[k]), sizes["vocab_size"] - 1) if k != "pad_token_id" else None
@@ -102,82 +95,33 @@ def write_checkpoint(
 
 def train(
     drafter_dir: Path, target_dir: Path, steps: int = 300, sequences: int = 48, length: int = 72,
-    block: Optional[int] = None, lr: float = 3e-3, seed: int = 0, batch: int = 64,
+    block: Optional[int] = None, lr: float = 3e-3, seed: int = 0, batch: int = 64, anchors: int = 4,
 ) -> Dict[str, float]:
-    """Train a tiny drafter on its target's own greedy continuations, in place.
-
-    DFlash's objective: for an anchor position p, the block [token_p, mask x (B-1)] with the
-    target's hidden states of positions < p as context predicts tokens p+1 .. p+B-1. Gives a
-    drafter that really accepts (partially) on the tiny random targets. Returns the first and last
-    losses.
+    """Train a tiny drafter in place, with the training core (``mlx-spec train-drafter``'s), on its
+    target's greedy continuations of 8-token prompts made from ``corpus(sequences, seed=seed + 1)``
+    as ``(encode(text) * 8)[:8]`` (tests and benchmarks prompt with the same). Gives a drafter that
+    really accepts (partially) on the tiny random targets. Returns the first and last losses.
     """
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-    from mlx.utils import tree_flatten as flatten
-    from mlx_lm import load as mlx_load
+    import shutil
+    import tempfile
 
-    from ...hooks import taps
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
     from ...hooks.tiny_models import corpus
-    from . import target_embedding_and_head
+    from ..training import TrainOptions
+    from ..training import train as train_core
 
-    config = json.loads((drafter_dir / "config.json").read_text())
-    args = ModelArgs.from_dict(config)
-    model = Model(args)
-    names = {v: k for k, v in tensor_names(args.layout, config).items()}
-    raw = mx.load(str(drafter_dir / "model.safetensors"))
-    model.load_weights(list(model.sanitize(raw).items()))
-    target, tokenizer = mlx_load(str(target_dir))
-    embed, head = target_embedding_and_head(target)
-    layers = args.capture_layers
-    taps.install_taps(target, layers)
-    block = block or args.block_size
-
-    # Data: prompts from the tokenizer's corpus, continued greedily by the target.
-    rng = mx.random.key(seed)
-    texts = corpus(sequences, seed=seed + 1)
-    from mlx_lm.models.cache import make_prompt_cache
-
-    prompts = [(tokenizer.encode(t, add_special_tokens=False) * 8)[:8] for t in texts]
-    tokens = mx.array(prompts, dtype=mx.uint32)  # [N, 8]
-    cache = make_prompt_cache(target)
-    logits = target(tokens, cache=cache)
-    for _ in range(length - tokens.shape[1]):
-        nxt = mx.argmax(logits[:, -1], axis=-1)[:, None].astype(mx.uint32)  # [N, 1]
-        tokens = mx.concatenate([tokens, nxt], axis=1)
-        logits = target(nxt, cache=cache)
-    # tokens: [N, length]
-    with taps.record(layers) as rec:
-        target(tokens)
-    hidden = mx.concatenate([rec[i][0] for i in layers], axis=-1)  # [N, length, taps*H]
-    mx.eval(tokens, hidden)
-
-    def loss_fn(m: Model, rows: mx.array, p: int) -> mx.array:
-        toks = tokens[rows]  # [n, length]
-        ids = mx.concatenate([toks[:, p: p + 1], mx.full((toks.shape[0], block - 1), args.mask_token_id, mx.uint32)], axis=1)
-        cache = m.make_cache()
-        m.append_context(hidden[rows, :p], cache)
-        h = m(embed(ids), cache)  # [n, B, H]
-        logits = head(h[:, 1:]).astype(mx.float32)  # [n, B-1, V]
-        return nn.losses.cross_entropy(logits, toks[:, p + 1: p + block]).mean()
-
-    opt = optim.Adam(learning_rate=lr)
-    step = nn.value_and_grad(model, loss_fn)
-    losses = []
-    for i in range(steps):
-        rng, k1, k2 = mx.random.split(rng, 3)
-        p = int(mx.random.randint(4, length - block, key=k1).item())
-        rows = mx.random.randint(0, tokens.shape[0], (batch,), key=k2)
-        loss, grads = step(model, rows, p)
-        opt.update(model, grads)
-        mx.eval(model.parameters(), opt.state, loss)
-        losses.append(loss.item())
-    weights = {}
-    for name, w in flatten(model.parameters()):
-        for new, old in names.items():
-            if name.startswith(new):
-                name = old + name[len(new):]
-        weights[name] = w
-    prefix = "model." if any(k.startswith("model.") for k in raw) else ""
-    mx.save_safetensors(str(drafter_dir / "model.safetensors"), {prefix + k: v for k, v in weights.items()},
-                        metadata={"format": "pt"})
-    return {"first_loss": losses[0], "last_loss": sum(losses[-10:]) / 10}
+    tokenizer = load_tokenizer(Path(target_dir))
+    prompts = [(tokenizer.encode(t, add_special_tokens=False) * 8)[:8] for t in corpus(sequences, seed=seed + 1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        options = TrainOptions(
+            target=str(target_dir), kind="dflash", out=str(Path(tmp) / "run"), init=str(drafter_dir), steps=steps,
+            batch_size=min(batch, sequences), seq_len=length, prompt_tokens=8, sequences=sequences,
+            heldout_sequences=0, lr=lr, warmup=0, weight_decay=0.0, block_size=block, anchors=anchors,
+            eval_every=0, checkpoint_every=0, log_every=steps, seed=seed,
+        )
+        result = train_core(options, log=lambda line: None, prompts=prompts)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(Path(tmp) / "run" / name, Path(drafter_dir) / name)
+    losses = result["losses"]
+    return {"first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:])}

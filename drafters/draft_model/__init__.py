@@ -9,6 +9,7 @@ batch first prefills its own cache alone, then joins), keeping exactly each row'
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -220,5 +221,6 @@ family = DrafterFamily(
     load=load,
     check=check,
     detect=detect,
+    trainer=lambda: importlib.import_module(".train", __name__).DraftModelTrainer,  # mlx-spec train-drafter
     priority=-100,
 )
