@@ -39,7 +39,7 @@ HQ = 32
 
 
 def make_inputs(B: int, Hkv: int, G: int, L: int, S: int, D: int, dtype: mx.Dtype, q_gain: float = 1.0,
-                starts: Optional[List[int]] = None, lens: Optional[List[int]] = None) -> Dict[str, Any]:
+                starts: Optional[List[int]] = None, lens: Optional[List[int]] = None, strided: bool = False) -> Dict[str, Any]:
     """Random q and a KV buffer of S_alloc > S keys; keys outside [start, len) of each row are NaN."""
     s_alloc = (S // 256 + 1) * 256
     q = (q_gain * mx.random.normal((B, Hkv * G, L, D))).astype(dtype)
@@ -54,6 +54,9 @@ def make_inputs(B: int, Hkv: int, G: int, L: int, S: int, D: int, dtype: mx.Dtyp
     v_dirty = mx.where(keep[:, None, :, None], v, nan)
     k_clean = mx.where(keep[:, None, :, None], k, 0)[:, :, :S]
     v_clean = mx.where(keep[:, None, :, None], v, 0)[:, :, :S]
+    if strided:  # q as mlx-lm's attention makes it (a transposed view); k with channels strided (no vector loads)
+        q = mx.contiguous(q.swapaxes(1, 2)).swapaxes(1, 2)
+        k_dirty = mx.contiguous(k_dirty.swapaxes(2, 3)).swapaxes(2, 3)
     mx.eval(q, k_dirty, v_dirty, k_clean, v_clean)
     return dict(q=q, k=k_dirty, v=v_dirty, kc=k_clean, vc=v_clean, s_alloc=s_alloc)
 
@@ -67,7 +70,7 @@ def run_case(c: Dict[str, Any]) -> Dict[str, Any]:
     if mode == "padded":
         lens = [S, S - 17, S - 100, S - 1][:B]
         starts = [0, 7, min(130, S // 4), 3][:B]
-    x = make_inputs(B, Hkv, G, L, S, D, dtype, c.get("q_gain", 1.0), starts, lens)
+    x = make_inputs(B, Hkv, G, L, S, D, dtype, c.get("q_gain", 1.0), starts, lens, c.get("strided", False))
     q, k, v = x["q"], x["k"], x["v"]
     if mode == "padded":
         key_start, key_len = mx.array(starts), mx.array(lens)
@@ -108,12 +111,15 @@ def cases() -> List[Dict[str, Any]]:
         out.append(dict(B=4, G=G, L=L, S=S, D=D, mode="padded"))
     for L, S, D, G in ((16, 4096, 128, 4), (4, 20000, 256, 8)):
         out.append(dict(B=4, G=G, L=L, S=S, D=D, mode="causal"))
-    for L, S, D, G in ((16, 4096, 128, 4), (8, 1000, 64, 8), (32, 20000, 256, 4), (2, 31, 128, 1)):
+    for L, S, D, G in ([(L, S, 128, 4) for L in (2, 4, 8, 16, 32) for S in (1, 31, 256, 1000, 4096, 8191, 16384, 20000)]
+                       + [(8, 1000, 64, 8), (32, 20000, 256, 4), (2, 31, 128, 1)]):
         out.append(dict(B=1, G=G, L=L, S=S, D=D, mode="int"))
     for L, S, D, G in ((16, 4096, 128, 4), (16, 1000, 256, 8), (32, 16384, 64, 1)):
         out.append(dict(B=1, G=G, L=L, S=S, D=D, mode="none"))
     for L, S, D, G in ((16, 4096, 128, 4), (32, 16384, 256, 8)):
         out.append(dict(B=1, G=G, L=L, S=S, D=D, mode="causal", q_gain=4.0))
+    for L, S, D, G in ((16, 4096, 128, 4), (8, 1000, 64, 1), (4, 300, 256, 8)):
+        out.append(dict(B=1, G=G, L=L, S=S, D=D, mode="causal", strided=True))
     for L, S, D, G in ((16, 4096, 128, 4), (4, 1000, 64, 8), (32, 20000, 256, 1), (2, 31, 128, 4)):
         out.append(dict(B=1, G=G, L=L, S=S, D=D, mode="causal" if S >= L else "none", dtype="float16"))
     return out
@@ -142,6 +148,22 @@ def graph_ms(fn: Callable[[int], mx.array], n: int = 20, reps: int = 20) -> floa
     return 1e3 * statistics.median(ts) / n
 
 
+def chain_ms(fn: Callable[[mx.array, int], mx.array], q0: mx.array, n: int = 32, reps: int = 20) -> float:
+    """Per-call time of n calls where each one's output is the next one's queries, as a forward's layers."""
+    def run() -> mx.array:
+        x = q0
+        for i in range(n):
+            x = fn(x, i)
+        return x
+    mx.eval(run())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(run())
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts) / n
+
+
 def timings(B: int, G: int, D: int, L: int, S: int, full: bool) -> Dict[str, Any]:
     Hkv = HQ // G
     scale = D ** -0.5
@@ -152,29 +174,41 @@ def timings(B: int, G: int, D: int, L: int, S: int, full: bool) -> Dict[str, Any
         kb = mx.random.normal((B, Hkv, S + 256, D)).astype(mx.bfloat16)  # a buffer grown in steps
         vb = mx.random.normal((B, Hkv, S + 256, D)).astype(mx.bfloat16)
         k, v = kb[:, :, :S], vb[:, :, :S]
-        mx.eval(q, q1, kb, vb)
+        mx.eval(q, q1, kb, vb, k, v)
         sets.append((q, q1, kb, vb, k, v))
     mask = mx.arange(S)[None] <= (S - L + mx.arange(L))[:, None]  # [L, S] bool
-    prm = ca.attention_params(B, S, S - L)
+    dev_prm = ca.attention_params(B, mx.array(S) + 0, mx.array(S - L) + 0)  # on the device, built once
+    mx.eval(mask, dev_prm)
     r: Dict[str, Any] = dict(B=B, Hq=HQ, Hkv=Hkv, D=D, L=L, keys=S,
                              splits=ca.num_splits(S, B * Hkv * -(-G * L // 64), D))
-    meth = {
-        "kernel": lambda i: ca.sdpa(sets[i % 4][0], sets[i % 4][4], sets[i % 4][5], scale, S, S - L),
-        "sdpa_causal": lambda i: mx.fast.scaled_dot_product_attention(sets[i % 4][0], sets[i % 4][4], sets[i % 4][5], scale=scale, mask="causal"),
+
+    def kv(i: int):
+        return sets[i % 4][4], sets[i % 4][5]
+
+    # each method: (queries, call index) -> output; "1query" methods take [B, Hq, 1, D] queries
+    meth: Dict[str, Callable[[mx.array, int], mx.array]] = {
+        "kernel": lambda x, i: ca.sdpa(x, *kv(i), scale, S, S - L),
+        "sdpa_causal": lambda x, i: mx.fast.scaled_dot_product_attention(x, *kv(i), scale=scale, mask="causal"),
     }
     if full:
         meth.update({
-            "kernel_array_len": lambda i: ca.sdpa(sets[i % 4][0], sets[i % 4][2], sets[i % 4][3], scale, mx.array(S), mx.array(S - L)),
-            "kernel_shared_params": lambda i: ca.sdpa(sets[i % 4][0], sets[i % 4][4], sets[i % 4][5], scale, S, S - L, params=prm),
-            "sdpa_array_mask": lambda i: mx.fast.scaled_dot_product_attention(sets[i % 4][0], sets[i % 4][4], sets[i % 4][5], scale=scale, mask=mask),
-            "sdpa_1query": lambda i: mx.fast.scaled_dot_product_attention(sets[i % 4][1], sets[i % 4][4], sets[i % 4][5], scale=scale),
+            "kernel_device_params_full_buffer": lambda x, i: ca.sdpa(x, sets[i % 4][2], sets[i % 4][3], scale,
+                                                                     mx.array(S), mx.array(S - L), params=dev_prm),
+            "kernel_host_array_params": lambda x, i: ca.sdpa(x, *kv(i), scale, mx.array(S), mx.array(S - L)),
+            "sdpa_array_mask": lambda x, i: mx.fast.scaled_dot_product_attention(x, *kv(i), scale=scale, mask=mask),
+            "sdpa_1query": lambda x, i: mx.fast.scaled_dot_product_attention(x, *kv(i), scale=scale),
         })
         for tb in (1, 66, 132, 528):
-            meth[f"kernel_target_blocks_{tb}"] = (
-                lambda i, tb=tb: ca.sdpa(sets[i % 4][0], sets[i % 4][4], sets[i % 4][5], scale, S, S - L, target_blocks=tb))
-    r["per_call_ms"] = {name: round(per_call_ms(fn), 4) for name, fn in meth.items()}
+            meth[f"kernel_target_blocks_{tb}"] = lambda x, i, tb=tb: ca.sdpa(x, *kv(i), scale, S, S - L, target_blocks=tb)
+
+    def queries(name: str, i: int) -> mx.array:
+        return sets[i % 4][1 if name.endswith("1query") else 0]
+
+    r["per_call_ms"] = {name: round(per_call_ms(lambda i, f=f, n=name: f(queries(n, i), i)), 4) for name, f in meth.items()}
     if full:
-        r["graph20_ms_per_call"] = {name: round(graph_ms(meth[name]), 4) for name in ("kernel", "sdpa_causal", "sdpa_array_mask")}
+        picked = ("kernel", "kernel_target_blocks_1", "sdpa_causal", "sdpa_array_mask", "sdpa_1query")
+        r["graph20_ms_per_call"] = {n: round(graph_ms(lambda i, n=n: meth[n](queries(n, i), i)), 4) for n in picked}
+        r["chain32_ms_per_call"] = {n: round(chain_ms(meth[n], queries(n, 0)), 4) for n in picked}
     return r
 
 
@@ -238,7 +272,8 @@ def main() -> None:
     for t in report["timings"]:
         print(f"B{t['B']} Hq{t['Hq']}/Hkv{t['Hkv']} D{t['D']} L{t['L']} keys {t['keys']} splits {t['splits']}: "
               + ", ".join(f"{k} {v:.3f}" for k, v in t["per_call_ms"].items())
-              + ("; graph20 " + ", ".join(f"{k} {v:.3f}" for k, v in t["graph20_ms_per_call"].items()) if "graph20_ms_per_call" in t else ""))
+              + ("; graph20 " + ", ".join(f"{k} {v:.3f}" for k, v in t["graph20_ms_per_call"].items()) if "graph20_ms_per_call" in t else "")
+              + ("; chain32 " + ", ".join(f"{k} {v:.3f}" for k, v in t["chain32_ms_per_call"].items()) if "chain32_ms_per_call" in t else ""))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ WARPS = 4  # per thread block; each warp owns 16 query rows
 NUM_SMS = 132  # H200; only sizes the key split
 BLOCKS_PER_SM = 2
 _LOG2E = 1.4426950408889634
+OFFSET_BIAS = 1 << 20  # int params travel as shape entries, which are positive: offsets down to 1 - OFFSET_BIAS
 
 
 def available() -> bool:
@@ -93,8 +94,9 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi, __half) {
 }
 """
 
-# grid (splits, row chunks of 64, B * Hkv); 4 warps. Inputs: q/k/v with their strides, prm int32 [B, 3]
-# (key_start, key_len, offset), scl float32 [1] (scale * log2 e). Outputs: opart f32 [splits, B, Hq, L, D]
+# grid (splits, row chunks of 64, B * Hkv); 4 warps. Inputs: q/k/v with their strides, prm: int32 [B, 3]
+# (key_start, key_len, offset) or, for ints, a 4-D broadcast carrying them in its shape (see attention_params),
+# scl float32 [1] (scale * log2 e). Outputs: opart f32 [splits, B, Hq, L, D]
 # and ml f32 [splits, B, Hq, L, 2] (row max in log2 units, row sum) when splits > 1, else out [B, L, Hq, D].
 _MAIN = r"""
   constexpr int NW = 4;
@@ -116,9 +118,10 @@ _MAIN = r"""
   const int split = blockIdx.x, nsplit = gridDim.x;
   const int row0 = blockIdx.y * (NW * 16);
 
-  const int kv_lo = max(prm[3 * b], 0);
-  const int kv_hi = min(prm[3 * b + 1], S);
-  const int q_off = prm[3 * b + 2];
+  const bool in_shape = prm_ndim == 4;
+  const int kv_lo = max(in_shape ? prm_shape[1] - 1 : prm[3 * b], 0);
+  const int kv_hi = min(in_shape ? prm_shape[2] - 1 : prm[3 * b + 1], S);
+  const int q_off = in_shape ? prm_shape[3] - (1 << 20) : prm[3 * b + 2];  // OFFSET_BIAS
   const float sl2 = scl[0];
 
   const long long qs0 = q_strides[0], qs1 = q_strides[1], qs2 = q_strides[2], qs3 = q_strides[3];
@@ -350,6 +353,8 @@ _COMBINE = r"""
 
 _KERNELS: Dict[Tuple[int, str], Tuple[object, object]] = {}
 _SCALES: Dict[float, mx.array] = {}
+_LAUNCH: Dict[tuple, tuple] = {}
+_ZERO: List[mx.array] = []
 
 
 def shared_bytes(head_dim: int) -> int:
@@ -373,14 +378,31 @@ def _kernels(head_dim: int, dtype: mx.Dtype) -> Tuple[object, object]:
 
 def _per_batch(x: IntOrArray, batch: int) -> mx.array:
     # [B] int32 from an int or an int array of shape [] or [B]
-    return mx.broadcast_to(mx.array(x).astype(mx.int32), (batch,))
+    return mx.broadcast_to((x if isinstance(x, mx.array) else mx.array(x)).astype(mx.int32), (batch,))
 
 
 def attention_params(batch: int, key_len: IntOrArray, offset: IntOrArray, key_start: IntOrArray = 0) -> mx.array:
-    """The kernel's runtime mask arguments, int32 [B, 3]: (key_start, key_len, offset) per batch entry."""
+    """The kernel's runtime mask arguments: (key_start, key_len, offset) per batch entry.
+
+    Ints travel in the shape (1, key_start + 1, key_len + 1, offset + OFFSET_BIAS) of a broadcast scalar:
+    no memory, so nothing is written by the host per call (a small host array the GPU reads costs a
+    managed-memory migration, 60-200 us a call on the H200). Arrays give an int32 [B, 3] built on the device.
+    """
     if all(isinstance(x, int) for x in (key_start, key_len, offset)):
-        return mx.array([[key_start, key_len, offset]] * batch, dtype=mx.int32)
+        if key_start < 0 or key_len < 0 or offset <= -OFFSET_BIAS:
+            raise ValueError(f"sdpa: key_start {key_start}, key_len {key_len}, offset {offset}; allowed: key_start >= 0, "
+                             f"key_len >= 0, offset > {-OFFSET_BIAS}")
+        if not _ZERO:
+            _ZERO.append(mx.array(0, dtype=mx.int32))
+        return mx.broadcast_to(_ZERO[0], (1, key_start + 1, key_len + 1, offset + OFFSET_BIAS))
     return mx.stack([_per_batch(x, batch) for x in (key_start, key_len, offset)], axis=-1)
+
+
+def decode_params(prm: mx.array) -> List[List[int]]:
+    """(key_start, key_len, offset) rows of ``attention_params``' result (for tests and logs)."""
+    if prm.ndim == 4:
+        return [[prm.shape[1] - 1, prm.shape[2] - 1, prm.shape[3] - OFFSET_BIAS]]
+    return prm.tolist()
 
 
 def num_splits(keys: int, units: int, head_dim: int, target_blocks: Optional[int] = None) -> int:
@@ -421,24 +443,32 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, key_len: IntOrArra
     if S == 0:
         return mx.zeros(q.shape, dtype=q.dtype)
     prm = params if params is not None else attention_params(B, key_len, offset, key_start)
-    if scale not in _SCALES:
-        _SCALES[scale] = mx.array([scale * _LOG2E], dtype=mx.float32)
+    if scale not in _SCALES:  # computed on the device once: the kernel reads device memory, not managed memory
+        _SCALES[scale] = mx.array([scale * _LOG2E], dtype=mx.float32) + 0.0
+    key = (B, Hq, Hkv, L, D, S, q.dtype, target_blocks)
+    if key not in _LAUNCH:
+        _LAUNCH[key] = _launch(B, Hq, Hkv, L, D, S, q.dtype, target_blocks)
+    many, main_args, combine_args = _LAUNCH[key]
     main, combine = _kernels(D, q.dtype)
+    opart, ml, out = main(inputs=[q, k, v, prm, _SCALES[scale]], **main_args)
+    if many:
+        out = combine(inputs=[opart, ml], **combine_args)[0]
+    return out.swapaxes(1, 2)  # [B, Hq, L, D] view of [B, L, Hq, D]: the model's transpose back is free
+
+
+def _launch(B: int, Hq: int, Hkv: int, L: int, D: int, S: int, dtype: mx.Dtype, target_blocks: Optional[int]) -> tuple:
     chunks = -(-(Hq // Hkv) * L // (WARPS * 16))
     splits = num_splits(S, B * Hkv * chunks, D, target_blocks)
-    many = splits > 1
-    opart, ml, out = main(
-        inputs=[q, k, v, prm, _SCALES[scale]],
-        template=[("T", q.dtype), ("D", D), ("KB", keys_per_tile(D)), ("BF", q.dtype == mx.bfloat16)],
+    many = splits > 1  # one split: the first kernel writes the output, no partials
+    main_args = dict(
+        template=[("T", dtype), ("D", D), ("KB", keys_per_tile(D)), ("BF", dtype == mx.bfloat16)],
         grid=(splits * WARPS * 32, chunks, B * Hkv), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(splits, B, Hq, L, D) if many else (1,), (splits, B, Hq, L, 2) if many else (1,),
                        (1,) if many else (B, L, Hq, D)],
-        output_dtypes=[mx.float32, mx.float32, q.dtype])
-    if many:
-        threads = B * Hq * L * D // 4
-        out = combine(inputs=[opart, ml], template=[("T", q.dtype), ("D", D)], grid=(threads, 1, 1),
-                      threadgroup=(128, 1, 1), output_shapes=[(B, L, Hq, D)], output_dtypes=[q.dtype])[0]
-    return out.swapaxes(1, 2)  # [B, Hq, L, D] view of [B, L, Hq, D]: the model's transpose back is free
+        output_dtypes=[mx.float32, mx.float32, dtype])
+    combine_args = dict(template=[("T", dtype), ("D", D)], grid=(B * Hq * L * D // 4, 1, 1), threadgroup=(128, 1, 1),
+                        output_shapes=[(B, L, Hq, D)], output_dtypes=[dtype])
+    return many, main_args, combine_args
 
 
 def reference(q: mx.array, k: mx.array, v: mx.array, scale: float, key_len: IntOrArray, offset: IntOrArray,
@@ -462,4 +492,4 @@ def reference(q: mx.array, k: mx.array, v: mx.array, scale: float, key_len: IntO
     return o.reshape(B, Hq, L, D).astype(dtype or q.dtype)
 
 
-__all__: List[str] = ["available", "sdpa", "reference", "attention_params", "num_splits", "HEAD_DIMS"]
+__all__: List[str] = ["available", "sdpa", "reference", "attention_params", "decode_params", "num_splits", "HEAD_DIMS"]

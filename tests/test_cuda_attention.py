@@ -70,9 +70,12 @@ def test_split_arithmetic_matches_the_kernel() -> None:
 
 
 def test_attention_params_layout() -> None:
-    assert ca.attention_params(2, 40, 24).tolist() == [[0, 40, 24], [0, 40, 24]]
+    p = ca.attention_params(2, 40, -3, key_start=5)  # ints: carried by a broadcast's shape, no memory
+    assert p.ndim == 4 and ca.decode_params(p) == [[5, 40, -3]]
     p = ca.attention_params(2, mx.array([40, 30]), mx.array(24), key_start=mx.array([0, 3]))
-    assert p.dtype == mx.int32 and p.tolist() == [[0, 40, 24], [3, 30, 24]]
+    assert p.dtype == mx.int32 and ca.decode_params(p) == [[0, 40, 24], [3, 30, 24]]
+    with pytest.raises(ValueError, match="key_len -1"):
+        ca.attention_params(1, -1, 0)
 
 
 @pytest.mark.parametrize("shape,dtype,field", [
