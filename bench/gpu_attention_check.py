@@ -95,6 +95,20 @@ def run_case(c: Dict[str, Any]) -> Dict[str, Any]:
     res = dict(c, Hq=HQ, Hkv=Hkv, s_alloc=x["s_alloc"], finite=bool(finite), scale_max_abs_ref=top,
                err_vs_sdpa=e_sdpa / top, err_vs_fp32=e_ref / top, sdpa_err_vs_fp32=sdpa_ref / top)
     res["pass"] = bool(finite) and res["err_vs_sdpa"] <= TOL and res["err_vs_fp32"] <= TOL
+    if dtype == mx.bfloat16:  # the other kernel variants on the same inputs
+        res["variants"] = {}
+        for name in ca.VARIANTS:
+            if name == ca.DEFAULT_VARIANT:
+                continue
+            try:
+                ov = ca.sdpa(q, k, v, scale, key_len, offset, key_start, variant=name).astype(mx.float32)
+                vv = [mx.isfinite(ov).all(), mx.abs(ov - sf).max(), mx.abs(ov - r32).max()]
+                mx.eval(*vv)
+                fin, es, er = (y.item() for y in vv)
+                res["variants"][name] = dict(finite=bool(fin), err_vs_sdpa=es / top, err_vs_fp32=er / top,
+                                             **{"pass": bool(fin) and es / top <= TOL and er / top <= TOL})
+            except Exception as e:  # noqa: BLE001 - one variant's failure must not hide the others
+                res["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000], "pass": False}
     if not res["pass"]:  # where it goes wrong: by query, by query head, by 8-channel group
         d = mx.abs(of - r32) / top
         res["err_by_query"] = [round(x, 4) for x in d.max(axis=(0, 1, 3)).tolist()]
@@ -180,7 +194,7 @@ def timings(B: int, G: int, D: int, L: int, S: int, full: bool) -> Dict[str, Any
     dev_prm = ca.attention_params(B, mx.array(S) + 0, mx.array(S - L) + 0)  # on the device, built once
     mx.eval(mask, dev_prm)
     r: Dict[str, Any] = dict(B=B, Hq=HQ, Hkv=Hkv, D=D, L=L, keys=S,
-                             splits=ca.num_splits(S, B * Hkv * -(-G * L // 64), D))
+                             splits={n: ca.num_splits(S, B * Hkv * -(-G * L // 64), D, None, n) for n in ca.VARIANTS})
 
     def kv(i: int):
         return sets[i % 4][4], sets[i % 4][5]
@@ -190,6 +204,9 @@ def timings(B: int, G: int, D: int, L: int, S: int, full: bool) -> Dict[str, Any
         "kernel": lambda x, i: ca.sdpa(x, *kv(i), scale, S, S - L),
         "sdpa_causal": lambda x, i: mx.fast.scaled_dot_product_attention(x, *kv(i), scale=scale, mask="causal"),
     }
+    for name in ca.VARIANTS:
+        if name != ca.DEFAULT_VARIANT and full:
+            meth[f"kernel_{name}"] = lambda x, i, name=name: ca.sdpa(x, *kv(i), scale, S, S - L, variant=name)
     if full:
         meth.update({
             "kernel_device_params_full_buffer": lambda x, i: ca.sdpa(x, sets[i % 4][2], sets[i % 4][3], scale,
@@ -204,11 +221,19 @@ def timings(B: int, G: int, D: int, L: int, S: int, full: bool) -> Dict[str, Any
     def queries(name: str, i: int) -> mx.array:
         return sets[i % 4][1 if name.endswith("1query") else 0]
 
-    r["per_call_ms"] = {name: round(per_call_ms(lambda i, f=f, n=name: f(queries(n, i), i)), 4) for name, f in meth.items()}
+    def guarded(f: Callable[[], float]) -> Optional[float]:
+        try:
+            return round(f(), 4)
+        except Exception as e:  # noqa: BLE001
+            r.setdefault("errors", []).append(f"{type(e).__name__}: {e}"[:500])
+            return None
+
+    r["per_call_ms"] = {name: guarded(lambda f=f, n=name: per_call_ms(lambda i: f(queries(n, i), i))) for name, f in meth.items()}
     if full:
-        picked = ("kernel", "kernel_target_blocks_1", "sdpa_causal", "sdpa_array_mask", "sdpa_1query")
-        r["graph20_ms_per_call"] = {n: round(graph_ms(lambda i, n=n: meth[n](queries(n, i), i)), 4) for n in picked}
-        r["chain32_ms_per_call"] = {n: round(chain_ms(meth[n], queries(n, 0)), 4) for n in picked}
+        picked = [n for n in meth if n.startswith("kernel") and "params" not in n and "blocks_" not in n]
+        picked += ["kernel_target_blocks_1", "sdpa_causal", "sdpa_array_mask", "sdpa_1query"]
+        r["graph20_ms_per_call"] = {n: guarded(lambda n=n: graph_ms(lambda i: meth[n](queries(n, i), i))) for n in picked}
+        r["chain32_ms_per_call"] = {n: guarded(lambda n=n: chain_ms(meth[n], queries(n, 0))) for n in picked}
     return r
 
 
@@ -231,7 +256,8 @@ def main() -> None:
         sys.exit("gpu_attention_check: needs MLX with CUDA and the GPU as default device; got " + str(mx.default_device()))
     t0 = time.time()
     report: Dict[str, Any] = {"device": device(), "tolerance": f"finite and max abs diff <= {TOL} x max|fp32 reference|, against SDPA and fp32 reference",
-                              "settings": {"NUM_SMS": ca.NUM_SMS, "BLOCKS_PER_SM": ca.BLOCKS_PER_SM, "WARPS": ca.WARPS}, "cases": [], "timings": []}
+                              "settings": {"NUM_SMS": ca.NUM_SMS, "WARPS": ca.WARPS, "default_variant": ca.DEFAULT_VARIANT,
+                                           "variants": {k: v._asdict() for k, v in ca.VARIANTS.items()}}, "cases": [], "timings": []}
     try:
         first_error = True
         for n, c in enumerate(cases()):
@@ -260,6 +286,10 @@ def main() -> None:
     finally:
         done = [c for c in report["cases"] if "skipped" not in c]
         report["summary"] = {"cases": len(report["cases"]), "run": len(done), "pass": sum(bool(c.get("pass")) for c in done),
+                             "variants_pass": {n: f"{sum(bool(c['variants'][n].get('pass')) for c in done if n in c.get('variants', {}))}"
+                                               f"/{sum(n in c.get('variants', {}) for c in done)}" for n in ca.VARIANTS if n != ca.DEFAULT_VARIANT},
+                             "variants_worst_err_vs_fp32": {n: max((c["variants"][n].get("err_vs_fp32", 1.0) for c in done if n in c.get("variants", {})), default=None)
+                                                            for n in ca.VARIANTS if n != ca.DEFAULT_VARIANT},
                              "worst_err_vs_sdpa": max((c.get("err_vs_sdpa", 0) for c in done), default=None),
                              "worst_err_vs_fp32": max((c.get("err_vs_fp32", 0) for c in done), default=None),
                              "worst_sdpa_err_vs_fp32": max((c.get("sdpa_err_vs_fp32", 0) for c in done), default=None),
@@ -269,11 +299,12 @@ def main() -> None:
     s = report["summary"]
     print(f"\ncases {s['cases']}, run {s['run']}, pass {s['pass']}; worst rel err vs SDPA {s['worst_err_vs_sdpa']}, "
           f"vs fp32 {s['worst_err_vs_fp32']} (SDPA vs fp32 {s['worst_sdpa_err_vs_fp32']}); {s['wall_s']} s")
+    print("variants pass:", s["variants_pass"], "worst vs fp32:", s["variants_worst_err_vs_fp32"])
     for t in report["timings"]:
         print(f"B{t['B']} Hq{t['Hq']}/Hkv{t['Hkv']} D{t['D']} L{t['L']} keys {t['keys']} splits {t['splits']}: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in t["per_call_ms"].items())
-              + ("; graph20 " + ", ".join(f"{k} {v:.3f}" for k, v in t["graph20_ms_per_call"].items()) if "graph20_ms_per_call" in t else "")
-              + ("; chain32 " + ", ".join(f"{k} {v:.3f}" for k, v in t["chain32_ms_per_call"].items()) if "chain32_ms_per_call" in t else ""))
+              + ", ".join(f"{k} {v}" for k, v in t["per_call_ms"].items())
+              + ("; graph20 " + ", ".join(f"{k} {v}" for k, v in t["graph20_ms_per_call"].items()) if "graph20_ms_per_call" in t else "")
+              + ("; chain32 " + ", ".join(f"{k} {v}" for k, v in t["chain32_ms_per_call"].items()) if "chain32_ms_per_call" in t else ""))
 
 
 if __name__ == "__main__":

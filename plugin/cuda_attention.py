@@ -22,7 +22,7 @@ imported; nothing CUDA-specific runs at import time, and ``available()`` is Fals
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -31,7 +31,6 @@ IntOrArray = Union[int, mx.array]
 HEAD_DIMS = (64, 128, 256)
 WARPS = 4  # per thread block; each warp owns 16 query rows
 NUM_SMS = 132  # H200; only sizes the key split
-BLOCKS_PER_SM = 2
 _LOG2E = 1.4426950408889634
 OFFSET_BIAS = 1 << 20  # int params travel as shape entries, which are positive: offsets down to 1 - OFFSET_BIAS
 
@@ -45,9 +44,37 @@ def available() -> bool:
         return False
 
 
-def keys_per_tile(head_dim: int) -> int:
-    # 32-key tiles at head dim 256 keep two blocks' shared memory on one SM and the registers unspilled
-    return 32 if head_dim > 128 else 64
+class Variant(NamedTuple):
+    """Kernel shape choices; each (head dim, dtype, variant) compiles once."""
+
+    tile: int  # keys per K/V tile; 0: 64, or 32 at head dim 256 (registers)
+    stages: int  # shared-memory stages: stages - 1 tiles in flight while one is computed
+    combine: str  # "warp": a warp per row, splits in parallel; "thread": a thread walks the splits
+
+
+VARIANTS: Dict[str, Variant] = {
+    "base": Variant(0, 2, "warp"),
+    "base_thread_combine": Variant(0, 2, "thread"),
+    "stages3": Variant(0, 3, "warp"),
+    "tile32": Variant(32, 2, "warp"),
+    "tile32_stages3": Variant(32, 3, "warp"),
+}
+DEFAULT_VARIANT = "base"
+
+
+def tile_keys(head_dim: int, variant: str = DEFAULT_VARIANT) -> int:
+    return VARIANTS[variant].tile or (32 if head_dim > 128 else 64)
+
+
+def shared_bytes(head_dim: int, variant: str = DEFAULT_VARIANT) -> int:
+    # K and V in `stages` buffers, and the block's 64 query rows; rows padded by 16 bytes
+    return (2 * VARIANTS[variant].stages * tile_keys(head_dim, variant) + WARPS * 16) * (head_dim + 8) * 2
+
+
+def blocks_per_sm(head_dim: int, variant: str = DEFAULT_VARIANT) -> int:
+    by_smem = 232448 // (shared_bytes(head_dim, variant) + 1024)  # 227 KB a block, 228 KB an SM
+    by_regs = 2 if head_dim > 128 else 3  # ~242 / ~133 registers a thread (ptxas), 128 threads a block
+    return max(1, min(by_smem, by_regs))
 
 
 _HEADER = r"""
@@ -61,8 +88,8 @@ __device__ __forceinline__ void cp16(unsigned dst, const void* src, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 __device__ __forceinline__ void ldsm4(unsigned a, unsigned* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
@@ -106,9 +133,9 @@ _MAIN = r"""
   constexpr int SN = KB / 8;  // score n-tiles per key tile
   const float NEG_INF = -__int_as_float(0x7f800000);
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* Ks = reinterpret_cast<T*>(smem_raw);  // [2][KB][LDS]
-  T* Vs = Ks + 2 * KB * LDS;               // [2][KB][LDS]
-  T* Qs = Vs + 2 * KB * LDS;               // [NW * 16][LDS]
+  T* Ks = reinterpret_cast<T*>(smem_raw);  // [ST][KB][LDS]: ST stages, ST - 1 tiles in flight
+  T* Vs = Ks + ST * KB * LDS;              // [ST][KB][LDS]
+  T* Qs = Vs + ST * KB * LDS;              // [NW * 16][LDS]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int Bn = q_shape[0], Hq = q_shape[1], L = q_shape[2];
@@ -199,24 +226,24 @@ _MAIN = r"""
   const int k_off = ((lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8;
   const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
 
+  // every iteration commits one group (maybe empty), so waiting for all but the newest ST - 1 lands tile it
   if (ntl > 0) {
     load_q();
-    load_kv(t_lo, 0);
-    cp_commit();
+    #pragma unroll
+    for (int st = 0; st < ST - 1; ++st) {
+      if (st < ntl) load_kv(t_lo + st, st);
+      cp_commit();
+    }
   }
   for (int it = 0; it < ntl; ++it) {
-    if (it + 1 < ntl) {
-      load_kv(t_lo + it + 1, (it + 1) & 1);
-      cp_commit();
-      cp_wait_one();
-    } else {
-      cp_wait_all();
-    }
+    if (it + ST - 1 < ntl) load_kv(t_lo + it + ST - 1, (it + ST - 1) % ST);
+    cp_commit();
+    cp_wait<ST - 1>();
     __syncthreads();
     const int kbase = (t_lo + it) * KB;
     if (wact && kbase < wlim) {
-      const unsigned k_addr = smem_u32(Ks + (it & 1) * KB * LDS + k_off);
-      const unsigned v_addr = smem_u32(Vs + (it & 1) * KB * LDS + v_off);
+      const unsigned k_addr = smem_u32(Ks + (it % ST) * KB * LDS + k_off);
+      const unsigned v_addr = smem_u32(Vs + (it % ST) * KB * LDS + v_off);
       float s[SN][4];
       #pragma unroll
       for (int n = 0; n < SN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -286,7 +313,7 @@ _MAIN = r"""
         }
       }
     }
-    __syncthreads();  // the next iteration's load overwrites this buffer
+    __syncthreads();  // a later iteration's load overwrites this buffer
   }
 
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
@@ -321,7 +348,7 @@ _MAIN = r"""
 """
 
 # one thread per (row, 4 channels): merges the splits' partial softmaxes into out [B, L, Hq, D]
-_COMBINE = r"""
+_COMBINE_THREAD = r"""
   const float NEG_INF = -__int_as_float(0x7f800000);
   const int nsplit = opart_shape[0], Hq = opart_shape[2], L = opart_shape[3];
   const int R = opart_shape[1] * Hq * L;
@@ -351,27 +378,76 @@ _COMBINE = r"""
   reinterpret_cast<uint2*>(out + ((long long)(b * L + i) * Hq + hq) * D)[c] = pk;
 """
 
+# one warp per row, lanes over splits for the weights and over channels (D / 32 each) for the sum: the
+# splits' loads are independent, so they overlap (every split wrote its rows: empty ones m = -inf, O = 0)
+_COMBINE_WARP = r"""
+  constexpr int CPL = D / 32;
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const int nsplit = opart_shape[0], Hq = opart_shape[2], L = opart_shape[3];
+  const int R = opart_shape[1] * Hq * L;
+  const int row = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= R) return;  // whole warps
+  float mmax = NEG_INF;
+  for (int s = lane; s < nsplit; s += 32) mmax = fmaxf(mmax, ml[((long long)s * R + row) * 2]);
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
+  const float mu = mmax == NEG_INF ? 0.f : mmax;
+  float acc[CPL];
+  #pragma unroll
+  for (int e = 0; e < CPL; ++e) acc[e] = 0.f;
+  float den = 0.f;
+  for (int s0 = 0; s0 < nsplit; s0 += 32) {
+    const int s = s0 + lane;
+    float w = 0.f;
+    if (s < nsplit) {
+      const long long pr = (long long)s * R + row;
+      w = exp2f(ml[pr * 2] - mu);
+      den += w * ml[pr * 2 + 1];
+    }
+    const int cnt = min(32, nsplit - s0);
+    #pragma unroll 8
+    for (int t = 0; t < cnt; ++t) {
+      const float wt = __shfl_sync(0xffffffffu, w, t);
+      const float* src = opart + ((long long)(s0 + t) * R + row) * D + lane * CPL;
+      if constexpr (CPL == 2) {
+        const float2 x = *reinterpret_cast<const float2*>(src);
+        acc[0] += wt * x.x; acc[1] += wt * x.y;
+      } else {
+        #pragma unroll
+        for (int e = 0; e < CPL; e += 4) {
+          const float4 x = *reinterpret_cast<const float4*>(src + e);
+          acc[e] += wt * x.x; acc[e + 1] += wt * x.y; acc[e + 2] += wt * x.z; acc[e + 3] += wt * x.w;
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  const int b = row / (Hq * L), hq = (row / L) % Hq, i = row % L;
+  unsigned* dst = reinterpret_cast<unsigned*>(out + ((long long)(b * L + i) * Hq + hq) * D + lane * CPL);
+  #pragma unroll
+  for (int e = 0; e < CPL; e += 2) dst[e / 2] = pack2(acc[e] * inv, acc[e + 1] * inv, T());
+"""
+
 _KERNELS: Dict[Tuple[int, str], Tuple[object, object]] = {}
 _SCALES: Dict[float, mx.array] = {}
 _LAUNCH: Dict[tuple, tuple] = {}
 _ZERO: List[mx.array] = []
 
 
-def shared_bytes(head_dim: int) -> int:
-    kb = keys_per_tile(head_dim)
-    return (4 * kb + WARPS * 16) * (head_dim + 8) * 2  # K and V in two stages, and the block's Q rows
-
-
-def _kernels(head_dim: int, dtype: mx.Dtype) -> Tuple[object, object]:
-    key = (head_dim, str(dtype))
-    if key not in _KERNELS:
+def _kernels(head_dim: int, variant: str) -> Tuple[object, object]:
+    key = (head_dim, variant)
+    if key not in _KERNELS:  # NVRTC runs at the first launch of each template instance, then MLX caches it
+        warp = VARIANTS[variant].combine == "warp"
         main = mx.fast.cuda_kernel(
             name="spec_attn_split", input_names=["q", "k", "v", "prm", "scl"],
             output_names=["opart", "ml", "out"], source=_MAIN, header=_HEADER,
-            ensure_row_contiguous=False, shared_memory=shared_bytes(head_dim))
+            ensure_row_contiguous=False, shared_memory=shared_bytes(head_dim, variant))
         combine = mx.fast.cuda_kernel(
-            name="spec_attn_combine", input_names=["opart", "ml"], output_names=["out"],
-            source=_COMBINE, header=_HEADER)
+            name="spec_attn_combine_warp" if warp else "spec_attn_combine", input_names=["opart", "ml"],
+            output_names=["out"], source=_COMBINE_WARP if warp else _COMBINE_THREAD, header=_HEADER)
         _KERNELS[key] = (main, combine)
     return _KERNELS[key]
 
@@ -405,11 +481,12 @@ def decode_params(prm: mx.array) -> List[List[int]]:
     return prm.tolist()
 
 
-def num_splits(keys: int, units: int, head_dim: int, target_blocks: Optional[int] = None) -> int:
-    """Key splits for ``units`` (batch x KV heads x row chunks) blocks' worth of work over ``keys`` keys."""
-    kb = keys_per_tile(head_dim)
-    ntiles = -(-keys // kb)
-    target = target_blocks or NUM_SMS * BLOCKS_PER_SM
+def num_splits(keys: int, units: int, head_dim: int, target_blocks: Optional[int] = None,
+               variant: str = DEFAULT_VARIANT) -> int:
+    """Key splits for ``units`` (batch x KV heads x row chunks) blocks' worth of work over ``keys`` keys:
+    about one wave of resident blocks over the SMs."""
+    ntiles = -(-keys // tile_keys(head_dim, variant))
+    target = target_blocks or NUM_SMS * blocks_per_sm(head_dim, variant)
     want = max(1, -(-target // units))
     per = -(-ntiles // want)
     return max(1, -(-ntiles // per))  # the kernel recomputes per = ceil(ntiles / splits): the same value
@@ -429,7 +506,7 @@ def _check(q: mx.array, k: mx.array, v: mx.array) -> None:
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, key_len: IntOrArray, offset: IntOrArray,
          key_start: IntOrArray = 0, *, params: Optional[mx.array] = None,
-         target_blocks: Optional[int] = None) -> mx.array:
+         target_blocks: Optional[int] = None, variant: str = DEFAULT_VARIANT) -> mx.array:
     """Attention of q [B, Hq, L, D] over k, v [B, Hkv, S_alloc, D] (GQA), masked from key_len/offset/key_start.
 
     ``params`` (from ``attention_params``) can be built once per forward and shared by its layers.
@@ -445,28 +522,32 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, key_len: IntOrArra
     prm = params if params is not None else attention_params(B, key_len, offset, key_start)
     if scale not in _SCALES:  # computed on the device once: the kernel reads device memory, not managed memory
         _SCALES[scale] = mx.array([scale * _LOG2E], dtype=mx.float32) + 0.0
-    key = (B, Hq, Hkv, L, D, S, q.dtype, target_blocks)
+    key = (B, Hq, Hkv, L, D, S, q.dtype, target_blocks, variant)
     if key not in _LAUNCH:
-        _LAUNCH[key] = _launch(B, Hq, Hkv, L, D, S, q.dtype, target_blocks)
+        _LAUNCH[key] = _launch(B, Hq, Hkv, L, D, S, q.dtype, target_blocks, variant)
     many, main_args, combine_args = _LAUNCH[key]
-    main, combine = _kernels(D, q.dtype)
+    main, combine = _kernels(D, variant)
     opart, ml, out = main(inputs=[q, k, v, prm, _SCALES[scale]], **main_args)
     if many:
         out = combine(inputs=[opart, ml], **combine_args)[0]
     return out.swapaxes(1, 2)  # [B, Hq, L, D] view of [B, L, Hq, D]: the model's transpose back is free
 
 
-def _launch(B: int, Hq: int, Hkv: int, L: int, D: int, S: int, dtype: mx.Dtype, target_blocks: Optional[int]) -> tuple:
+def _launch(B: int, Hq: int, Hkv: int, L: int, D: int, S: int, dtype: mx.Dtype, target_blocks: Optional[int],
+            variant: str) -> tuple:
     chunks = -(-(Hq // Hkv) * L // (WARPS * 16))
-    splits = num_splits(S, B * Hkv * chunks, D, target_blocks)
+    splits = num_splits(S, B * Hkv * chunks, D, target_blocks, variant)
     many = splits > 1  # one split: the first kernel writes the output, no partials
+    warp = VARIANTS[variant].combine == "warp"
     main_args = dict(
-        template=[("T", dtype), ("D", D), ("KB", keys_per_tile(D)), ("BF", dtype == mx.bfloat16)],
+        template=[("T", dtype), ("D", D), ("KB", tile_keys(D, variant)), ("ST", VARIANTS[variant].stages),
+                  ("BF", dtype == mx.bfloat16)],
         grid=(splits * WARPS * 32, chunks, B * Hkv), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(splits, B, Hq, L, D) if many else (1,), (splits, B, Hq, L, 2) if many else (1,),
                        (1,) if many else (B, L, Hq, D)],
         output_dtypes=[mx.float32, mx.float32, dtype])
-    combine_args = dict(template=[("T", dtype), ("D", D)], grid=(B * Hq * L * D // 4, 1, 1), threadgroup=(128, 1, 1),
+    combine_args = dict(template=[("T", dtype), ("D", D)], grid=(B * Hq * L * (32 if warp else D // 4), 1, 1),
+                        threadgroup=(128, 1, 1),
                         output_shapes=[(B, L, Hq, D)], output_dtypes=[dtype])
     return many, main_args, combine_args
 
@@ -492,4 +573,5 @@ def reference(q: mx.array, k: mx.array, v: mx.array, scale: float, key_len: IntO
     return o.reshape(B, Hq, L, D).astype(dtype or q.dtype)
 
 
-__all__: List[str] = ["available", "sdpa", "reference", "attention_params", "decode_params", "num_splits", "HEAD_DIMS"]
+__all__: List[str] = ["available", "sdpa", "reference", "attention_params", "decode_params", "num_splits", "HEAD_DIMS",
+                       "VARIANTS", "DEFAULT_VARIANT"]

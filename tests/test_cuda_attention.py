@@ -57,14 +57,16 @@ def test_reference_non_causal_and_empty_rows() -> None:
 
 def test_split_arithmetic_matches_the_kernel() -> None:
     for D in ca.HEAD_DIMS:
-        kb = ca.keys_per_tile(D)
-        for keys in (1, 31, 64, 65, 1000, 4096, 8191, 16384, 20000, 100000):
-            for units in (1, 3, 8, 32, 64, 1000):
-                for target in (None, 1, 66, 528):
-                    splits = ca.num_splits(keys, units, D, target)
-                    ntiles = -(-keys // kb)
-                    per = -(-ntiles // splits)  # as the kernel computes it from its grid
-                    assert splits * per >= ntiles and (splits - 1) * per < ntiles, (D, keys, units, target)
+        for variant in ca.VARIANTS:
+            kb = ca.tile_keys(D, variant)
+            assert ca.shared_bytes(D, variant) <= 227 * 1024 and kb % 16 == 0
+            for keys in (1, 31, 64, 65, 1000, 4096, 8191, 16384, 20000, 100000):
+                for units in (1, 3, 8, 32, 64, 1000):
+                    for target in (None, 1, 66, 528):
+                        splits = ca.num_splits(keys, units, D, target, variant)
+                        ntiles = -(-keys // kb)
+                        per = -(-ntiles // splits)  # as the kernel computes it from its grid
+                        assert splits * per >= ntiles and (splits - 1) * per < ntiles, (D, variant, keys, units, target)
     assert ca.num_splits(16384, 8, 128) > 16  # long keys spread over the SMs
     assert ca.num_splits(16384, 8, 128, target_blocks=1) == 1
 
