@@ -9,9 +9,11 @@ S whose tail is NaN, with key length and offset passed as arrays; extra cases: b
 per-row key lengths, NaN in the padding), int key length, non-causal, sharp scores, float16.
 Rule: a case passes when the kernel's output is finite and its max abs difference both from MLX's SDPA
 and from a float32 reference (same bf16 inputs) is <= 2e-2 x max|reference| (bf16 keeps 8 bits).
+Every case also runs the kernel's other variants (cuda_attention.VARIANTS) on the same inputs.
 Latency: synchronous per-call time (median) of the kernel against SDPA "causal", SDPA with a boolean
 array mask and SDPA for one query, 32 query / 8 KV heads, head dim 128, 16 queries, 512 / 4096 / 16384
-keys; inputs rotate over 4 sets so that K/V come from memory, as in a forward's layers.
+keys; inputs rotate over 4 sets so that K/V come from memory; also 20 independent calls in one graph and
+32 chained calls (each output the next queries, as a forward's layers), per variant and split target.
 """
 
 from __future__ import annotations
