@@ -1,10 +1,10 @@
-"""Does the server batch on this machine? Concurrent streaming clients against a real HTTP server on a
+"""Does the server batch on this machine? Concurrent clients against a real HTTP server on a
 synthetic target, plain decoding and DFlash rounds (oracle acceptance), mean rows per decode step.
 
 Not a test. The target is built in memory (``--synthetic-target``, plugin/bench/synthetic.py: random
 weights with large logit margins) with a word-level tokenizer of its vocabulary made here, and served
 in this process by the real server (hooks/server.py: HTTP threads, the engine's generation thread,
-the scheduler); ``--clients`` threads stream completions through the openai client for
+the scheduler); ``--clients`` threads send completions for
 ``--duration`` seconds. Each output is compared with the same request answered alone first.
 For ``dflash`` a DFlash-shape drafter runs for real and its proposals are replaced by each request's
 reference continuation with errors injected (mean acceptance length ``--tau``), as ``mlx-spec bench``'s
@@ -76,34 +76,30 @@ def metrics(server: Server) -> Dict[str, float]:
     return {n: float(v) for n, v in (l.rsplit(" ", 1) for l in text.splitlines() if l and not l.startswith("#"))}
 
 
-def one(client: Any, prompt: str, max_tokens: int) -> Tuple[str, int]:
-    text, tokens = "", -1
-    for chunk in client.completions.create(model="default_model", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                           stream=True, stream_options={"include_usage": True}):
-        if chunk.choices:
-            text += chunk.choices[0].text
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return text, tokens
+def one(url: str, prompt: str, max_tokens: int) -> Tuple[str, int]:
+    """One completion (urllib: the GPU machine has no openai client): (text, completion tokens)."""
+    import urllib.request
+
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
+    out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+    return out["choices"][0]["text"], out["usage"]["completion_tokens"]
 
 
 def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: int, duration: float,
          max_tokens: int) -> Dict[str, Any]:
-    import openai
-
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     lock = threading.Lock()
     stats = {"requests": 0, "errors": 0, "mismatches": 0, "tokens": 0}
     stop_at = time.monotonic() + duration
 
     def loop(i: int) -> None:
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         k = i
         while time.monotonic() < stop_at:
             j = k % len(reqs)
             k += 1
             try:
-                got = one(client, reqs[j], max_tokens)
+                got = one(url, reqs[j], max_tokens)
             except Exception:  # noqa: BLE001
                 with lock:
                     stats["errors"] += 1
@@ -171,11 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 policy.prewarm(model, args.block)
         server = serve(target, {"max_active": args.clients, "max_queue": 4 * args.clients})
         try:
-            import openai
-
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="unused",
-                                   max_retries=0, timeout=600)
-            refs = [one(client, p, args.max_tokens) for p in reqs]  # each request alone
+            url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+            refs = [one(url, p, args.max_tokens) for p in reqs]  # each request alone
             results[mode] = load(server, reqs, refs, args.clients, args.duration, args.max_tokens)
         finally:
             server.shutdown()

@@ -59,6 +59,13 @@ class Resolution:
     warnings: List[str]
 
 
+def ignored_draft_model(kind: str, draft_model: str, kind_source: Optional[str] = None,
+                        model_source: Optional[str] = None) -> str:
+    """The one line said when an explicit weightless kind overrides a configured draft model."""
+    return (f"draft kind {kind!r}{f' ({kind_source})' if kind_source else ''} needs no drafter weights: "
+            f"ignoring the draft model {draft_model!r}{f' ({model_source})' if model_source else ''}")
+
+
 def detect_family(config: Dict[str, Any]) -> Optional[DrafterFamily]:
     matches = [f for f in families().values() if f.needs_weights and f.detect(config)]
     return max(matches, key=lambda f: f.priority) if matches else None
@@ -76,8 +83,6 @@ def resolve(draft_model: Optional[str], kind: str = "auto") -> Resolution:
         raise DrafterError(f"draft kind {kind!r} is not registered; allowed: {', '.join(allowed)}")
     ignored: List[str] = []
     if draft_model is not None and kind in weightless_kinds():
-        from ..plugin.settings import ignored_draft_model
-
         ignored.append(ignored_draft_model(kind, draft_model))
         draft_model = None
     if draft_model is None:

@@ -63,11 +63,16 @@ class Primitive:
     # re-runs of layers with the same shapes then run as ONE call, heads side by side.
     heads: Tuple[Tuple[str, int], ...] = ()
     state_heads: int = 1
+    # Where its position-by-position path calls a step function returning (y, state), by global name:
+    # (the function that loops, the step it calls). Private copies of both record each step's state,
+    # so a partial commit picks the state after n positions instead of running anything again.
+    steps: Optional[Tuple[str, str]] = None
 
 
 PRIMITIVES: Tuple[Primitive, ...] = (
     # q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; a, b: [B, T, Hv]; mask: [B, T]; state: [B, Hv, Dv, Dk]
-    Primitive("mlx_lm.models.gated_delta", "gated_delta_update", ("q", "k", "v", "a", "b", "mask")),
+    Primitive("mlx_lm.models.gated_delta", "gated_delta_update", ("q", "k", "v", "a", "b", "mask"),
+              steps=("gated_delta_ops", "_gated_delta_step_ops")),
     # hidden_states: [B, T, H, Dh]; B, C: [B, T, G, N]; dt: [B, T, H]; mask: [B, T]; state: [B, H, Dh, N]
     # lengths (right padding) picks a per-row position inside the SSD form: not sliceable here.
     Primitive("mlx_lm.models.ssm", "ssm_update", ("hidden_states", "B", "C", "dt", "mask"),
@@ -76,7 +81,9 @@ PRIMITIVES: Tuple[Primitive, ...] = (
                      ("state", 1))),
 )
 
-_local = threading.local()  # .current: the Recording of the scoped call under way
+_local = threading.local()  # .current: the Recording of the scoped call under way; .steps: step states
+# Step states are kept only while one call's fit in this many bytes (else the call is run again).
+STEP_STATE_BUDGET = 1 << 26
 _open: Dict[int, "Recording"] = {}  # id(cache) -> its open recording
 _scoped: Dict[type, Optional[type]] = {}
 _compiled: Dict[Tuple[Any, ...], Callable[..., Tuple[mx.array, ...]]] = {}
@@ -96,8 +103,28 @@ def _originals() -> Dict[str, Tuple[Primitive, Callable[..., Any]]]:
     return out
 
 
+def _stepping(fn: types.FunctionType, prim: Primitive) -> types.FunctionType:
+    """A private copy of the primitive whose looping path records each step's state (``_local.steps``)."""
+    if prim.steps is None:
+        return fn
+    loop_name, step_name = prim.steps
+    loop, step = fn.__globals__.get(loop_name), fn.__globals__.get(step_name)
+    if not isinstance(loop, types.FunctionType) or not callable(step):
+        return fn  # an mlx-lm without that path: partial calls are run again
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        steps = getattr(_local, "steps", None)
+        if steps is not None:
+            steps.append(out[1])
+        return out
+
+    return _rebound(fn, {loop_name: _rebound(loop, {step_name: recording_step})})
+
+
 def _recording_primitive(prim: Primitive, fn: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(fn)
+    stepping = _stepping(fn, prim) if isinstance(fn, types.FunctionType) else fn
 
     @functools.wraps(fn)
     def recording(*args: Any, **kwargs: Any) -> Any:
@@ -106,8 +133,13 @@ def _recording_primitive(prim: Primitive, fn: Callable[..., Any]) -> Callable[..
             return fn(*args, **kwargs)
         arguments = dict(signature.bind(*args, **kwargs).arguments)
         slot = rec.slot_of(arguments.get(prim.state))
-        out = fn(*args, **kwargs)
-        rec.record_call(slot, prim, fn, arguments, out)
+        outer, _local.steps = getattr(_local, "steps", None), []
+        try:
+            out = stepping(*args, **kwargs)
+            steps = _local.steps
+        finally:
+            _local.steps = outer
+        rec.record_call(slot, prim, fn, arguments, out, steps)
         return out
 
     return recording
@@ -215,6 +247,7 @@ class _Call:
     arguments: Dict[str, Any]
     width: int  # positions fed (T)
     out: mx.array  # the state it returned
+    steps: List[mx.array]  # the state after each position, when the primitive stepped through them
 
 
 @dataclass
@@ -251,7 +284,7 @@ class Recording:
         return next((i for i, s in enumerate(self.slots) if s is not None and s is x), None)
 
     def record_call(self, slot: Optional[int], prim: Primitive, fn: Callable[..., Any],
-                    arguments: Dict[str, Any], out: Any) -> None:
+                    arguments: Dict[str, Any], out: Any, steps: List[mx.array]) -> None:
         if slot is None:
             self.broken = f"{prim.name} was called on a state the cache does not hold (an empty cache?)"
             return
@@ -260,7 +293,9 @@ class Recording:
             return
         width = arguments[prim.timed[0]].shape[1]
         self._width = width
-        self.calls.setdefault(slot, []).append(_Call(fn, prim, arguments, width, out[1]))
+        if len(steps) != width or sum(x.nbytes for x in steps) > STEP_STATE_BUDGET:
+            steps = []  # not a position-by-position run (a kernel), or too large to keep: run again
+        self.calls.setdefault(slot, []).append(_Call(fn, prim, arguments, width, out[1], steps))
 
     def record_conv(self, slot: int, state: mx.array, out: mx.array, axis: int) -> None:
         if state.ndim != 3 or axis not in (1, -2):
@@ -364,6 +399,8 @@ def apply_all(items: List[Tuple[Recording, Lengths]]) -> None:
                 if call is None or left == 0:  # kept whole: the output of the last kept call
                     state = before.out if before is not None else calls[0].arguments[calls[0].prim.state]
                     slots.setdefault(i, []).append((rows, _rows(state, rows)))
+                elif call.steps:  # the state it reached after ``left`` positions, recorded on the way
+                    slots.setdefault(i, []).append((rows, _rows(call.steps[left - 1], rows)))
                 else:
                     slots.setdefault(i, []).append((rows, len(reruns)))
                     reruns.append((call, left, rows))

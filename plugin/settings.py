@@ -27,13 +27,6 @@ class ConfigError(ValueError):
     """A bad setting: names the key, the value received and what is allowed."""
 
 
-def ignored_draft_model(kind: str, draft_model: str, kind_source: Optional[str] = None,
-                        model_source: Optional[str] = None) -> str:
-    """The one line said when an explicit weightless kind overrides a configured draft model."""
-    return (f"draft kind {kind!r}{f' ({kind_source})' if kind_source else ''} needs no drafter weights: "
-            f"ignoring the draft model {draft_model!r}{f' ({model_source})' if model_source else ''}")
-
-
 @dataclass
 class SpeculativeSettings:
     enabled: bool = False
@@ -134,8 +127,8 @@ def resolve(
     if "enabled" not in settings.sources:
         settings.enabled = explicit_on
     if settings.kind in weightless and settings.draft_model is not None:
-        log.warning("%s", ignored_draft_model(settings.kind, settings.draft_model, settings.sources.get("kind"),
-                                              settings.sources.get("draft_model")))
+        log.warning("%s", registry.ignored_draft_model(settings.kind, settings.draft_model, settings.sources.get("kind"),
+                                                       settings.sources.get("draft_model")))
         settings.draft_model = None
         settings.sources["draft_model"] = f"ignored for kind {settings.kind!r}"
     return settings

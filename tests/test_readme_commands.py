@@ -191,4 +191,4 @@ def test_server_commands_run_as_written(fresh: Dict[str, object], tmp_path: Path
         assert "Traceback" not in text, text
         if command.startswith("MLX_VLM_DRAFT_KIND=ngram"):  # the override runs ngram, saying so once
             assert text.count("ignoring the draft model 'demo-drafter'") == 1, text
-            assert "kind=ngram" in text, text
+            assert "speculative decoding on: kind ngram" in text, text
