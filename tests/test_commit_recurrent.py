@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList
 
-from mlx_speculative.hooks import recurrent
+from mlx_speculative.hooks import recurrent, recurrent_state
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.transaction import CacheTransaction, UnsupportedCache, leaves
 from test_commit_contract import ARCHS, K, exact_state, model_for, prefilled, replay_for, same, tokens, view
@@ -274,18 +274,18 @@ def test_ssm_layers_recompute_as_one_call_bit_for_bit(arch: str, monkeypatch: py
     model(mx.array([tokens(K, 44)]), cache=cache)
     recordings = [t.recording for _, c, t in leaves(txn._items(txn._starts)) if isinstance(c, ArraysCache)]
     sizes: List[int] = []
-    run = recurrent._compiled_run
-    monkeypatch.setattr(recurrent, "_compiled_run", lambda *a: sizes.append(a[-1]) or run(*a))
+    run = recurrent_state._compiled_run
+    monkeypatch.setattr(recurrent_state, "_compiled_run", lambda *a: sizes.append(a[-1]) or run(*a))
     for n in (1, 3, K - 1):
         requests = []
         for rec in recordings:
             for calls in rec.calls.values():
-                call, left, _ = recurrent._locate(calls, n)
+                call, left, _ = recurrent_state._locate(calls, n)
                 assert call is not None and left == n
                 requests.append((call, left, None))
         assert len(requests) == len(recordings) == 2
-        together = recurrent._states_after(requests)
-        alone = [recurrent._states_after([r])[0] for r in requests]
+        together = recurrent_state._states_after(requests)
+        alone = [recurrent_state._states_after([r])[0] for r in requests]
         assert all(mx.array_equal(a, b).item() for a, b in zip(together, alone))
     assert sizes == [2, 1, 1] * 3
     txn.abort()
