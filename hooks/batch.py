@@ -12,7 +12,7 @@ of one row keeps the row's own caches (``KVCache``: mask-free one-token steps, a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import openai_compat as oc
+from . import openai_output as reply
 from .host import GenerationParams, Host, HostEvent
 from .metrics import HostCounters, timings
 from .scheduler import Request, Scheduler
@@ -168,7 +169,7 @@ class Engine:
     def _start(self, job: Job) -> None:
         assert self.scheduler is not None and self.target is not None
         req = job.request
-        stops, _ = oc.stop_machinery(self.target.tokenizer, req.stop_words)
+        stops, _ = reply.stop_machinery(self.target.tokenizer, req.stop_words)
         job.t_start = time.perf_counter()
         params = GenerationParams(
             max_tokens=req.max_tokens, sampling=req.sampling, logits_processors=oc.logits_processors(req),
@@ -196,7 +197,7 @@ class Engine:
         entry = None
         if (req.logprobs or req.top_logprobs) and event.emitted:
             assert self.target is not None
-            entry = oc.logprob_entry(self.target.tokenizer, event.logprobs, event.token, req.top_logprobs)
+            entry = reply.logprob_entry(self.target.tokenizer, event.logprobs, event.token, req.top_logprobs)
         job.out.put(TokenOut(event.token, event.text, event.finish_reason, entry, event.emitted))
 
     def _done(self, job: Job) -> None:

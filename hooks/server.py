@@ -4,7 +4,8 @@ Every token comes from the same scheduler ``mlx-spec generate`` runs (hooks/sche
 engine's generation thread: hooks/engine.py), so the speculative plugin (``speculative:`` in the
 host YAML, MLX_VLM_* variables, CLI flags) applies exactly as there. What requests mean
 (parameters, chat templates, stop words, response shapes) is mlx-lm's, through
-``hooks.openai_compat``, the one module coupled to mlx-lm's server. This module is the HTTP side:
+``hooks.openai_compat`` (requests) and ``hooks.openai_output`` (responses), the two modules coupled
+to mlx-lm's server. This module is the HTTP side:
 routes, authentication, streaming, disconnects, and start-up.
 """
 
@@ -23,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import openai_compat as oc
+from . import openai_output as reply
 from .config import load_host_config, model_or_demo
 from .engine import Engine, Finished, Job
 from .host import Host
@@ -54,7 +56,7 @@ class Server(ThreadingHTTPServer):
         self.limits = limits
         self.settings = settings
         self.models = models
-        self.fingerprint = oc.system_fingerprint()
+        self.fingerprint = reply.system_fingerprint()
 
     def metrics(self) -> str:
         assert self.engine.host is not None
@@ -218,8 +220,8 @@ class Handler(BaseHTTPRequestHandler):
     def _stream(self, job: Job) -> None:
         req, srv = job.request, self.server
         tokenizer = srv.engine.target.tokenizer
-        _, text_sm = oc.stop_machinery(tokenizer, req.stop_words)
-        out = oc.ResponseText(tokenizer, text_sm, req.tools, req.initial_state, streaming=True)
+        _, text_sm = reply.stop_machinery(tokenizer, req.stop_words)
+        out = reply.ResponseText(tokenizer, text_sm, req.tools, req.initial_state, streaming=True)
         created = int(time.time())
         try:
             self.send_response(200)
@@ -232,7 +234,7 @@ class Handler(BaseHTTPRequestHandler):
         finish = "length"
 
         def body(text: str, reason: Optional[str], reasoning: str = "", calls: Optional[list] = None) -> Dict[str, Any]:
-            return oc.response_body(job.endpoint, job.id, req.model, created, srv.fingerprint, True, text, reason,
+            return reply.response_body(job.endpoint, job.id, req.model, created, srv.fingerprint, True, text, reason,
                                     reasoning, calls, pending_lp or None)
 
         while True:
@@ -258,15 +260,15 @@ class Handler(BaseHTTPRequestHandler):
             if req.include_usage:
                 self._chunk({"id": job.id, "system_fingerprint": srv.fingerprint, "object": final["object"],
                              "model": req.model, "created": created, "choices": [],
-                             "usage": oc.usage(item.prompt_tokens, item.completion_tokens), "timings": item.timings})
+                             "usage": reply.usage(item.prompt_tokens, item.completion_tokens), "timings": item.timings})
         self._write(b"data: [DONE]\n\n")
         self.close_connection = True
 
     def _complete(self, job: Job) -> None:
         req, srv = job.request, self.server
         tokenizer = srv.engine.target.tokenizer
-        _, text_sm = oc.stop_machinery(tokenizer, req.stop_words)
-        out = oc.ResponseText(tokenizer, text_sm, req.tools, req.initial_state, streaming=False)
+        _, text_sm = reply.stop_machinery(tokenizer, req.stop_words)
+        out = reply.ResponseText(tokenizer, text_sm, req.tools, req.initial_state, streaming=False)
         logprobs: List[Dict[str, Any]] = []
         finish = "length"
         text, reasoning = "", ""
@@ -284,9 +286,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         finish = out.finish(finish)
         text, reasoning, calls = out.take()
-        payload = oc.response_body(job.endpoint, job.id, req.model, int(time.time()), srv.fingerprint, False, text,
+        payload = reply.response_body(job.endpoint, job.id, req.model, int(time.time()), srv.fingerprint, False, text,
                                    finish, reasoning, calls, logprobs or None)
-        payload["usage"] = oc.usage(item.prompt_tokens, item.completion_tokens)
+        payload["usage"] = reply.usage(item.prompt_tokens, item.completion_tokens)
         payload["timings"] = item.timings
         try:
             self._send_json(200, payload)

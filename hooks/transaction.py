@@ -29,9 +29,8 @@ cache's partial commit, run for all recurrent caches of a transaction together).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,

@@ -30,7 +30,7 @@ decoding is attached to the target; plain decoding keeps mlx-lm's caches.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache

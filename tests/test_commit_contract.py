@@ -10,7 +10,7 @@ from their recorded forward, with no model replay.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import pytest

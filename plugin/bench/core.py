@@ -10,22 +10,18 @@ shorter length than any timed one.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import platform
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from ...hooks.state import CachePolicy, LoadedTarget
 from .. import cache_policy
-from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Run, allocate_lengths, divergence, reference
+from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import summarize
 from . import synthetic
 

@@ -1,0 +1,151 @@
+"""The rows of one batch drafting with a DFlash drafter (``DFlashBatch``): their context caches,
+the target features not yet in them, and the one drafter forward per round that drafts every
+row's block."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ...hooks.batch import extend_rows, extract_row, filter_rows, merge_rows
+from ...hooks.transaction import CacheTransaction
+from ..base import DraftBatch, Proposal, Verified
+from .features import target_features
+
+if TYPE_CHECKING:
+    from . import DFlashDrafter
+
+
+class DFlashBatch(DraftBatch):
+    """The rows of one batch drafting with a DFlash drafter: their context caches and the target
+    features not yet in them. One drafter forward per round drafts every row's block."""
+
+    def __init__(self, drafter: "DFlashDrafter"):
+        self.drafter = drafter
+        self.rows: List[Any] = []  # DecodeStates in cache-row order (rows that already have a context)
+        self.context: List[int] = []  # positions in each row's context cache
+        self.pending: Dict[int, List[Dict[int, mx.array]]] = {}  # id(row) -> captures not yet in the cache
+        self.fresh: List[Any] = []  # rows seen, their context not made yet
+        self.cache: List[Any] = []  # per drafter layer: one row's own cache, or batched caches
+
+    def sync(self, rows: Sequence[Any]) -> None:
+        present = {id(r) for r in rows}
+        keep = [b for b, r in enumerate(self.rows) if id(r) in present]
+        if len(keep) < len(self.rows):
+            before = len(self.rows)
+            self.rows = [self.rows[b] for b in keep]
+            self.context = [self.context[b] for b in keep]
+            if not keep:
+                self.cache = []
+            elif len(keep) == 1 and before > 1:
+                self.cache = extract_row(self.cache, keep[0])
+            elif len(keep) > 1:
+                filter_rows(self.cache, keep)
+        self.fresh = [r for r in self.fresh if id(r) in present]
+        known = {id(r) for r in self.rows + self.fresh}
+        self.fresh += [r for r in rows if id(r) not in known]
+        self.pending = {k: v for k, v in self.pending.items() if k in present}
+        for row in rows:
+            if row.captures:  # what the host fed since the last step (prefill, plain steps)
+                self.pending.setdefault(id(row), []).append(dict(row.captures))
+
+    def _features(self, row: Any) -> Optional[mx.array]:
+        """[1, n, taps*H]: the row's pending target features, or None."""
+        parts = self.pending.pop(id(row), [])
+        if not parts:
+            return None
+        layers = self.drafter.capture_layers()
+        joined = {i: mx.concatenate([p[i] for p in parts], axis=1) if len(parts) > 1 else parts[0][i]
+                  for i in layers if all(i in p for p in parts)}
+        return target_features(joined, layers, self.drafter.final_norm)
+
+    def prepare(self, rows: Sequence[Any]) -> None:
+        """Append each row's new context (the committed positions' features), exactly its own count."""
+        d = self.drafter
+        for row in self.fresh:  # a row's first context (its whole prompt) is made alone, then merged
+            caches = d.make_cache()
+            feats = self._features(row)
+            n = 0 if feats is None else feats.shape[1]
+            if n:
+                self._append(caches, feats[None] if feats.ndim == 2 else feats, [n])
+            if not self.rows:
+                self.cache = caches
+            elif len(self.rows) == 1:
+                self.cache = merge_rows([self.cache, caches])
+            else:
+                extend_rows(self.cache, merge_rows([caches]))
+            self.rows.append(row)
+            self.context.append(n)
+        self.fresh = []
+        order = {id(r): b for b, r in enumerate(self.rows)}
+        if [order.get(id(r)) for r in rows] != list(range(len(self.rows))):
+            raise RuntimeError("DFlash rows must keep the batch's order")
+        feats = [self._features(r) for r in self.rows]
+        counts = [0 if f is None else f.shape[1] for f in feats]
+        if max(counts) > 0:
+            width = max(counts)
+            H = next(f.shape[2] for f in feats if f is not None)
+            dtype = next(f.dtype for f in feats if f is not None)
+            padded = mx.concatenate([mx.concatenate([f, mx.zeros((1, width - c, H), dtype)], axis=1) if f is not None and c < width
+                                     else (f if f is not None else mx.zeros((1, width, H), dtype))
+                                     for f, c in zip(feats, counts)], axis=0)  # [B, width, taps*H]
+            self._append(self.cache, padded, counts)
+        self.context = [c + n for c, n in zip(self.context, counts)]
+        for row, c in zip(self.rows, self.context):
+            if c != len(row.tokens) - 1:
+                raise RuntimeError(f"DFlash context out of step: {c} positions in the drafter's cache, but the "
+                                   f"target has consumed {len(row.tokens) - 1}")
+
+    def _append(self, caches: List[Any], feats: mx.array, counts: List[int]) -> None:
+        """Append [B, width, F] features, keeping counts[b] positions of row b."""
+        width = feats.shape[1]
+        if self.drafter.shape_stable and width > 1:
+            # A catch-up after plain steps feeds any count; each new count would build new kernels.
+            padded = 1 << (width - 1).bit_length()
+            feats = mx.concatenate([feats, mx.zeros((feats.shape[0], padded - width, feats.shape[2]), feats.dtype)], axis=1)
+            width = padded
+        with CacheTransaction(caches) as txn:
+            self.drafter.model.append_context(feats, caches)
+            txn.commit(counts, written=width)
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        d = self.drafter
+        k = max(max_drafts)
+        W = k + 1
+        # Shape-stable caches (CUDA): the block too is padded to a power of two, so adaptive sizes
+        # meet few attention shapes; the padding slots are masked out as keys.
+        width = 1 << (W - 1).bit_length() if d.shape_stable else W
+        block = mx.array([[r.pending] + [d.mask_token_id] * (width - 1) for r in rows], dtype=mx.uint32)  # [B, width]
+        widths = None if width == W and min(max_drafts) == k else mx.array([m + 1 for m in max_drafts])
+        h = d.model(d.embed(block), self.cache, widths)  # [B, width, H]
+        self.forwards += 1
+        logits = d.head(h[:, 1:W]).astype(mx.float32)  # [B, k, V]
+        greedy = [r.sampling.greedy for r in rows]
+        if all(greedy):
+            # Greedy rounds compare tokens only: no q to hand back.
+            tokens, qs = mx.argmax(logits, axis=-1), [None] * len(rows)  # [B, k]
+        else:
+            drawn, qs = [], []
+            for b, row in enumerate(rows):
+                if greedy[b]:
+                    drawn.append(mx.argmax(logits[b], axis=-1))
+                    qs.append(None)
+                    continue
+                # Drafts must be drawn from the q handed back, or rejection sampling is not lossless;
+                # q goes through the request's sampling filters as the target's p does.
+                logq = row.sampling.process(logits[b] - mx.logsumexp(logits[b], axis=-1, keepdims=True))  # [k, V]
+                drawn.append(mx.random.categorical(logq, axis=-1, key=row.next_draft_key()))
+                qs.append(logq)
+            tokens = mx.stack(drawn)  # [B, k]
+        # Queued, not awaited: the round builds its verify forward while the GPU drafts.
+        mx.async_eval(tokens, [q for q in qs if q is not None])
+        return [Proposal(tokens[b, :m], None if qs[b] is None else qs[b][:m]) if m else Proposal([])
+                for b, m in enumerate(max_drafts)]
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        # The committed positions' features become context at the next prepare; the block wrote nothing.
+        for row, v in zip(rows, verified):
+            if v.captures:
+                self.pending.setdefault(id(row), []).append(v.captures)
+        return [0] * len(rows)
