@@ -17,13 +17,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculative.plugin import padded_cache  # noqa: E402
+from mlx_speculative.drafters.dflash import DFlashDrafter  # noqa: E402
+from mlx_speculative.plugin import cache_policy  # noqa: E402
 from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.kernels import timed  # noqa: E402
 
@@ -75,7 +76,7 @@ def attention(config: Dict[str, Any], key_length: int, iters: int, dtype: mx.Dty
 
 def forwards(model: Any, key_length: int, widths: List[int], iters: int) -> List[Dict[str, Any]]:
     rows = []
-    for cache_name, bucket in (("KVCache", None), ("padded", padded_cache.DEFAULT_BUCKET)):
+    for cache_name, bucket in (("KVCache", None), ("padded", cache_policy.DEFAULT_BUCKET)):
         for n, r in kernels.target_forward_ms(model, key_length, widths, iters, bucket).items():
             rows.append({"cache": cache_name, "positions": n, "keys": key_length, **r})
             print(f"forward {cache_name:7s} positions {n:2d} after {key_length}: {r['ms']:7.3f} ms "
@@ -85,10 +86,12 @@ def forwards(model: Any, key_length: int, widths: List[int], iters: int) -> List
 
 def drafter_forward(model: Any, config: Dict[str, Any], key_length: int, iters: int) -> List[Dict[str, Any]]:
     """A DFlash round's draft: 7 new context positions (tau ~6.5) + a block through the drafter + the head."""
-    drafter, desc = synthetic.dflash_drafter(model, config)
+    plain, desc = synthetic.dflash_drafter(model, config)
+    # The same drafter weights with the shape-stable policy: padded context caches, as on CUDA.
+    policy = cache_policy.ShapeStablePolicy(cache_policy.DEFAULT_BUCKET, prewarm_tokens=0)
+    padded = DFlashDrafter(plain.model, plain.embed, plain.head, policy)
     rows = []
-    for cache_name, bucket in (("KVCache", None), ("padded", padded_cache.DEFAULT_BUCKET)):
-        drafter.cache_bucket = bucket
+    for cache_name, drafter in (("KVCache", plain), ("padded", padded)):
         for block in (2, 4, 8, 16):
             ms = kernels.dflash_block_ms(drafter, key_length, block, iters)
             rows.append({"cache": cache_name, "block": block, "context": key_length, "ms": ms, "drafter": desc})
@@ -96,7 +99,7 @@ def drafter_forward(model: Any, config: Dict[str, Any], key_length: int, iters: 
     return rows
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", default="llama-8b", choices=sorted(synthetic.SPECS))
     parser.add_argument("--key-length", type=int, default=1024)
@@ -104,7 +107,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--skip", default="", help="comma list of parts to skip: matmul,attention,forward,drafter")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     config = synthetic.config_for(args.spec)
@@ -125,7 +128,8 @@ def main() -> None:
             result["drafter"] = drafter_forward(model, config, args.key_length, args.iters)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
