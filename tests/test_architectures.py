@@ -117,13 +117,13 @@ def test_ngram(arch: str, checkpoints: Dict[str, Dict[str, Path]]) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "falcon_h1", "mamba2"])
-def test_recurrent_rounds_commit_through_the_tape(arch: str, checkpoints: Dict[str, Dict[str, Path]],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recurrent_rounds_commit_from_the_recording(arch: str, checkpoints: Dict[str, Dict[str, Path]],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """In the real round loop, partial commits of recurrent caches (the target's and the draft
-    model's) go through the innovation tape. The one replay left per request: the draft model's
-    first round, whose catch-up (the prompt) starts from empty caches, where no state array exists
-    to recognise the calls by."""
-    from mlx_speculative.plugin.commit import CacheTransaction
+    model's) are set from the layers' recorded inputs (hooks/recurrent.py), not replayed. The one
+    replay left per request: the draft model's first round, whose catch-up (the prompt) starts from
+    empty caches, where no state array exists to recognise the calls by."""
+    from mlx_speculative.hooks.transaction import CacheTransaction
 
     commits: List[Any] = []
     commit = CacheTransaction.commit
