@@ -203,3 +203,43 @@ def test_a_request_after_the_last_row_ended_mid_run(models: Dict[str, Path]) -> 
         scheduler.step()
         steps += 1
     assert second.state.tokens[second.state.prompt_len:] == ref[:12]
+
+
+class Exploding(Watched):
+    """Raises the first time it drafts for three rows or more, after the drafter's forward ran."""
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        out = super().propose(rows, max_drafts)
+        if len(rows) >= 3 and not self.log["exploded"]:
+            self.log["exploded"].append(len(rows))
+            raise RuntimeError("drafter exploded")
+        return out
+
+
+class ExplodingDrafter(WatchedDrafter):
+    def new_batch(self) -> DraftBatch:
+        return Exploding(self.inner.new_batch(), self.log, self.truth)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_a_drafter_failing_mid_batch_loses_no_token(arch: str, models: Dict[str, Path]) -> None:
+    """The batch's drafter raises mid-round: the round is rolled back, every row it drafted for goes
+    on with plain steps, rows joining later draft again, and every request equals its greedy decoding."""
+    host = make_host({"draft_model": str(models[arch + ":draft_model"]), "block_size": 4})
+    target = host.load(str(models[arch]))
+    requests = _requests(target)[:4]
+    refs = [greedy_reference(target.model, p, n) for p, n in requests]
+    log: Dict[str, List[Any]] = {"forwards": [], "accepted": [], "exploded": []}
+    att = target.attachments["speculative"]
+    att.drafter = ExplodingDrafter(att.drafter, log, {})
+    scheduler = Scheduler(host, target)
+    submitted = [scheduler.submit(p, GenerationParams(max_tokens=n, stop_token_ids=[])) for p, n in requests]
+    got: Dict[int, List[int]] = {r.id: [] for r in submitted}
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            got[request.id].append(event.token)
+    assert [got[r.id] for r in submitted] == refs
+    reports = [r.state.report["speculative"] for r in submitted]
+    failed = [s for s in reports if s.fallback]
+    assert log["exploded"] and len(failed) == log["exploded"][0] >= 3
+    assert all("drafter exploded" in s.fallback for s in failed) and sum(s.rounds for s in failed) > 0
