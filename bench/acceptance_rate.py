@@ -21,7 +21,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
@@ -87,7 +87,7 @@ def measure(pair: Dict[str, Path], kind: str, block: int, acceptance: str, tempe
     }
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kinds", nargs="+", default=["draft_model", "dflash"], choices=["draft_model", "dflash"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7, 1.0])
@@ -98,7 +98,7 @@ def main() -> int:
     p.add_argument("--dflash-steps", type=int, default=300, help="training steps for the tiny DFlash drafter (0: random)")
     p.add_argument("--workdir", type=Path, default=None, help="where to write the tiny checkpoints (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     mx.set_default_device(mx.cpu)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="acceptance-"))

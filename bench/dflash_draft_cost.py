@@ -1,6 +1,6 @@
 """Cost of one DFlash drafting step at a real checkpoint's size (random weights, no target needed).
 
-    python bench/dflash_draft_cost.py --config path/to/dflash/config.json
+    python bench/dflash_draft_cost.py --config path/to/dflash/config.json [--json out.json]
 
 Each simulated round appends ``--accepted + 1`` context positions (as after a round that accepted
 ``--accepted`` drafts), runs the drafter over a block of ``--block`` positions and the target-sized
@@ -49,6 +49,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--accepted", type=int, default=6, help="drafts accepted per simulated round")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket", type=int, default=256, help="padded context cache bucket (0: plain KVCache)")
+    p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
 
     config: Dict[str, Any] = json.loads(open(args.config).read())
@@ -75,9 +76,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             "second_pass_ms_per_round": round(1e3 * sum(passes[1]) / args.rounds, 3),
             "second_pass_median_ms": round(1e3 * sorted(passes[1])[args.rounds // 2], 3),
         }
-    print(json.dumps({"device": str(mx.default_device()), "config": args.config, "dtype": args.dtype,
-                      "context": args.context, "rounds": args.rounds, "block": args.block,
-                      "context_per_round": args.accepted + 1, "results": results}, indent=1))
+    text = json.dumps({"device": str(mx.default_device()), "config": args.config, "dtype": args.dtype,
+                       "context": args.context, "rounds": args.rounds, "block": args.block,
+                       "context_per_round": args.accepted + 1, "results": results}, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
     return 0
 
 

@@ -3,9 +3,11 @@
     python bench/round_trace.py [--synthetic-target llama-8b] [--tau 6.5] [--prompt-lengths 1019,2801] [--adaptive]
 
 Runs the plugin (DFlash-shape drafter, oracle acceptance, as ``mlx-spec bench``) with a traced
-round: the device is synchronised between phases (draft, cache-transaction begin, graph build,
-target forward, log-probabilities, accept, commit, emit, finish), so each phase's time is its
-own. Synchronising adds a little to every round; use it to find costs, not to quote speed-ups.
+round: a plugin of this script whose decode step is the plugin's round (plugin/round.py: draft,
+verify, accept, commit) with the device synchronised between phases (draft, cache-transaction
+begin, graph build, target forward, log-probabilities, accept, target commit, emit, finish: the
+drafter's commit and the stats), so each phase's time is its own. Its other hooks are the plugin's.
+Synchronising adds a little to every round; use it to find costs, not to quote speed-ups.
 Prints per-phase medians for each prompt's fresh and warm run and the rounds far above the median;
 with ``--adaptive`` (block size and pauses by the controller) every round, with the context
 positions the drafter caught up on and the plain steps before it.
@@ -25,60 +27,151 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculative.plugin import hookimpls, padded_cache  # noqa: E402
+from mlx_speculative.drafters.base import Proposal  # noqa: E402
+from mlx_speculative.hooks.batch import DecodeBatch, replay  # noqa: E402
+from mlx_speculative.hooks.host import Host  # noqa: E402
+from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
+from mlx_speculative.hooks.specs import hookimpl  # noqa: E402
+from mlx_speculative.hooks.state import DecodeState, GeneratedToken, HostConfig, StepOutput  # noqa: E402
+from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
+from mlx_speculative.plugin import cache_policy, commit, hookimpls  # noqa: E402
 from mlx_speculative.plugin import round as rnd  # noqa: E402
+from mlx_speculative.plugin.accept import accept_rows  # noqa: E402
 from mlx_speculative.plugin.bench import core  # noqa: E402
-from mlx_speculative.plugin.commit import CacheTransaction  # noqa: E402
+from mlx_speculative.plugin.draft import LAZY_DRAFTS, as_ints, draft  # noqa: E402
+from mlx_speculative.plugin.verify import row_logprobs, verify  # noqa: E402
 
 TRACE: List[Dict[str, Any]] = []
 PHASES = ("draft", "begin", "build", "forward", "logprobs", "accept", "commit", "emit", "finish")
 
 
-def traced_round(state: Any, req: Any) -> Optional[Any]:
-    mark = [time.perf_counter()]
-    row: Dict[str, Any] = {"keys": state.cache[0].offset}
+def _keys(batch: DecodeBatch) -> int:
+    offset = batch.cache[0].offset  # an int, or per-row offsets [B] of a batched cache
+    return int(offset) if isinstance(offset, int) else int(mx.max(offset).item())
 
-    def phase(name: str) -> None:
-        mx.synchronize()
+
+def _context(br: rnd.BatchRounds) -> Optional[int]:
+    inner = getattr(br.draft, "inner", br.draft)  # the oracle's wrapper around the drafter's batch
+    context = getattr(inner, "context", None)  # DFlash: positions in each row's context cache
+    return sum(context) if context is not None else None
+
+
+def traced_step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
+    """``plugin.round.step``, its round traced (``traced_round``)."""
+    rows = list(batch.rows)
+    reqs = [rnd.row_rounds(r, att) for r in rows]
+    on = [b for b, req in enumerate(reqs) if req is not None]
+    if not on:
+        return None
+    br = batch.extras.get(rnd.NAME)
+    if br is None:
+        br = batch.extras[rnd.NAME] = rnd.BatchRounds(att.drafter.new_batch())
+    on_rows, on_reqs = [rows[b] for b in on], [reqs[b] for b in on]
+    rnd._observe(batch, br, on_rows, on_reqs)
+    br.draft.sync(on_rows)
+    plans = [rnd._plan(r, q) for r, q in zip(on_rows, on_reqs)]
+    if not any(plans):
+        outs = [StepOutput([], None) for _ in rows]
+        for b, row, req in zip(on, on_rows, on_reqs):
+            outs[b].plain_steps = rnd._grant(row, req)
+            req.expected = row.generated
+        return outs
+    return traced_round(batch, att, br, rows, on, plans)
+
+
+def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[DecodeState], on: List[int],
+                 plans: List[Optional[int]]) -> List[StepOutput]:
+    """``plugin.round._round`` with a synchronisation and a time stamp after each phase (no fallbacks:
+    a failure is raised)."""
+    reqs = [rows[b].extras[rnd.NAME] for b in on]
+    on_rows = [rows[b] for b in on]
+    vocab = int(rows[0].pending_logprobs.shape[-1]) if rows[0].pending_logprobs is not None else 0
+    row: Dict[str, Any] = {"keys": _keys(batch), "plain_before": reqs[0].controller.plain_steps}
+    context = _context(br)
+    mx.synchronize()
+    mark = [time.perf_counter()]
+
+    def phase(name: str, sync: bool = True) -> None:
+        if sync:
+            mx.synchronize()
         now = time.perf_counter()
         row[name] = (now - mark[0]) * 1e3
         mark[0] = now
 
-    mx.synchronize()
-    mark[0] = time.perf_counter()
-    plain_before = req.controller.plain_steps
-    drafted = rnd.draft_block(state, req)
+    t0 = mark[0]
+    lazy = LAZY_DRAFTS and not any(r.logits_processors for r in rows)
+    drafted = draft(br.draft, on_rows, [k or 0 for k in plans], vocab, lazy)
     phase("draft")
-    if drafted is None:
-        return None
-    session = getattr(req.session, "inner", req.session)
-    row["context"] = getattr(session, "_consumed", None)  # DFlash: captured positions fed this round
-    row["plain_before"] = plain_before
-    proposal, draft_txn, block = drafted
-    fed = [state.pending, *proposal.tokens]
-    txn = CacheTransaction(state.cache, replay=lambda n: state.forward(fed[:n])).begin()
+    after = _context(br)
+    row["context"] = after - context if after is not None and context is not None else None
+    t1 = mark[0]
+    proposals: List[Proposal] = [Proposal([]) for _ in rows]
+    for b, p in zip(on, drafted.proposals):
+        proposals[b] = p
+    width_for = getattr(batch.target.cache_policy, "verify_width", lambda n: n)
+    fed: List[Any] = []
+    target = CacheTransaction(batch.cache, replay=lambda n: replay(batch.target.model, batch.cache, fed[0], n))
+    target.begin()
     phase("begin")
-    width = padded_cache.verify_width(state.cache, len(fed))
-    logits = state.forward(fed + [state.pending] * (width - len(fed)))[:, : len(fed)]
-    row["build"] = (time.perf_counter() - mark[0]) * 1e3  # no sync: the graph was only built
-    mark[0] = time.perf_counter()
+    logits, captured, inputs = verify(batch, [p.tokens for p in proposals], vocab, width_for)  # [B, W, V]
+    fed.append(inputs)
+    phase("build", sync=False)  # the graph was only built
     mx.eval(logits)
     phase("forward")
-    logprobs = state.logprobs(logits, proposal.tokens)
+    proposals = as_ints(proposals, vocab)
+    logprobs = [row_logprobs(r, logits[b : b + 1], p.tokens) for b, (r, p) in enumerate(zip(rows, proposals))]
     mx.eval(logprobs)
     phase("logprobs")
-    outcome = rnd._accept(state, req, proposal, logprobs)
+    outcomes = accept_rows(rows, proposals, logprobs, att.settings.acceptance)
     phase("accept")
-    txn.commit(outcome.emitted)
+    outcomes = commit.fit(target, outcomes, inputs.shape[1])
+    commit.commit_target(target, outcomes, inputs.shape[1])
     phase("commit")
-    out = rnd.emit(state, outcome, logprobs)
-    phase("emit")
-    verify_ms = sum(row[p] for p in ("begin", "build", "forward", "logprobs", "accept", "commit", "emit"))
-    rnd.finish_round(state, req, draft_txn, block, outcome, row["draft"] / 1e3, verify_ms / 1e3)
+    t2 = mark[0]
+    commit.commit_drafter(br.draft, drafted, on_rows, commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
+    t3 = time.perf_counter()
+    for b, req, plan in zip(on, reqs, plans):
+        outcome = outcomes[b]
+        if plan and outcome.draft_tokens:
+            c = req.controller
+            c.history.append(c.size)
+            c.record_round(t2 - t0)
+            c.update(outcome.accepted, outcome.draft_tokens)
+            req.stats.record(outcome)
+            req.stats.block_sizes = c.history
+            req.stats.seconds["draft"] += t1 - t0
+            req.stats.seconds["verify"] += t2 - t1
+            req.stats.seconds["commit"] += t3 - t2
+        req.expected = rows[b].generated + (len(outcome.tokens) if plan and outcome.draft_tokens else 0)
     phase("finish")
-    row.update(width=width, drafts=len(proposal.tokens), accepted=outcome.accepted)
+    out = [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
+           for b, o in enumerate(outcomes)]
+    phase("emit")
+    o = outcomes[on[0]]
+    row.update(width=int(inputs.shape[1]), drafts=o.draft_tokens, accepted=o.accepted)
     TRACE.append(row)
     return out
+
+
+class TracedPlugin:
+    """The speculative plugin's hooks, with ``traced_step`` as its decode step."""
+
+    @hookimpl
+    def host_cache_policy(self, target: Any) -> Any:
+        return hookimpls.host_cache_policy(target)
+
+    @hookimpl
+    def host_prefill_captures(self, target: Any, state: DecodeState) -> Any:
+        return hookimpls.host_prefill_captures(target, state)
+
+    @hookimpl
+    def host_decode_step(self, batch: DecodeBatch) -> Optional[List[StepOutput]]:
+        att = hookimpls._attached(batch.target)
+        return traced_step(batch, att) if att is not None else None
+
+    @hookimpl
+    def host_request_finished(self, state: DecodeState, discarded: int) -> None:
+        hookimpls.host_request_finished(state, discarded)
 
 
 def summarise(label: str, rows: List[Dict[str, Any]], every: bool = False) -> Dict[str, Any]:
@@ -100,8 +193,8 @@ def summarise(label: str, rows: List[Dict[str, Any]], every: bool = False) -> Di
             "median_ms": med, "slow": slow, "rows": rows if every else None}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--synthetic-target", default="llama-8b")
     parser.add_argument("--tau", type=float, default=6.5)
     parser.add_argument("--block", type=int, default=16)
@@ -109,37 +202,42 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--adaptive", action="store_true", help="adaptive block size and pauses (every round printed)")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     s = core.BenchSettings(synthetic_target=args.synthetic_target, kind="dflash", block_sizes=[args.block],
                            taus=[args.tau], mlx_lm_spec=False)
     lengths = [int(x) for x in args.prompt_lengths.split(",")]
-    padded = padded_cache.resolve_mode(s.padded)
+    on = cache_policy.resolve_mode(s.padded)
+    policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0) if on else None
     target, config, _ = core.load_target(s)
-    drafter = core.load_drafters(s, target, config, padded)["dflash"][0]
+    drafter = core.load_drafters(s, target, config, policy)["dflash"][0]
     vocab = int(config["vocab_size"])
     max_len = max(lengths) + args.max_tokens + 2 * args.block + 8
-    if padded:
+    if policy is not None:
         from mlx_speculative.drafters.dflash import prewarm as prewarm_dflash
 
-        padded_cache.prewarm(target.model, max_len, padded_cache.widths_for(args.block), s.bucket)
+        policy.prewarm_tokens = max_len
+        policy.prewarm(target.model, args.block)
         prewarm_dflash(drafter, max_len, args.block)
-    method = core.HostMethod(target, f"plugin dflash b{args.block} tau{args.tau:g}", padded, s.bucket, drafter,
+    method = core.HostMethod(target, f"plugin dflash b{args.block} tau{args.tau:g}", policy, drafter,
                              args.block, args.tau, args.adaptive, vocab)
-    hookimpls.run_round = traced_round
+    method.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False, plugins=[TracedPlugin()]))
     stream = [2 + (i * 7919) % (vocab - 3) for i in range(max_len)]
     warm = stream[:64]
-    method.run(warm, 16, core.reference(target, warm, 16, padded, s.bucket), 0)
+    method.run(warm, 16, core.reference(target, warm, 16, policy), 0)
     out = []
     for L in lengths:
         prompt = stream[:L]
-        ref = core.reference(target, prompt, args.max_tokens, padded, s.bucket)
+        ref = core.reference(target, prompt, args.max_tokens, policy)
         for regime in ("fresh", "warm"):
             TRACE.clear()
             r = method.run(prompt, args.max_tokens, ref, 1)
-            out.append(summarise(f"L={L} {regime} {r.tok_s:.1f} tok/s (traced)", list(TRACE), args.adaptive))
+            same = r.tokens == ref.tokens  # the traced rounds must decode as plain greedy decoding does
+            label = f"L={L} {regime} {r.tok_s:.1f} tok/s (traced){'' if same else ', tokens DIFFER from plain decoding'}"
+            out.append({**summarise(label, list(TRACE), args.adaptive), "identical": same})
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

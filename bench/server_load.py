@@ -10,7 +10,9 @@ The default policy is batched decode steps (server.batching: one target forward 
 active requests, speculative rounds with per-row acceptance). With --compare it runs the same load
 under the other policies too: interleaved (server.batching: false, --max-active N: one request's
 step at a time, round robin) and FIFO (one request at a time, --max-active 1), and prints all.
---kind picks the drafter (draft_model, ngram) or plain decoding (none).
+--kind picks the drafter (draft_model, ngram) or plain decoding (none). From the server's /metrics,
+over the load only: rounds and tau (spec_decode_num_*), decode steps and mean rows per step
+(mlx_spec_decode_rows_total / mlx_spec_decode_steps_total: rows per target forward).
 
     python bench/server_load.py --clients 16 --duration 60 --compare
 """
@@ -75,7 +77,7 @@ class Server:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        self.proc.kill()
+        self.stop()
         raise RuntimeError(f"server did not start:\n{self.log_path.read_text()}")
 
     def rss_mb(self) -> float:
@@ -180,8 +182,9 @@ def load_run(server: Server, reqs: List[Dict[str, Any]], refs: List[Tuple[str, i
     def q(xs: List[float], p: float) -> float:
         return sorted(xs)[min(int(p * len(xs)), len(xs) - 1)] if xs else float("nan")
 
-    drafts = after["spec_decode_num_drafts_total"] - before["spec_decode_num_drafts_total"]
-    accepted = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}  # counters over the load only
+    drafts, accepted = d.get("spec_decode_num_drafts_total", 0), d.get("spec_decode_num_accepted_tokens_total", 0)
+    steps, rows = d.get("mlx_spec_decode_steps_total", 0), d.get("mlx_spec_decode_rows_total", 0)
     return {
         "clients": clients, "duration_s": round(wall, 1), **stats,
         "requests_per_s": round(stats["requests"] / wall, 2), "tokens_per_s": round(stats["tokens"] / wall, 1),
@@ -190,6 +193,7 @@ def load_run(server: Server, reqs: List[Dict[str, Any]], refs: List[Tuple[str, i
         "rss_mb_second_fifth": round(early, 1), "rss_mb_last_fifth": round(late, 1),
         "rss_mb_max": round(max(v for _, v in rss), 1), "rss_growth_pct": round(100 * (late - early) / early, 2),
         "rounds": int(drafts), "tau": round(1 + accepted / drafts, 3) if drafts else None,
+        "decode_steps": int(steps), "mean_rows_per_decode_step": round(rows / steps, 2) if steps else None,
         "error_samples": error_samples[:3],
     }
 
@@ -209,10 +213,7 @@ def bench(policy: str, max_active: int, args: argparse.Namespace, target: Path, 
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         refs = [run_one(client, r)[:2] for r in reqs]  # sequential greedy outputs
         result = load_run(server, reqs, refs, args.clients, args.duration)
-        after = server.metrics()
-        steps = after.get("mlx_spec_batched_steps_total", 0)
-        result.update(policy=policy, max_active=max_active, kind=args.kind,
-                      mean_rows_per_batched_step=round(after.get("mlx_spec_batched_rows_total", 0) / steps, 2) if steps else None)
+        result.update(policy=policy, max_active=max_active, kind=args.kind)
         return result
     finally:
         server.stop()

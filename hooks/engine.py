@@ -146,12 +146,12 @@ class Engine:
             for job in list(self.jobs.values()):
                 if job.cancelled.is_set() and job.scheduled is not None:
                     self.scheduler.cancel(job.scheduled)
-            for batch in self.scheduler.batches():
-                self.counters.stepped(len(batch))
             for request, event in self.scheduler.step():
                 job = self.jobs.get(request.id)
                 if job is not None and not job.cancelled.is_set():
                     self._emit(job, event)
+            for rows in self.scheduler.decoded:
+                self.counters.stepped(rows)
             for job in [j for j in self.jobs.values() if j.scheduled is not None and j.scheduled.done]:
                 self._done(job)
 

@@ -102,6 +102,7 @@ class Scheduler:
         self.rows: dict = {}  # id(DecodeState) -> Request
         self._ids = itertools.count()
         self.steps = 0
+        self.decoded: List[int] = []  # rows of each batch the last step decoded (one target forward each)
 
     # requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: GenerationParams) -> Request:
@@ -135,6 +136,7 @@ class Scheduler:
     def step(self) -> List[Tuple[Request, HostEvent]]:
         """One scheduling step; returns the events it emitted, in order."""
         out: List[Tuple[Request, HostEvent]] = []
+        self.decoded = []
         self._drop_cancelled()
         self._join_ready()
         if self.prefilling:
@@ -197,6 +199,7 @@ class Scheduler:
     def _decode(self, decoder: BatchDecoder, out: List[Tuple[Request, HostEvent]]) -> None:
         main = decoder is self._main(create=False)
         more = (lambda: not self.ready) if main else (lambda: True)
+        self.decoded.append(len(decoder.batch.rows))
         try:
             emitted = decoder.step(more)
         except Exception as e:  # noqa: BLE001 - the batch's requests fail, the others go on

@@ -1,0 +1,71 @@
+"""The bench scripts run against this checkout's code (tiny sizes, CPU) and write their JSON.
+
+Not measurements: each script is imported from bench/ and run for a few rounds, so that a refactor
+of the engine that breaks one of them fails here. bench/server_load.py has its own (slow) test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(name: str, args: list, out: Path) -> Any:
+    device = mx.default_device()  # commit_cost.py runs on the CPU: the other tests keep their device
+    try:
+        assert script(name).main([*args, "--json", str(out)]) in (0, None)
+    finally:
+        mx.set_default_device(device)
+    return json.loads(out.read_text())
+
+
+def test_commit_cost(tmp_path: Path) -> None:
+    report = run("commit_cost", ["--arch", "llama", "qwen3_5", "--rounds", "1"], tmp_path / "c.json")
+    by_arch = {r["arch"]: r for r in report["results"]}
+    assert by_arch["llama"]["replayed"] == 0 and by_arch["llama"]["taped"] == 0
+    # qwen3_5: every partial commit (n < B) from the recording, none replayed
+    assert by_arch["qwen3_5"]["taped"] == pytest.approx(7 / 8) and by_arch["qwen3_5"]["replayed"] == 0
+    assert set(by_arch["qwen3_5"]["cases"]) == {"zero", "partial", "full"}
+
+
+def test_commit_cost_replay(tmp_path: Path) -> None:
+    report = run("commit_cost", ["--arch", "mamba2", "--rounds", "1", "--no-tape"], tmp_path / "c.json")
+    (r,) = report["results"]
+    assert r["taped"] == 0 and r["replayed"] == pytest.approx(7 / 8)  # a full commit never replays
+
+
+def test_round_trace(tmp_path: Path) -> None:
+    out = run("round_trace", ["--synthetic-target", "tiny", "--prompt-lengths", "80", "--max-tokens", "24",
+                              "--block", "8", "--tau", "3"], tmp_path / "t.json")
+    assert [s["label"].split()[1] for s in out] == ["fresh", "warm"]
+    assert all(s["identical"] and s["rounds"] > 0 for s in out)
+    assert set(out[0]["median_ms"]) == {"draft", "begin", "build", "forward", "logprobs", "accept", "commit", "emit",
+                                        "finish"}
+
+
+def test_verify_cost(tmp_path: Path) -> None:
+    out = run("verify_cost", ["--spec", "tiny", "--key-length", "64", "--widths", "1,4", "--iters", "2",
+                              "--skip", "matmul,attention"], tmp_path / "v.json")
+    assert {r["cache"] for r in out["forward"]} == {"KVCache", "padded"}
+    assert {r["cache"] for r in out["drafter"]} == {"KVCache", "padded"}
+
+
+def test_host_plain_speed(tmp_path: Path) -> None:
+    out = run("host_plain_speed", ["--tokens", "16", "--repeats", "1"], tmp_path / "h.json")
+    assert set(out["results"]) == {"mlx_lm.generate_step", "host plain, pipelined", "host plain, unpipelined"}
