@@ -7,8 +7,9 @@ Each ``step()``:
    for all its rows) when their caches merge, else a batch of their own. Seeded sampling requests
    always decode in a batch of their own: a batched forward rounds differently from a forward of
    one row, and a seeded request must give the same tokens whatever runs beside it.
-2. the oldest request still prefilling feeds one chunk of its prompt (``prefill_step_size``
-   tokens), so a long prompt never stalls the rows that are decoding;
+2. requests still prefilling feed their prompts, oldest first, in chunks of ``prefill_step_size``
+   tokens until one chunk's worth was fed this step (several short prompts start in one step; a
+   long prompt feeds one chunk), so a long prompt never stalls the rows that are decoding;
 3. every batch takes one decode step (``hooks.step``): a plugin's round or the host's plain step.
 
 Then each emitted token goes through the request's stop / length / detokenizer handling, the one
@@ -79,6 +80,7 @@ class Request:
     events: RowEvents
     caches: List[Any] = field(default_factory=list)  # its own caches while it prefills
     prefill: Optional[Iterator[int]] = None
+    fed: int = 0  # prompt tokens prefilled so far
     batch: Optional[DecodeBatch] = None
     done: bool = False
     cancelled: bool = False
@@ -139,8 +141,9 @@ class Scheduler:
         self.decoded = []
         self._drop_cancelled()
         self._join_ready()
-        if self.prefilling:
-            self._prefill_chunk(self.prefilling[0], out)
+        budget = self.prefilling[0].params.prefill_step_size if self.prefilling else 0
+        while self.prefilling and budget > 0:
+            budget -= self._prefill_chunk(self.prefilling[0], out)
         for decoder in list(self.decoders):
             if decoder.batch.rows:
                 self._decode(decoder, out)
@@ -176,16 +179,18 @@ class Scheduler:
             self.rows[id(request.state)] = request
         self.ready = waiting
 
-    def _prefill_chunk(self, request: Request, out: List[Tuple[Request, HostEvent]]) -> None:
+    def _prefill_chunk(self, request: Request, out: List[Tuple[Request, HostEvent]]) -> int:
+        """Feed one chunk of the request's prompt; returns the tokens it fed (at least 1)."""
         assert request.prefill is not None
         try:
             fed = next(request.prefill)
         except Exception as e:  # noqa: BLE001 - one request fails, the others go on
             self.prefilling.remove(request)
             self._failed([request], e)
-            return
+            return 1
+        chunk, request.fed = max(1, fed - request.fed), fed
         if fed < request.state.prompt_len:
-            return
+            return chunk
         self.prefilling.remove(request)
         request.prefill = None
         state = request.state
@@ -195,6 +200,7 @@ class Scheduler:
             self._finish(request, event.finish_reason, 0)
         else:
             self.ready.append(request)
+        return chunk
 
     def _decode(self, decoder: BatchDecoder, out: List[Tuple[Request, HostEvent]]) -> None:
         main = decoder is self._main(create=False)
