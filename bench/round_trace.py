@@ -129,20 +129,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     phase("commit")
     t2 = mark[0]
     commit.commit_drafter(br.draft, drafted, on_rows, commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
-    t3 = time.perf_counter()
-    for b, req, plan in zip(on, reqs, plans):
-        outcome = outcomes[b]
-        if plan and outcome.draft_tokens:
-            c = req.controller
-            c.history.append(c.size)
-            c.record_round(t2 - t0)
-            c.update(outcome.accepted, outcome.draft_tokens)
-            req.stats.record(outcome)
-            req.stats.block_sizes = c.history
-            req.stats.seconds["draft"] += t1 - t0
-            req.stats.seconds["verify"] += t2 - t1
-            req.stats.seconds["commit"] += t3 - t2
-        req.expected = rows[b].generated + (len(outcome.tokens) if plan and outcome.draft_tokens else 0)
+    rnd.record(rows, on, reqs, plans, outcomes, (t0, t1, t2, time.perf_counter()))
     phase("finish")
     out = [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
            for b, o in enumerate(outcomes)]

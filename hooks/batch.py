@@ -51,6 +51,18 @@ def filter_rows(batched: Sequence[Any], keep: Sequence[int]) -> None:
         c.filter(indices)
 
 
+def keep_rows(caches: List[Any], keep: Sequence[int], before: int) -> List[Any]:
+    """Only rows ``keep`` of ``before`` rows stay: batched caches filtered in place, a single row's
+    own (plain) caches extracted, none left: []. Returns the caches to hold from now on."""
+    if not keep:
+        return []
+    if len(keep) == 1 and before > 1:
+        return extract_row(caches, keep[0])
+    if len(keep) > 1:
+        filter_rows(caches, keep)
+    return caches
+
+
 def forward(model: nn.Module, inputs: Inputs, cache: List[Any], layers: Sequence[int]) -> Tuple[mx.array, Dict[int, mx.array]]:
     """The target's ordinary forward: logits [B, W, V] and the tapped layers' outputs [B, W, H].
 

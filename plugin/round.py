@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..drafters.base import DraftBatch, Proposal
 from ..hooks.batch import DecodeBatch, replay
@@ -191,7 +191,17 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
     except Exception as e:  # noqa: BLE001 - the target's tokens stand; the drafter is done for
         drafted.abort()
         _fall_back(reqs, "committing", e)
-    t3 = time.perf_counter()
+    record(rows, on, reqs, plans, outcomes, (t0, t1, t2, time.perf_counter()))
+    return [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
+            for b, o in enumerate(outcomes)]
+
+
+def record(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRounds], plans: Sequence[Optional[int]],
+           outcomes: Sequence[RoundOutcome], times: Tuple[float, float, float, float]) -> None:
+    """A round's outcome into each drafting row's block-size controller and stats.
+
+    ``times``: perf_counter before drafting, after drafting, after the target's commit, at the end."""
+    t0, t1, t2, t3 = times
     for b, req, plan in zip(on, reqs, plans):
         outcome = outcomes[b]
         if plan and outcome.draft_tokens:
@@ -207,5 +217,3 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         # A row that drafted nothing took its token from this forward: one of its plain steps,
         # counted by ``observe`` at the next step like the host's.
         req.expected = rows[b].generated + (len(outcome.tokens) if plan and outcome.draft_tokens else 0)
-    return [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
-            for b, o in enumerate(outcomes)]

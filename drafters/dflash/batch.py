@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ...hooks.batch import extend_rows, extract_row, filter_rows, merge_rows
+from ...hooks.batch import extend_rows, keep_rows, merge_rows
 from ...hooks.transaction import CacheTransaction
 from ..base import DraftBatch, Proposal, Verified
 from .features import target_features
@@ -33,15 +33,9 @@ class DFlashBatch(DraftBatch):
         present = {id(r) for r in rows}
         keep = [b for b, r in enumerate(self.rows) if id(r) in present]
         if len(keep) < len(self.rows):
-            before = len(self.rows)
+            self.cache = keep_rows(self.cache, keep, len(self.rows))
             self.rows = [self.rows[b] for b in keep]
             self.context = [self.context[b] for b in keep]
-            if not keep:
-                self.cache = []
-            elif len(keep) == 1 and before > 1:
-                self.cache = extract_row(self.cache, keep[0])
-            elif len(keep) > 1:
-                filter_rows(self.cache, keep)
         self.fresh = [r for r in self.fresh if id(r) in present]
         known = {id(r) for r in self.rows + self.fresh}
         self.fresh += [r for r in rows if id(r) not in known]

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, make_prompt_cache
 
 from ...hooks import recurrent
-from ...hooks.batch import extend_rows, extract_row, filter_rows, forward, merge_rows, mergeable, replay
+from ...hooks.batch import extend_rows, forward, keep_rows, merge_rows, mergeable, replay
 from ...hooks.transaction import CacheTransaction, check_supported
 from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget, Proposal, Verified
 from ..compat import check_tokenizer, check_vocab
@@ -56,15 +56,9 @@ class DraftModelBatch(DraftBatch):
 
     def _keep(self, keep: List[int]) -> None:
         """Only these cache rows stay (rows that left the batch go); one row gets its own caches back."""
-        before = len(self.rows)
+        self.cache = keep_rows(self.cache, keep, len(self.rows))
         self.rows = [self.rows[b] for b in keep]
         self.fed = [self.fed[b] for b in keep]
-        if not keep:
-            self.cache = []
-        elif len(keep) == 1 and before > 1:
-            self.cache = extract_row(self.cache, keep[0])
-        elif len(keep) > 1:
-            filter_rows(self.cache, keep)
 
     def _join(self, row: Any) -> None:
         """A new row: prefill its own cache with everything but its pending token, then merge."""
