@@ -65,21 +65,22 @@ def copy_caches(caches: Sequence[Any]) -> List[Any]:
     return [copy_cache(c) for c in caches]
 
 
+def _walk(value: Any, seen: Dict[int, mx.array]) -> None:
+    if isinstance(value, mx.array):
+        seen.setdefault(id(value), value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _walk(v, seen)
+    elif hasattr(value, "__dict__") and hasattr(value, "is_trimmable"):
+        for v in vars(value).values():
+            _walk(v, seen)
+
+
 def arrays(caches: Sequence[Any]) -> List[mx.array]:
-    """Every array the caches hold, once each."""
+    """Every array the caches hold, once each (module-level recursion: a closure calling itself
+    would keep the arrays alive in a reference cycle until the next garbage collection)."""
     seen: Dict[int, mx.array] = {}
-
-    def walk(value: Any) -> None:
-        if isinstance(value, mx.array):
-            seen.setdefault(id(value), value)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-        elif hasattr(value, "__dict__") and hasattr(value, "is_trimmable"):
-            for v in vars(value).values():
-                walk(v)
-
-    walk(list(caches))
+    _walk(list(caches), seen)
     return list(seen.values())
 
 
@@ -100,15 +101,16 @@ def trim_caches(caches: Sequence[Any], n: int) -> None:
             c.trim(n)
 
 
+def _prefix_only(cache: Any) -> bool:
+    if isinstance(cache, CacheList):
+        return all(_prefix_only(c) for c in cache.caches)
+    return isinstance(cache, (KVCache, QuantizedKVCache, ConcatenateKVCache))
+
+
 def always_trimmable(caches: Sequence[Any]) -> bool:
     """Whether every cache keeps positions as a prefix (attention KV): trimmable at any length, so
     a request needs no snapshot at the end of its prompt."""
-    def leaf_ok(c: Any) -> bool:
-        if isinstance(c, CacheList):
-            return all(leaf_ok(x) for x in c.caches)
-        return isinstance(c, (KVCache, QuantizedKVCache, ConcatenateKVCache))
-
-    return all(leaf_ok(c) for c in caches)
+    return all(_prefix_only(c) for c in caches)
 
 
 # -- the default bound -------------------------------------------------------------------------
@@ -137,7 +139,7 @@ def default_bytes(model: Any, memory: Optional[int] = None) -> int:
 
 # -- the cache ---------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)  # entries are compared by identity (list.remove), never by their arrays
 class Entry:
     tokens: np.ndarray  # [P] the tokens the caches hold, in order
     caches: List[Any]  # per layer: one row's caches (plain mlx-lm cache classes)
@@ -255,6 +257,14 @@ class PromptCache:
 
     def clear(self) -> None:
         self.entries, self.nbytes = [], 0
+
+
+def describe(cache: Optional[PromptCache], configured: bool) -> str:
+    """The start log's line (``configured``: the bound was set, not the default)."""
+    if cache is None:
+        return "off (server.prompt_cache_bytes is 0)"
+    source = "server.prompt_cache_bytes" if configured else "the default: (device memory - the target's weights) / 4"
+    return f"up to {cache.max_bytes / 2**20:.1f} MiB of finished requests' caches ({source})"
 
 
 def metrics(cache: Optional[PromptCache]) -> List[Metric]:

@@ -158,7 +158,8 @@ class Scheduler:
             snapshots = {s.name: s for s in saved if s is not None and 0 < s.positions <= positions}
             self.prompt_cache.insert(state.tokens[:positions], copies, snapshots)
         except Exception as e:  # noqa: BLE001 - the request's output stands; only the cache entry is lost
-            log.warning("prompt cache: could not keep request %d's caches: %s: %s", request.id, type(e).__name__, e)
+            log.warning("prompt cache: could not keep request %d's caches: %s: %s", request.id, type(e).__name__, e,
+                        exc_info=True)
 
     def cancel(self, request: Request) -> None:
         """Stop a request at the next step (its caches are released then)."""

@@ -384,10 +384,7 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: O
              "per-row acceptance and cache commits; seeded sampling requests decode alone; long prompts prefilled "
              f"in chunks of {settings.prefill_step_size} between decode steps)" if settings.batching
              else "each request decodes in a batch of its own (server.batching is false)")
-    cache = engine.prompt_cache
-    log.info("prompt cache: %s", f"up to {cache.max_bytes / 2**20:.1f} MiB of finished requests' caches "
-             f"({'server.prompt_cache_bytes' if settings.prompt_cache_bytes is not None else 'default: (device memory - weights) / 4'})"
-             if cache is not None else "off (server.prompt_cache_bytes is 0)")
+    log.info("prompt cache: %s", pc.describe(engine.prompt_cache, settings.prompt_cache_bytes is not None))
     return server
 
 
