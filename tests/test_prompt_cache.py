@@ -24,7 +24,8 @@ from mlx_speculative.hooks import prompt_cache as pc
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.host import GenerationParams
 from mlx_speculative.hooks.scheduler import Scheduler
-from mlx_speculative.hooks.state import SamplingParams
+from mlx_speculative.hooks.specs import RowSnapshot, hookimpl
+from mlx_speculative.hooks.state import CaptureRequest, SamplingParams
 from test_dflash_rounds import qwen3_5_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
@@ -311,3 +312,81 @@ def test_default_bound_and_byte_sizes(models: Dict[str, Path]) -> None:
     assert validate.byte_size(0, "f") == 0 and validate.byte_size("auto", "f") is None
     with pytest.raises(validate.SettingError, match=r"^server\.prompt_cache_bytes: got -1; allowed: a number of bytes"):
         validate.byte_size(-1, "server.prompt_cache_bytes")
+
+
+def test_cancelled_requests_leave_what_they_fed(models: Dict[str, Path]) -> None:
+    host, target, _ = _host("draft_model", models)
+    cache = pc.PromptCache(BIG)
+    scheduler = Scheduler(host, target, prompt_cache=cache)
+    prompt = [3 + (i * 11) % 370 for i in range(40)]
+    decoding = scheduler.submit(prompt, no_stop(30))
+    while decoding.state.generated < 6:
+        scheduler.step()
+    scheduler.cancel(decoding)
+    scheduler.step()
+    kept = decoding.state.tokens[:-1]  # every token the caches held but the pending one
+    assert decoding.finish_reason == "cancelled" and [list(e.tokens) for e in cache.entries] == [kept]
+    other = [5 + (i * 13) % 370 for i in range(40)]
+    prefilling = scheduler.submit(other, no_stop(8, prefill_step_size=16))
+    scheduler.step()
+    scheduler.step()
+    assert prefilling.fed == 32 and prefilling.prefill is not None
+    scheduler.cancel(prefilling)
+    scheduler.step()
+    assert sorted(len(e.tokens) for e in cache.entries) == [32, len(kept)]
+    # Both are found again, and the answers equal the cache-off ones.
+    jobs = [(kept + [7], no_stop(6)), (other, no_stop(6))]
+    hits = _run(scheduler, jobs)
+    assert [r.state.cached for _, r in hits] == [len(kept), 32]
+    assert [t for t, _ in hits] == [t for t, _ in _run(Scheduler(host, target), jobs)]
+
+
+class Keeper:
+    """A second host plugin: it captures layer 1 and keeps a note per row in the prompt cache."""
+
+    def __init__(self, covers: Optional[int]):
+        self.covers: Optional[int] = covers
+        self.seen: List[Any] = []
+
+    @hookimpl
+    def host_prefill_captures(self, target: Any, state: Any) -> Any:
+        return CaptureRequest([1])
+
+    @hookimpl
+    def host_save_row(self, state: Any, batch: Any, positions: int) -> Any:
+        if self.covers is None:
+            return None
+        return RowSnapshot("keeper", min(self.covers, positions), {"note": len(state.tokens)}, nbytes=1000)
+
+    @hookimpl
+    def host_decode_step(self, batch: Any) -> Any:
+        for row in batch.rows:
+            self.seen.append((row.cached, row.restored.get("keeper"), row.captures[1].shape[1]))
+        return None
+
+
+@pytest.mark.parametrize("covers", [None, 20, 10**6])
+def test_a_plugin_gets_its_snapshot_back_and_captures_limit_reuse(covers: Optional[int], models: Dict[str, Path]) -> None:
+    from mlx_speculative.hooks.host import Host
+    from mlx_speculative.hooks.manager import make_plugin_manager
+    from mlx_speculative.hooks.state import HostConfig
+
+    keeper = Keeper(covers)
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [keeper]))
+    target = host.load(str(models["llama"]))
+    cache = pc.PromptCache(BIG)
+    scheduler = Scheduler(host, target, prompt_cache=cache)
+    prompt = [3 + (i * 11) % 370 for i in range(30)]
+    [(first, _)] = _run(scheduler, [(prompt, no_stop(5))])
+    assert cache.nbytes == sum(pc.cache_bytes(e.caches) for e in cache.entries) + (0 if covers is None else 1000)
+    keeper.seen.clear()
+    [(_, request)] = _run(scheduler, [(prompt + first + [9], no_stop(3))])
+    # A row that captures reuses only what the snapshots cover (nothing without one): the host
+    # cannot re-create the captures of positions it skips.
+    expected = 0 if covers is None else min(covers, len(prompt) + 4)
+    assert request.state.cached == expected
+    snap = request.state.restored.get("keeper")
+    if expected:
+        assert snap.positions == expected and snap.value == {"note": len(prompt) + 5}
+    # At its first decode step: the snapshot, and captures of exactly the prompt positions fed.
+    assert keeper.seen[0] == (expected, snap, request.state.prompt_len - expected)
