@@ -147,6 +147,7 @@ class Entry:
     snapshots: Dict[str, RowSnapshot]  # plugin name -> its state for (a prefix of) the same tokens
     nbytes: int
     used: int = 0  # LRU clock
+    captures: bool = False  # made by a row that captures: its snapshots' coverage limits such rows
 
 
 @dataclass
@@ -216,15 +217,18 @@ class PromptCache:
         trim_caches(caches, len(best.tokens) - best_n)
         return Hit(caches, best_n, dict(best.snapshots))
 
-    def insert(self, tokens: Sequence[int], caches: List[Any], snapshots: Dict[str, RowSnapshot]) -> bool:
+    def insert(self, tokens: Sequence[int], caches: List[Any], snapshots: Dict[str, RowSnapshot],
+               captures: bool = False) -> bool:
         """Keep ``caches`` (they hold exactly ``tokens``; the cache owns them from now on) with the
-        plugins' ``snapshots``. Returns False when the entry alone exceeds the bound."""
+        plugins' ``snapshots`` (``captures``: the row that made them captures layer outputs).
+        Returns False when the entry alone exceeds the bound."""
         snapshots = {k: v for k, v in snapshots.items() if v is not None}
         mx.eval(arrays(caches))
         nbytes = cache_bytes(caches) + sum(int(s.nbytes) for s in snapshots.values())
         if nbytes > self.max_bytes or len(tokens) == 0:
             return False
-        entry = Entry(np.asarray(tokens, dtype=np.int64), caches, trimmable(caches), snapshots, nbytes, self._tick())
+        entry = Entry(np.asarray(tokens, dtype=np.int64), caches, trimmable(caches), snapshots, nbytes, self._tick(),
+                      captures)
         keep = []
         for old in self.entries:
             if self._same_or_covered(old, entry):
@@ -244,8 +248,9 @@ class PromptCache:
         if n < len(new.tokens) and not (old.trimmable and new.trimmable):
             return False
         # The new entry serves every request the old one served (the same tokens, or a trimmable
-        # extension), with plugin state covering as much.
-        return all(k in new.snapshots and new.snapshots[k].positions >= s.positions for k, s in old.snapshots.items())
+        # extension), with the same plugins' state, covering as much where rows that capture need it.
+        return all(k in new.snapshots and (new.snapshots[k].positions >= s.positions or not old.captures)
+                   for k, s in old.snapshots.items())
 
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self.entries:

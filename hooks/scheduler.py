@@ -156,7 +156,7 @@ class Scheduler:
                 trim_caches(copies, held - positions)
             saved = self.host.pm.hook.host_save_row(state=state, batch=batch, positions=positions)
             snapshots = {s.name: s for s in saved if s is not None and 0 < s.positions <= positions}
-            self.prompt_cache.insert(state.tokens[:positions], copies, snapshots)
+            self.prompt_cache.insert(state.tokens[:positions], copies, snapshots, bool(state.capture_layers))
         except Exception as e:  # noqa: BLE001 - the request's output stands; only the cache entry is lost
             log.warning("prompt cache: could not keep request %d's caches: %s: %s", request.id, type(e).__name__, e,
                         exc_info=True)
@@ -272,6 +272,7 @@ class Scheduler:
             self._keep(request, request.batch.row_caches(state), held, len(state.tokens) - discarded, request.batch)
         elif keep and request.caches:
             self._keep(request, request.caches, request.fed, len(state.tokens), None)
+        state.restored = {}  # read by the plugins at the row's first step; the entries keep their own
         if request.batch is not None:
             request.batch.leave(request.state)
             for decoder in self.decoders:

@@ -192,7 +192,6 @@ def test_second_turn_restores_target_and_drafter_state(kind: str, models: Dict[s
         assert restored == []  # nothing to keep: its state is the row's tokens
     else:
         assert len(restored) == 3 and all(restored)
-        assert all(r.state.restored for _, r in hits[:2])
     if kind == "dflash":  # a context of exactly the reused positions
         assert sorted(restored) == sorted([cached[0], cached[1], cached[3]])
     if kind == "draft_model":  # the draft model prefilled only what it did not restore
@@ -385,8 +384,41 @@ def test_a_plugin_gets_its_snapshot_back_and_captures_limit_reuse(covers: Option
     # cannot re-create the captures of positions it skips.
     expected = 0 if covers is None else min(covers, len(prompt) + 4)
     assert request.state.cached == expected
-    snap = request.state.restored.get("keeper")
+    # At its first decode step: the snapshot, and captures of exactly the prompt positions fed.
+    cached, snap, captured = keeper.seen[0]
+    assert cached == expected and captured == request.state.prompt_len - expected
     if expected:
         assert snap.positions == expected and snap.value == {"note": len(prompt) + 5}
-    # At its first decode step: the snapshot, and captures of exactly the prompt positions fed.
-    assert keeper.seen[0] == (expected, snap, request.state.prompt_len - expected)
+    else:
+        assert snap is None
+    assert request.state.restored == {}  # let go when the request ended (the entry keeps its own)
+
+
+def test_entries_replace_the_entries_they_cover() -> None:
+    from mlx_lm.models.cache import KVCache
+
+    def kv(n: int) -> List[Any]:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+        return [c]
+
+    def snap(m: int) -> Dict[str, RowSnapshot]:
+        return {"speculative": RowSnapshot("speculative", m, None, 8)}
+
+    cache = pc.PromptCache(BIG)
+    tokens = list(range(3, 23))
+    assert cache.insert(tokens, kv(20), snap(18))
+    assert cache.insert(tokens, kv(20), snap(17))  # a lagging drafter state: it still replaces (no captures)
+    assert len(cache) == 1 and cache.entries[0].snapshots["speculative"].positions == 17
+    assert cache.insert(tokens + [30, 31], kv(22), snap(21), captures=True)  # an extension replaces it
+    assert [len(e.tokens) for e in cache.entries] == [22]
+    assert cache.insert(tokens + [30, 31, 32], kv(23), snap(10))  # covers less for rows that capture: both stay
+    assert sorted(len(e.tokens) for e in cache.entries) == [22, 23]
+    assert cache.insert(tokens + [30, 31], kv(22), {})  # no drafter state (speculation off): both stay
+    assert len(cache) == 3 and cache.nbytes == sum(e.nbytes for e in cache.entries)
+    # Rows that capture take the entry whose state covers them; the others the longest prefix.
+    prompt = tokens + [30, 31, 32, 33]
+    assert cache.fetch(prompt, captures=True).positions == 21
+    assert cache.fetch(prompt).positions == 23
+    small = pc.PromptCache(1000)
+    assert not small.insert(tokens, kv(20), {}) and len(small) == 0 and small.nbytes == 0  # alone above the bound
