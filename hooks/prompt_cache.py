@@ -235,9 +235,14 @@ class PromptCache:
                 self.nbytes -= old.nbytes  # this entry serves every request the old one served
             else:
                 keep.append(old)
+        dropped = len(self.entries) - len(keep)
         self.entries = keep + [entry]
         self.nbytes += nbytes
-        self._evict()
+        dropped += self._evict()
+        if dropped:
+            # Give the dropped entries' buffers back: parked in mlx's buffer cache they would still
+            # hold the memory the bound is meant to free.
+            mx.clear_cache()
         return True
 
     @staticmethod
@@ -252,13 +257,16 @@ class PromptCache:
         return all(k in new.snapshots and (new.snapshots[k].positions >= s.positions or not old.captures)
                    for k, s in old.snapshots.items())
 
-    def _evict(self) -> None:
+    def _evict(self) -> int:
+        evicted = 0
         while self.nbytes > self.max_bytes and self.entries:
             oldest = min(self.entries, key=lambda e: e.used)
             self.entries.remove(oldest)
             self.nbytes -= oldest.nbytes
-            with self._lock:
-                self.evictions += 1
+            evicted += 1
+        with self._lock:
+            self.evictions += evicted
+        return evicted
 
     def clear(self) -> None:
         self.entries, self.nbytes = [], 0
