@@ -8,6 +8,7 @@
 #   bash bench/h200_engine.sh server         # bench/server_batching.py, llama-8b shape, 8 clients
 #   bash bench/h200_engine.sh recurrent      # bench/recurrent_commit.py, qwen3_5 4b shape, old then new
 #   bash bench/h200_engine.sh ab             # bench/engine_ab.py: old and new in one process, alternating
+#   bash bench/h200_engine.sh prompt-cache   # bench/prompt_cache_ttft.py (issue 18): turn 2 of an 8k chat
 # Results go to $OUT (the device tool's output folder) or ./h200-out.
 set -euo pipefail
 OUT=${OUT:-h200-out}
@@ -39,6 +40,9 @@ case "$what" in
     mkdir -p /tmp/oldpkg && ln -sfn "$PWD/.old" /tmp/oldpkg/mlx_speculative_old
     new bench/engine_ab.py --old-root /tmp/oldpkg --synthetic-target llama-8b --pairs 3 --prompt-lengths 512,1024 \
       --max-tokens 256 --json "$OUT/h200-engine-ab.json" ;;
+  prompt-cache)  # issue 18: TTFT of turn 2, cache on / off / mlx_lm.server, 1B-shape target saved to disk
+    new bench/prompt_cache_ttft.py --synthetic-target llama-1b --context 8192 --answer 64 --repeats 5 \
+      --root /tmp/prompt-cache --json "$OUT/h200-prompt-cache-ttft.json" ;;
   recurrent-new)
     new bench/recurrent_commit.py --shape 4b --block 16 --rounds 20 --json "$OUT/h200-recurrent-commit-new.json" ;;
   train)  # issue 15's smoke test of mlx-spec train-drafter on MLX-CUDA (an installed copy: entry points)
@@ -53,5 +57,5 @@ case "$what" in
       t -m mlx_speculative.hooks.cli generate --model /tmp/smoke/target --draft-model /tmp/smoke/$k --draft-block-size 8 \
         -m 64 -p "the model" --json --ignore-chat-template | python3 -c "import json,sys; r=json.load(sys.stdin); print('$k', r['speculative'])"
     done 2>&1 | tee "$OUT/h200-train-smoke.txt" ;;
-  *) echo "unknown: $what (bench N.. | ab | server | recurrent | recurrent-new | train)"; exit 2 ;;
+  *) echo "unknown: $what (bench N.. | ab | server | recurrent | recurrent-new | prompt-cache | train)"; exit 2 ;;
 esac

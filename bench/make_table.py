@@ -98,6 +98,13 @@ at 512 keys SDPA "causal" is faster: as 20 independent calls in one graph the ke
 launch instead of two: ~37 us), SDPA ~20 us, so launch and host costs, not the keys, decide there. Mask arguments
 written by the host per call (a small int array, which MLX places in managed memory) cost 20-40 us more a call
 (60-200 us in a first run), so int arguments travel in a broadcast's shape instead.
+Prompt cache across requests (issue 18): `bash bench/h200_engine.sh prompt-cache` (`python bench/prompt_cache_ttft.py
+--synthetic-target llama-1b --context 8192 --answer 64 --repeats 5`) times the first token of a chat's second turn
+on `mlx-spec serve` with the prompt cache on and off and on `mlx_lm.server`, the same 1B-shape synthetic target
+saved to disk; its JSON belongs in bench/results/prompt_cache/. Not run on the H200 yet. prompt_cache/cpu-tiny-ttft.json is the CPU check that
+it works (tiny target, 1024-token first turn, 16-token answers, ngram): turn 2 after 27 ms with the cache
+(1042 of 1079 prompt tokens reused) against 770 ms without it, mlx-lm's server 27 ms (1043 reused); the answers
+equal the cache-off server's.
 cpu-tiny.json: the CPU (2 cores, tiny fp32 models) verifies B positions at ~B times the cost of one, so
 speculative decoding loses there by design (see its bound column). At tau 1 the adaptive controller pauses
 after two rounds, but with 64 new tokens those two 16-wide rounds (each ~20 plain steps) dominate. The file

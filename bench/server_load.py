@@ -203,6 +203,8 @@ def bench(policy: str, max_active: int, args: argparse.Namespace, target: Path, 
 
     config: Dict[str, Any] = {"model": str(target), "server": {"max_tokens": args.max_tokens,
                                                                "batching": policy == "batched"}}
+    if args.prompt_cache_bytes is not None:
+        config["server"]["prompt_cache_bytes"] = args.prompt_cache_bytes
     if args.kind == "draft_model":
         config["speculative"] = {"draft_model": str(drafter), "block_size": 4}
     elif args.kind == "ngram":
@@ -213,6 +215,9 @@ def bench(policy: str, max_active: int, args: argparse.Namespace, target: Path, 
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         refs = [run_one(client, r)[:2] for r in reqs]  # sequential greedy outputs
         result = load_run(server, reqs, refs, args.clients, args.duration)
+        after = server.metrics()
+        result.update(prompt_cache_bytes=after.get("mlx_spec_prompt_cache_bytes", 0),
+                      prompt_cache_entries=after.get("mlx_spec_prompt_cache_entries", 0))
         result.update(policy=policy, max_active=max_active, kind=args.kind)
         return result
     finally:
@@ -228,6 +233,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also run the interleaved policy (server.batching: false) and FIFO (--max-active 1)")
     ap.add_argument("--kind", choices=["draft_model", "ngram", "none"], default="draft_model",
                     help="the drafter (none: plain decoding)")
+    ap.add_argument("--prompt-cache-bytes", default=None, help="server.prompt_cache_bytes (default: the server's)")
     ap.add_argument("--models", type=Path, default=None, help="where to make/keep the tiny models")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)

@@ -87,6 +87,21 @@ class Compatibility:
         self.reasons.append(reason)
 
 
+@dataclass
+class DraftState:
+    """A row's drafting state for its first ``positions`` tokens (``row.tokens[:positions]``),
+    kept by the server's prompt cache across requests (``DraftBatch.export_row`` / ``restore_row``).
+
+    ``value`` is the family's own; it never changes after ``export_row`` returns it (a restore
+    copies what it will write: ``hooks.prompt_cache.copy_caches``). ``nbytes``: the memory it holds,
+    counted against ``server.prompt_cache_bytes``.
+    """
+
+    positions: int
+    value: Any
+    nbytes: int = 0
+
+
 class DraftSession(abc.ABC):
     """One request's drafting state, for drafters whose rows are independent."""
 
@@ -133,6 +148,23 @@ class DraftBatch(abc.ABC):
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         """Per row: positions of ``propose``'s writes to its caches that stay (0 by default)."""
         return [0] * len(rows)
+
+    # The server's prompt cache (optional; the defaults keep nothing) ---------------------------
+    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
+        """A copy of ``row``'s drafting state (a row of this batch, or one restored into it that
+        has not drafted yet) for at most its first ``positions`` tokens, evaluated and unchanged by
+        later rounds; None: nothing worth keeping (the default). Between rounds: what the host
+        handed over since the last step (``row.captures``) belongs to the row's state too."""
+        return None
+
+    def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
+        """Before ``sync`` first sees ``row``, whose target caches were restored with its first n
+        tokens (``row.cached``; captures cover only the positions after them): start its state
+        from ``saved`` (this family's ``export_row`` for the same tokens) trimmed to those n
+        tokens, leaving ``saved`` unchanged. False (the default): nothing restored; ``sync`` takes
+        the row as new and the family derives its state from ``row.tokens``. A family that reads
+        captures must restore: the host reuses only positions its saved state covers."""
+        return False
 
 
 class SessionBatch(DraftBatch):

@@ -138,6 +138,11 @@ class DecodeBatch:
         else:
             filter_rows(self.cache, [j for j in range(len(self.rows) + 1) if j != i])
 
+    def row_caches(self, state: DecodeState) -> List[Any]:
+        """The caches of one row as plain one-row caches (the batch's own objects for a batch of one)."""
+        i = next(j for j, s in enumerate(self.rows) if s is state)
+        return list(self.cache) if len(self.rows) == 1 else extract_row(self.cache, i)
+
     def compact(self, at_least: int = 16) -> int:
         """Drop the left padding all rows share once it reaches ``at_least`` positions: returns how many.
 

@@ -161,6 +161,8 @@ def add_serve(subparsers: Any) -> None:
     p.add_argument("--context-length", help="prompt + completion limit (default: the model config's)")
     p.add_argument("--max-active", help="requests decoded together on the generation thread (default 8)")
     p.add_argument("--max-queue", help="requests waiting beyond those; more get 503 (default 64)")
+    p.add_argument("--prompt-cache-bytes", help="bytes of finished requests' caches kept for later requests "
+                   "sharing a prefix, e.g. 8GB (0: off; default: (device memory - model weights) / 4)")
     p.add_argument("--draft-model", help=DRAFT_HELP)
     p.add_argument("--draft-kind", help="auto or a registered kind (see `mlx-spec drafters`)")
     p.add_argument("--draft-block-size", help="positions verified per round, or 'auto'")

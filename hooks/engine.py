@@ -6,7 +6,9 @@ Requests wait in a FIFO queue of at most ``max_queue`` (beyond it: 503); at most
 admitted to the scheduler (hooks/scheduler.py: chunked prefill interleaved with decode steps, rows
 of one target in one batch, seeded sampling requests in batches of their own). A client that
 disconnects is noticed by its HTTP thread, which cancels the request; its caches are released at
-the next step.
+the next step. With ``server.prompt_cache_bytes`` > 0 the scheduler keeps finished requests' caches
+for later requests sharing a prefix (hooks/prompt_cache.py); each response reports the reused
+prompt tokens (``cached``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import openai_compat as oc
 from . import openai_output as reply
+from . import prompt_cache as pc
 from .host import GenerationParams, Host, HostEvent
 from .metrics import HostCounters, timings
 from .scheduler import Request, Scheduler
@@ -48,6 +51,7 @@ class Finished:
     completion_tokens: int = 0
     timings: Dict[str, Any] = field(default_factory=dict)
     error: Optional[str] = None
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache
 
 
 class Job:
@@ -77,6 +81,7 @@ class Engine:
         self.host: Optional[Host] = None
         self.target: Optional[LoadedTarget] = None
         self.scheduler: Optional[Scheduler] = None
+        self.prompt_cache: Optional[pc.PromptCache] = None
         self.cond = threading.Condition()
         self.waiting: Deque[Job] = collections.deque()
         self.jobs: Dict[int, Job] = {}  # scheduler request id -> job
@@ -124,7 +129,11 @@ class Engine:
     def _run(self) -> None:
         try:
             self.host, self.target = self._load()
-            self.scheduler = Scheduler(self.host, self.target, batching=self.settings.batching, raise_errors=False)
+            limit = self.settings.prompt_cache_bytes
+            limit = pc.default_bytes(self.target.model) if limit is None else limit
+            self.prompt_cache = pc.PromptCache(limit) if limit > 0 else None
+            self.scheduler = Scheduler(self.host, self.target, batching=self.settings.batching, raise_errors=False,
+                                       prompt_cache=self.prompt_cache)
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self.load_error = e
             self.ready.set()
@@ -221,8 +230,10 @@ class Engine:
         now = time.perf_counter()
         first = job.t_first or now
         prompt_n = len(job.request.prompt)
-        t = timings(prompt_n, first - job.t_start if job.t_start else 0.0, job.completion_tokens, now - first, spec)
-        job.out.put(Finished(outcome, prompt_n, job.completion_tokens, t, error))
+        cached = state.cached if state is not None else 0
+        t = timings(prompt_n, first - job.t_start if job.t_start else 0.0, job.completion_tokens, now - first, spec,
+                    cached)
+        job.out.put(Finished(outcome, prompt_n, job.completion_tokens, t, error, cached))
         off = job.request.speculative is False
         self.counters.finished(job.endpoint, outcome, prompt_n if job.t_start else 0, job.completion_tokens, off,
                                spec is not None and spec["fallback"] is not None)
@@ -233,6 +244,6 @@ class Engine:
                 how += f", fell back: {spec['fallback']}"
         else:
             how = "speculative off" + (" (requested)" if off else "")
-        log.info("request %s %s %s: prompt %d tokens, completion %d tokens, %.3f s, %.1f tok/s, %s%s",
-                 job.id, job.endpoint, outcome, prompt_n, job.completion_tokens, now - (job.t_start or now),
+        log.info("request %s %s %s: prompt %d tokens (%d cached), completion %d tokens, %.3f s, %.1f tok/s, %s%s",
+                 job.id, job.endpoint, outcome, prompt_n, cached, job.completion_tokens, now - (job.t_start or now),
                  t["predicted_per_second"], how, f", error: {error}" if error else "")

@@ -125,9 +125,11 @@ class Host:
     def prefill(self, state: DecodeState, caches: List[Any], step: int = DEFAULT_PREFILL_STEP) -> Iterator[int]:
         """Feed the prompt in chunks of ``step`` (yielding the positions fed after each), then take
         the first decode step on the last prompt token alone, as ``generate_step`` does: its token
-        becomes ``pending`` and ``caches`` hold every prompt token."""
+        becomes ``pending`` and ``caches`` hold every prompt token. ``caches`` may already hold the
+        first ``state.cached`` prompt tokens (the server's prompt cache): those are not fed again."""
         prompt = state.tokens[: state.prompt_len]
-        done = 0
+        done = state.cached
+        assert done < len(prompt), "a restored prefix leaves at least one prompt token to feed"
         while len(prompt) - done > 1:
             n = min(step, len(prompt) - done - 1)
             _, captured = forward(state.model, [prompt[done : done + n]], caches, state.capture_layers)

@@ -82,17 +82,21 @@ def render(metrics: List[Metric]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float, spec: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float, spec: Optional[Dict[str, Any]],
+            cache_n: int = 0) -> Dict[str, Any]:
     """llama.cpp's per-request ``timings`` (draft_n, draft_n_accepted...) plus the round summary.
 
-    ``spec``: the speculative plugin's report of the request (``to_dict()``), or None."""
+    ``spec``: the speculative plugin's report of the request (``to_dict()``), or None. ``cache_n``:
+    prompt tokens reused from the prompt cache; as in llama.cpp, ``prompt_n`` counts the others
+    (the tokens prefilled)."""
+    prompt_n -= cache_n
     def per(n: int, s: float) -> Tuple[float, float]:
         return (round(1000 * s / n, 3) if n else 0.0), (round(n / s, 3) if s > 0 else 0.0)
 
     prompt_per_token, prompt_per_second = per(prompt_n, prompt_s)
     predicted_per_token, predicted_per_second = per(predicted_n, predicted_s)
     out = {
-        "prompt_n": prompt_n, "prompt_ms": round(1000 * prompt_s, 3),
+        "cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": round(1000 * prompt_s, 3),
         "prompt_per_token_ms": prompt_per_token, "prompt_per_second": prompt_per_second,
         "predicted_n": predicted_n, "predicted_ms": round(1000 * predicted_s, 3),
         "predicted_per_token_ms": predicted_per_token, "predicted_per_second": predicted_per_second,

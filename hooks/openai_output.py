@@ -129,9 +129,11 @@ def response_body(
             "created": created, "choices": [choice]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prompt cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def system_fingerprint() -> str:

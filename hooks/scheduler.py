@@ -14,11 +14,17 @@ Each ``step()``:
 
 Then each emitted token goes through the request's stop / length / detokenizer handling, the one
 place that decides where a request ends (``RowEvents``).
+
+With a prompt cache (the server's, hooks/prompt_cache.py) a new request starts from copies of the
+caches of the longest usable cached prefix and prefills only the rest; a request that ends (or is
+cancelled) leaves a copy of its caches there, with its plugins' state (``host_save_row``), and so
+does the end of its prompt on targets whose caches cannot be trimmed (recurrent, sliding windows).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -26,8 +32,11 @@ import mlx.core as mx
 
 from .batch import DecodeBatch, mergeable
 from .host import GenerationParams, Host, HostEvent
+from .prompt_cache import PromptCache, always_trimmable, copy_caches, trim_caches, trimmable
 from .state import DecodeState, GeneratedToken, LoadedTarget
 from .step import BatchDecoder
+
+log = logging.getLogger("mlx_speculative.server")
 
 
 class RowEvents:
@@ -80,7 +89,7 @@ class Request:
     events: RowEvents
     caches: List[Any] = field(default_factory=list)  # its own caches while it prefills
     prefill: Optional[Iterator[int]] = None
-    fed: int = 0  # prompt tokens prefilled so far
+    fed: int = 0  # prompt positions in ``caches`` while it prefills
     batch: Optional[DecodeBatch] = None
     done: bool = False
     cancelled: bool = False
@@ -91,10 +100,12 @@ class Request:
 class Scheduler:
     """Prefill and decode steps for the requests of one target."""
 
-    def __init__(self, host: Host, target: LoadedTarget, batching: bool = True, raise_errors: bool = True):
+    def __init__(self, host: Host, target: LoadedTarget, batching: bool = True, raise_errors: bool = True,
+                 prompt_cache: Optional[PromptCache] = None):
         self.host = host
         self.target = target
         self.batching = batching
+        self.prompt_cache = prompt_cache  # None (the CLI): every request prefills its whole prompt
         # False (the server): a request whose prefill or batch step raises ends with finish_reason
         # "error" and ``error`` set; the other batches go on. True (the CLI): the exception propagates.
         self.raise_errors = raise_errors
@@ -114,10 +125,43 @@ class Scheduler:
             request.done, request.finish_reason = True, "length"
             self.host.finished(state, 0)
             return request
-        request.caches = self.host.new_caches(self.target, params)
+        request.caches = self._restore(state, params) or self.host.new_caches(self.target, params)
+        request.fed = state.cached
         request.prefill = self.host.prefill(state, request.caches, params.prefill_step_size)
         self.prefilling.append(request)
         return request
+
+    def _restore(self, state: DecodeState, params: GenerationParams) -> Optional[List[Any]]:
+        """Caches holding the longest usable cached prefix of the prompt (``state.cached`` set), or None."""
+        if self.prompt_cache is None or params.max_kv_size is not None:
+            return None
+        hit = self.prompt_cache.fetch(state.tokens[: state.prompt_len], captures=bool(state.capture_layers))
+        if hit is None:
+            return None
+        state.cached, state.restored = hit.positions, hit.snapshots
+        return hit.caches
+
+    def _keep(self, request: Request, caches: List[Any], held: int, own: int, batch: Optional[DecodeBatch]) -> None:
+        """Copy ``caches`` (they hold ``state.tokens[:held]``) into the prompt cache. ``own``: the
+        length of the request's own sequence (tokens after a stop token in the same round are not
+        its own); trimmable caches keep ``own - 1`` positions of it, so a next turn always finds the
+        same count, the rest only as they are (snapshots)."""
+        assert self.prompt_cache is not None
+        state = request.state
+        trim = trimmable(caches)
+        positions = min(held, own - 1) if trim else held
+        if positions <= state.cached:
+            return  # the entry it came from holds as much
+        try:
+            copies = copy_caches(caches)
+            if trim:
+                trim_caches(copies, held - positions)
+            saved = self.host.pm.hook.host_save_row(state=state, batch=batch, positions=positions)
+            snapshots = {s.name: s for s in saved if s is not None and 0 < s.positions <= positions}
+            self.prompt_cache.insert(state.tokens[:positions], copies, snapshots, bool(state.capture_layers))
+        except Exception as e:  # noqa: BLE001 - the request's output stands; only the cache entry is lost
+            log.warning("prompt cache: could not keep request %d's caches: %s: %s", request.id, type(e).__name__, e,
+                        exc_info=True)
 
     def cancel(self, request: Request) -> None:
         """Stop a request at the next step (its caches are released then)."""
@@ -189,11 +233,14 @@ class Scheduler:
             self._failed([request], e)
             return 1
         chunk, request.fed = max(1, fed - request.fed), fed
-        if fed < request.state.prompt_len:
+        state = request.state
+        if fed < state.prompt_len:
+            if (fed == state.prompt_len - 1 and self.prompt_cache is not None
+                    and not always_trimmable(request.caches)):
+                self._keep(request, request.caches, fed, fed + 1, None)  # a snapshot at the prompt's end
             return chunk
         self.prefilling.remove(request)
         request.prefill = None
-        state = request.state
         event = request.events.event(GeneratedToken(state.pending, state.pending_logprobs))
         out.append((request, event))
         if event.finish_reason is not None:
@@ -223,6 +270,16 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: Optional[str], discarded: int) -> None:
         request.done, request.finish_reason = True, reason
+        state = request.state
+        keep = self.prompt_cache is not None and reason != "error"
+        if keep and request.batch is not None:
+            # A plain run queued its next step: the caches already hold the pending token too.
+            ahead = any(d.batch is request.batch and d.in_run for d in self.decoders)
+            held = len(state.tokens) - (0 if ahead else 1)
+            self._keep(request, request.batch.row_caches(state), held, len(state.tokens) - discarded, request.batch)
+        elif keep and request.caches:
+            self._keep(request, request.caches, request.fed, len(state.tokens), None)
+        state.restored = {}  # read by the plugins at the row's first step; the entries keep their own
         if request.batch is not None:
             request.batch.leave(request.state)
             for decoder in self.decoders:

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import openai_compat as oc
 from . import openai_output as reply
+from . import prompt_cache as pc
 from .config import load_host_config, model_or_demo
 from .engine import Engine, Finished, Job
 from .host import Host
@@ -61,7 +62,7 @@ class Server(ThreadingHTTPServer):
     def metrics(self) -> str:
         assert self.engine.host is not None
         extra = [m for ms in self.engine.host.pm.hook.host_metrics() if ms for m in ms]
-        return render(extra + self.counters.metrics())
+        return render(extra + self.counters.metrics() + pc.metrics(self.engine.prompt_cache))
 
 
 class ClientGone(Exception):
@@ -260,7 +261,8 @@ class Handler(BaseHTTPRequestHandler):
             if req.include_usage:
                 self._chunk({"id": job.id, "system_fingerprint": srv.fingerprint, "object": final["object"],
                              "model": req.model, "created": created, "choices": [],
-                             "usage": reply.usage(item.prompt_tokens, item.completion_tokens), "timings": item.timings})
+                             "usage": reply.usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens),
+                             "timings": item.timings})
         self._write(b"data: [DONE]\n\n")
         self.close_connection = True
 
@@ -288,7 +290,7 @@ class Handler(BaseHTTPRequestHandler):
         text, reasoning, calls = out.take()
         payload = reply.response_body(job.endpoint, job.id, req.model, int(time.time()), srv.fingerprint, False, text,
                                    finish, reasoning, calls, logprobs or None)
-        payload["usage"] = reply.usage(item.prompt_tokens, item.completion_tokens)
+        payload["usage"] = reply.usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
         payload["timings"] = item.timings
         try:
             self._send_json(200, payload)
@@ -382,6 +384,7 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: O
              "per-row acceptance and cache commits; seeded sampling requests decode alone; long prompts prefilled "
              f"in chunks of {settings.prefill_step_size} between decode steps)" if settings.batching
              else "each request decodes in a batch of its own (server.batching is false)")
+    log.info("prompt cache: %s", pc.describe(engine.prompt_cache, settings.prompt_cache_bytes is not None))
     return server
 
 

@@ -18,10 +18,11 @@ from .state import HostConfig
 from .validate import HostConfigError, SettingError
 
 SERVER_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue",
-               "model_name", "chat_template_args", "prefill_step_size", "batching")
+               "model_name", "chat_template_args", "prefill_step_size", "batching", "prompt_cache_bytes")
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 # `serve`'s flags that set server: keys (argparse dest = key)
-FLAG_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue", "model_name")
+FLAG_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue", "model_name",
+             "prompt_cache_bytes")
 
 
 @dataclass
@@ -37,6 +38,9 @@ class ServerSettings:
     chat_template_args: Dict[str, Any] = field(default_factory=dict)
     prefill_step_size: int = 2048
     batching: bool = True  # batched decode steps (one target forward for all rows) where the target allows
+    # Bytes of finished requests' caches kept for later requests (0: off; None: the default,
+    # hooks/prompt_cache.default_bytes: (device memory - the target's weights) / 4).
+    prompt_cache_bytes: Optional[int] = None
     sources: Dict[str, str] = field(default_factory=dict)
 
 
@@ -52,6 +56,8 @@ def server_value(key: str, value: Any, field_name: str) -> Any:
         if not isinstance(value, bool):
             raise SettingError(field_name, value, "true or false")
         return value
+    if key == "prompt_cache_bytes":
+        return validate.byte_size(value, field_name)
     if key == "chat_template_args":
         if not isinstance(value, dict):
             raise SettingError(field_name, value, "a mapping of template arguments")

@@ -13,6 +13,7 @@ Life of a target and its requests, seen from a plugin::
     host_prefill_captures(target, state)       per request, before its prefill
     host_decode_step(batch)                    before each decode step of a batch of requests
     host_request_finished(state, discarded)    per request, when it ends
+    host_save_row(state, batch, positions)     the server keeps a request's caches (prompt cache)
     host_metrics()                             when the server's /metrics is read
 
 The host decodes requests in batches (``hooks.batch.DecodeBatch``; the CLI's request is a batch
@@ -54,6 +55,21 @@ class Description:
     # use, and the most ``num_draft_tokens`` it may ask for (None: no drafter attached).
     draft_names: Tuple[str, ...] = ()
     draft_tokens: Optional[int] = None
+
+
+@dataclass
+class RowSnapshot:
+    """A plugin's state for a row's first ``positions`` tokens, kept in the server's prompt cache.
+
+    The host only stores it, counts ``nbytes`` against ``server.prompt_cache_bytes``, and hands it
+    back (``state.restored[name]``) to a later request whose prompt starts with those tokens. It
+    must never change after it is returned (a plugin copies what it restores before writing).
+    """
+
+    name: str  # the plugin's name: its key in ``state.restored``
+    positions: int  # tokens covered: ``state.tokens[:positions]``
+    value: Any  # the plugin's own
+    nbytes: int = 0
 
 
 @dataclass
@@ -154,6 +170,24 @@ def host_request_finished(state: "DecodeState", discarded: int) -> None:
     ``discarded``: tokens of the request's last decode step that were not used because the
     request ended before them (e.g. a stop token in the middle of a round). A plugin corrects
     the request's report and releases what it holds for the request.
+    """
+
+
+@hookspec
+def host_save_row(state: "DecodeState", batch: Optional["DecodeBatch"], positions: int) -> Optional[RowSnapshot]:
+    """Called when the server's prompt cache keeps a copy of a row's target caches, holding
+    ``state.tokens[:positions]``: when the row ends (``batch``: the batch it decoded in; the row is
+    still in it) and, for targets with recurrent or sliding-window caches, at the end of its prompt
+    (``batch`` None: it has not decoded yet). Return the plugin's state for those tokens (a
+    ``RowSnapshot`` covering at most ``positions``, evaluated, independent of anything that goes on
+    changing), or None. Not called by ``mlx-spec generate``.
+
+    A later request that reuses the first n tokens of the entry finds ``state.cached == n`` (its
+    caches hold ``tokens[:n]``; prefill, and the captures handed over, cover only the rest) and the
+    snapshots in ``state.restored`` (name -> ``RowSnapshot``), from its first decode step on. A
+    plugin that finds nothing there derives its state from the row as usual. A row that captures
+    layer outputs (``host_prefill_captures``) reuses only positions all of the entry's snapshots
+    cover, none when it has none: the host cannot re-create the captures of positions it skips.
     """
 
 

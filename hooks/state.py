@@ -187,6 +187,11 @@ class DecodeState:
     # mlx-lm). The drafter draws from its own stream, so its draws never move the target's.
     rng: Optional[KeyStream] = None
     draft_rng: Optional[KeyStream] = None
+    # The server's prompt cache (hooks/prompt_cache.py): prompt positions restored from an earlier
+    # request (the row's caches start with tokens[:cached]; prefill and captures cover the rest),
+    # and what each plugin saved for them (``host_save_row``), by plugin name.
+    cached: int = 0
+    restored: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def model(self) -> nn.Module:

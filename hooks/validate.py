@@ -129,6 +129,34 @@ def block_size(value: Any, field: str = "speculative.block_size") -> Optional[in
     return int(n)
 
 
+BYTES_ALLOWED = ("a number of bytes >= 0 (0: off), a size such as '8GB', '512MB' or '4GiB', or 'auto' "
+                 "(a quarter of the device memory left after the model's weights)")
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+          "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_size(value: Any, field: str) -> Optional[int]:
+    """A size in bytes: an integer, or text with a unit (decimal K/M/G/T[B] as mlx-lm's
+    ``--prompt-cache-bytes``, binary KiB/MiB/GiB/TiB); 'auto' or null: None (the default)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "").replace("_", "")
+        digits = len(text) - len(text.lstrip("0123456789."))
+        unit = _UNITS.get(text[digits:].upper())
+        try:
+            number = float(text[:digits]) if digits and unit is not None else None
+        except ValueError:
+            number = None
+        if number is not None and math.isfinite(number) and number * unit == int(number * unit):
+            return int(number * unit)
+        raise SettingError(field, value, BYTES_ALLOWED)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or int(value) != value:
+        raise SettingError(field, value, BYTES_ALLOWED)
+    return int(value)
+
+
 def flag(value: Any, field: str) -> bool:
     if isinstance(value, bool):
         return value

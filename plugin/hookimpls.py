@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 from ..drafters import registry
 from ..drafters.base import Drafter, DraftTarget
 from ..hooks.batch import DecodeBatch
-from ..hooks.specs import Description, Metric, hookimpl
+from ..hooks.specs import Description, Metric, RowSnapshot, hookimpl
 from ..hooks.state import CachePolicy, CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
 from ..hooks.transaction import check_supported
 from . import cache_policy, round
@@ -100,6 +100,25 @@ def host_request_finished(state: DecodeState, discarded: int) -> None:
     if req:
         req.observe(state)
         req.stats.truncate_last(discarded)
+
+
+@hookimpl
+def host_save_row(state: DecodeState, batch: Optional[DecodeBatch], positions: int) -> Optional[RowSnapshot]:
+    """The drafter's state for the row's first ``positions`` tokens, for the server's prompt cache."""
+    att = _attached(state.target)
+    req = state.extras.get(NAME)
+    if att is None or state.options.get("speculative") is False or req is False or (req and req.failed):
+        return None
+    br = batch.extras.get(NAME) if batch is not None else None
+    if br is not None and req and req.synced:
+        draft = br.draft
+    else:  # not drafted yet: what was restored for it, plus what the host fed since (its captures)
+        draft = att.drafter.new_batch()
+        saved = state.restored.get(NAME) if state.cached else None
+        if saved is not None and not draft.restore_row(state, saved.value, state.cached):
+            return None
+    kept = draft.export_row(state, positions)
+    return RowSnapshot(NAME, kept.positions, kept, kept.nbytes) if kept is not None else None
 
 
 @hookimpl

@@ -42,6 +42,8 @@ class RowRounds:
     failed: Optional[str] = None
     expected: int = 0  # the request's generated count after the plugin's last answer
     to_end: bool = False  # plain steps to the end of the request (a probe could not pay for itself)
+    restore: Any = None  # the drafter's DraftState from the prompt cache, until the row's first sync
+    synced: bool = False  # the row drafts in its batch's DraftBatch (it has been synced there)
 
     def observe(self, state: DecodeState) -> int:
         """Plain steps the host took for the request since the plugin's last answer (counted)."""
@@ -83,6 +85,8 @@ def row_rounds(state: DecodeState, att: Any) -> Optional[RowRounds]:
                                            adaptive=att.settings.adaptive and att.settings.block_size is None),
             stats=stats, settings=att.settings, expected=state.generated,
         )
+        saved = state.restored.get(NAME) if state.cached else None
+        req.restore = saved.value if saved is not None else None
         state.extras[NAME] = req
     return req if req and req.failed is None else None
 
@@ -125,12 +129,18 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     br: Optional[BatchRounds] = batch.extras.get(NAME)
     if br is None:
         br = batch.extras[NAME] = BatchRounds(att.drafter.new_batch())
+    _restore(br, [rows[b] for b in on], [reqs[b] for b in on])
+    on = [b for b in on if reqs[b].failed is None]
+    if not on:
+        return None
     on_rows, on_reqs = [rows[b] for b in on], [reqs[b] for b in on]
     _observe(batch, br, on_rows, on_reqs)
     try:
         br.draft.sync(on_rows)
     except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
         return _fall_back(on_reqs, "syncing its rows", e)
+    for req in on_reqs:
+        req.synced = True
     plans = [_plan(r, q) for r, q in zip(on_rows, on_reqs)]
     if not any(plans):
         outs = [StepOutput([], None) for _ in rows]
@@ -139,6 +149,18 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
             req.expected = row.generated
         return outs
     return _round(batch, att, br, rows, on, plans)
+
+
+def _restore(br: BatchRounds, rows: Sequence[DecodeState], reqs: Sequence[RowRounds]) -> None:
+    """Rows that started from the prompt cache: the drafter's state for the restored tokens, before
+    their first sync (a family that restores nothing derives it from the row)."""
+    for row, req in zip(rows, reqs):
+        if req.restore is not None:
+            saved, req.restore = req.restore, None
+            try:
+                br.draft.restore_row(row, saved, row.cached)
+            except Exception as e:  # noqa: BLE001 - the row decodes plainly, nothing lost
+                req.fall_back("restoring its state from the prompt cache", e)
 
 
 def _fall_back(reqs: Sequence[RowRounds], where: str, error: BaseException) -> None:

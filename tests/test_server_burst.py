@@ -65,4 +65,6 @@ def test_burst_beyond_the_queue_gets_503_never_a_reset(llama_pair: Dict[str, Pat
         assert alone[prompt][0] == 200
         expected = alone[prompt][1]
         assert body["choices"][0]["text"] == expected["choices"][0]["text"], prompt
-        assert body["usage"] == expected["usage"]
+        # The same prompt alone may reuse the prompt cache (usage.prompt_tokens_details): the counts match.
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert [body["usage"][k] for k in counts] == [expected["usage"][k] for k in counts]

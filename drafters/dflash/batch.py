@@ -1,16 +1,22 @@
 """The rows of one batch drafting with a DFlash drafter (``DFlashBatch``): their context caches,
 the target features not yet in them, and the one drafter forward per round that drafts every
-row's block."""
+row's block.
+
+The server's prompt cache keeps a row's context (``export_row``: its context cache and the
+captured features not yet in it, trimmed to the kept tokens); a row restored from it starts with
+that context trimmed to its reused prefix (``restore_row``), the host's captures of the rest
+following, so the first round drafts with the full context."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.batch import extend_rows, keep_rows, merge_rows
+from ...hooks.batch import extend_rows, extract_row, keep_rows, merge_rows
+from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
 from ...hooks.transaction import CacheTransaction
-from ..base import DraftBatch, Proposal, Verified
+from ..base import DraftBatch, DraftState, Proposal, Verified
 from .features import target_features
 
 if TYPE_CHECKING:
@@ -28,6 +34,7 @@ class DFlashBatch(DraftBatch):
         self.pending: Dict[int, List[Dict[int, mx.array]]] = {}  # id(row) -> captures not yet in the cache
         self.fresh: List[Any] = []  # rows seen, their context not made yet
         self.cache: List[Any] = []  # per drafter layer: one row's own cache, or batched caches
+        self.restored: Dict[int, Tuple[List[Any], int]] = {}  # id(row) -> (context caches, positions)
 
     def sync(self, rows: Sequence[Any]) -> None:
         present = {id(r) for r in rows}
@@ -40,6 +47,7 @@ class DFlashBatch(DraftBatch):
         known = {id(r) for r in self.rows + self.fresh}
         self.fresh += [r for r in rows if id(r) not in known]
         self.pending = {k: v for k, v in self.pending.items() if k in present}
+        self.restored = {k: v for k, v in self.restored.items() if k in present}
         for row in rows:
             if row.captures:  # what the host fed since the last step (prefill, plain steps)
                 self.pending.setdefault(id(row), []).append(dict(row.captures))
@@ -58,7 +66,7 @@ class DFlashBatch(DraftBatch):
         """Append each row's new context (the committed positions' features), exactly its own count."""
         d = self.drafter
         for row in self.fresh:  # a row's first context (its whole prompt) is made alone, then merged
-            caches = d.make_cache()
+            caches, start = self.restored.pop(id(row), None) or (d.make_cache(), 0)
             feats = self._features(row)
             n = 0 if feats is None else feats.shape[1]
             if n:
@@ -70,7 +78,7 @@ class DFlashBatch(DraftBatch):
             else:
                 extend_rows(self.cache, merge_rows([caches]))
             self.rows.append(row)
-            self.context.append(n)
+            self.context.append(start + n)
         self.fresh = []
         order = {id(r): b for b, r in enumerate(self.rows)}
         if [order.get(id(r)) for r in rows] != list(range(len(self.rows))):
@@ -136,6 +144,45 @@ class DFlashBatch(DraftBatch):
         mx.async_eval(tokens, [q for q in qs if q is not None])
         return [Proposal(tokens[b, :m], None if qs[b] is None else qs[b][:m]) if m else Proposal([])
                 for b, m in enumerate(max_drafts)]
+
+    # the prompt cache -----------------------------------------------------------------------------
+    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
+        """(context caches, positions in them, {layer: [1, p, H]} captures after them or None)."""
+        b = next((i for i, r in enumerate(self.rows) if r is row), None)
+        if b is not None:
+            caches, c = (extract_row(self.cache, b) if len(self.rows) > 1 else self.cache), self.context[b]
+        elif id(row) in self.restored:
+            caches, c = self.restored[id(row)]
+        elif row.cached == 0:
+            caches, c = self.drafter.make_cache(), 0
+        else:
+            return None  # the captures it has start after positions it holds no context for
+        layers = self.drafter.capture_layers()
+        parts = self.pending.get(id(row), []) + ([dict(row.captures)] if row.captures else [])
+        tail = {i: mx.concatenate([p[i] for p in parts], axis=1) for i in layers} if parts else None
+        caches = copy_caches(caches)
+        if c >= positions:
+            trim_caches(caches, c - positions)
+            c, tail = positions, None
+        elif tail is not None:
+            tail = {i: h[:, : positions - c] for i, h in tail.items()}
+        held = c + (tail[layers[0]].shape[1] if tail else 0)
+        mx.eval(arrays(caches), list((tail or {}).values()))
+        nbytes = cache_bytes(caches) + sum(h.nbytes for h in (tail or {}).values())
+        return DraftState(held, (caches, c, tail), nbytes) if held > 0 else None
+
+    def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
+        caches, c, tail = saved.value
+        if saved.positions < n:
+            raise RuntimeError(f"DFlash state covers {saved.positions} positions; the row reuses {n}")
+        caches = copy_caches(caches)
+        if c >= n:
+            trim_caches(caches, c - n)
+            c, tail = n, None
+        self.restored[id(row)] = (caches, c)
+        if tail is not None:  # captures of positions c..n, before what the host hands over
+            self.pending.setdefault(id(row), []).insert(0, {i: h[:, : n - c] for i, h in tail.items()})
+        return True
 
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         # The committed positions' features become context at the next prepare; the block wrote nothing.

@@ -5,6 +5,11 @@ on batched caches (the draft model's own mlx-lm caches, merged as the host merge
 Per round: ``prepare`` feeds each row the tokens committed since it last drafted (a row new to the
 batch first prefills its own cache alone, then joins), keeping exactly each row's own count;
 ``propose`` runs the draft steps; ``commit`` keeps each row's accepted drafts.
+
+The server's prompt cache keeps a row's draft caches (``export_row``: the positions they hold); a
+row restored from it (``restore_row``) starts from them trimmed to its reused prefix and prefills
+only the rest. Caches that cannot be trimmed (a recurrent draft model) restore only at exactly
+their length; otherwise the row prefills its whole history, as without a cache.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, make_prompt_cache
 
 from ...hooks import recurrent
-from ...hooks.batch import extend_rows, forward, keep_rows, merge_rows, mergeable, replay
+from ...hooks.batch import extend_rows, extract_row, forward, keep_rows, merge_rows, mergeable, replay
+from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches, trimmable
 from ...hooks.transaction import CacheTransaction, check_supported
-from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget, Proposal, Verified
+from ..base import (Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftState, DraftTarget, Proposal,
+                    Verified)
 from ..compat import check_tokenizer, check_vocab
 
 DEFAULT_BLOCK_SIZE = 4  # 3 draft tokens, mlx-lm's default --num-draft-tokens
@@ -39,6 +46,7 @@ class DraftModelBatch(DraftBatch):
         self.first: Optional[mx.array] = None  # [B, V] logits after each row's pending token
         self.written = 0  # draft steps fed by the last propose
         self.fed_drafts: Optional[mx.array] = None  # [B, written]: the drafts they fed
+        self.restored: Dict[int, Tuple[List[Any], int]] = {}  # id(row) -> (caches, positions) from the prompt cache
 
     # rows ---------------------------------------------------------------------------------------
     def sync(self, rows: Sequence[Any]) -> None:
@@ -50,6 +58,7 @@ class DraftModelBatch(DraftBatch):
         for row in rows:
             if id(row) not in known:
                 self._join(row)
+        self.restored = {k: v for k, v in self.restored.items() if k in present}
         order = {id(r): b for b, r in enumerate(self.rows)}
         if [order[id(r)] for r in rows] != list(range(len(rows))):
             raise RuntimeError("draft rows must keep the batch's order")
@@ -61,10 +70,11 @@ class DraftModelBatch(DraftBatch):
         self.fed = [self.fed[b] for b in keep]
 
     def _join(self, row: Any) -> None:
-        """A new row: prefill its own cache with everything but its pending token, then merge."""
-        caches = self.make_cache()
+        """A new row: prefill its own cache with everything but its pending token (after what was
+        restored for it), then merge."""
+        caches, done = self.restored.pop(id(row), None) or (self.make_cache(), 0)
         history = row.tokens[:-1]
-        for start in range(0, len(history), PREFILL_STEP):
+        for start in range(done, len(history), PREFILL_STEP):
             forward(self.model, [history[start : start + PREFILL_STEP]], caches, [])
             mx.eval([c.state for c in caches])
         if not self.rows:
@@ -135,6 +145,34 @@ class DraftModelBatch(DraftBatch):
 
     def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
         return [(self.cache, list(range(len(self.rows))))]
+
+    # the prompt cache -----------------------------------------------------------------------------
+    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
+        b = next((i for i, r in enumerate(self.rows) if r is row), None)
+        if b is not None:
+            caches, held = (extract_row(self.cache, b) if len(self.rows) > 1 else self.cache), self.fed[b]
+        elif id(row) in self.restored:
+            caches, held = self.restored[id(row)]
+        else:
+            return None
+        caches = copy_caches(caches)
+        if held > positions:
+            if not trimmable(caches):
+                return None
+            trim_caches(caches, held - positions)
+            held = positions
+        mx.eval(arrays(caches))
+        return DraftState(held, caches, cache_bytes(caches)) if held > 0 else None
+
+    def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
+        caches, held = copy_caches(saved.value), saved.positions
+        if held > n:
+            if not trimmable(caches):
+                return False  # a recurrent draft model: prefill the row's history instead
+            trim_caches(caches, held - n)
+            held = n
+        self.restored[id(row)] = (caches, held)
+        return True
 
     def replay_group(self, group: int, n: Any) -> None:
         """Feed the first n drafts of this round again (the transaction restored the caches first):

@@ -1,5 +1,9 @@
 """``ngram``: prompt lookup. No weights: propose what followed the most recent earlier occurrence
-of the last n tokens of prompt + output (trying n, then n-1, down to 1)."""
+of the last n tokens of prompt + output (trying n, then n-1, down to 1).
+
+Its whole state is the row's tokens, so the server's prompt cache keeps nothing of it: a row
+restored from the cache drafts from ``row.tokens`` as any row (``DraftBatch.export_row`` and
+``restore_row`` keep their defaults)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,314 @@
+"""The prompt cache in the engine (hooks/prompt_cache.py through hooks/scheduler.py), no HTTP.
+
+A second turn restores the target's caches and the drafter's state (draft_model, ngram, dflash):
+its tokens and every round's proposals equal the same turn without the cache, the rows batch with
+others, and the drafter prefills only what was not restored. On a recurrent target (qwen3_5) a hit
+restores the largest snapshot position <= the shared prefix, and a wrong state (forced) is caught.
+The byte bound holds over 200 distinct long prompts, with mlx's active memory flat once full.
+Cancelled requests leave what they fed. (The contract's parts: tests/test_prompt_cache_contract.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache
+
+from conftest import encode, make_host, no_stop
+from mlx_speculative.drafters.base import DraftBatch, Drafter, DraftState, Proposal, Verified
+from mlx_speculative.drafters.dflash import tiny
+from mlx_speculative.hooks import prompt_cache as pc
+from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.hooks.host import GenerationParams
+from mlx_speculative.hooks.scheduler import Scheduler
+from mlx_speculative.hooks.state import SamplingParams
+from test_dflash_rounds import qwen3_5_config
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
+BIG = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("prompt_cache")
+    out: Dict[str, Path] = {}
+    out["llama"] = tm.make_checkpoint(root / "llama", tm.llama_config(num_hidden_layers=4), seed=51,
+                                      tokenizer_dir=tokenizer_dir, logit_scale=3.0, quiet_layers_from=2)
+    # Every layer speaks: the tokens depend on the recurrent state.
+    out["qwen3_5"] = tm.make_checkpoint(root / "qwen3_5", qwen3_5_config(), seed=53, tokenizer_dir=tokenizer_dir,
+                                        logit_scale=3.0)
+    out["draft_model"] = tm.make_truncated_drafter(out["llama"], root / "draft", num_layers=2)
+    real = json.loads((FIXTURES / "z-lab__Qwen3-4B-DFlash-b16.config.json").read_text())
+    config = tiny.shrink_config(real, target_layer_ids=[0, 2], mask_token_id=383, num_target_layers=4)
+    out["dflash"] = tiny.write_checkpoint(root / "dflash", config, seed=52)
+    return out
+
+
+class Recorded(DraftBatch):
+    """A drafter's batch, recorded: each row's proposals (by its prompt) and the rows per round.
+    Forwards everything, the prompt cache's ``export_row`` / ``restore_row`` too."""
+
+    def __init__(self, inner: DraftBatch, log: Dict[str, Any]):
+        self.inner, self.log = inner, log
+
+    def sync(self, rows: Sequence[Any]) -> None:
+        self.inner.sync(rows)
+
+    def prepare(self, rows: Sequence[Any]) -> None:
+        self.inner.prepare(rows)
+
+    def cache_groups(self) -> List[Any]:
+        return self.inner.cache_groups()
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        out = self.inner.propose(rows, max_drafts)
+        self.log["rows"].append(len(rows))
+        for row, p in zip(rows, out):
+            tokens = p.tokens.tolist() if isinstance(p.tokens, mx.array) else list(p.tokens)
+            self.log["proposals"].setdefault(tuple(row.tokens[: row.prompt_len]), []).append(tokens)
+        return out
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        return self.inner.commit(rows, verified)
+
+    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
+        return self.inner.export_row(row, positions)
+
+    def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
+        done = self.inner.restore_row(row, saved, n)
+        # Positions restored: in the caches (draft_model, dflash), plus DFlash's captures not yet in them.
+        tail = sum(next(iter(p.values())).shape[1] for p in getattr(self.inner, "pending", {}).get(id(row), []))
+        self.log["restored"].append(self.inner.restored[id(row)][1] + tail if done else None)
+        return done
+
+
+class RecordedDrafter(Drafter):
+    def __init__(self, inner: Drafter, log: Dict[str, Any]):
+        self.inner, self.log = inner, log
+        self.kind, self.family, self.default_block_size = inner.kind, inner.family, inner.default_block_size
+
+    def capture_layers(self) -> List[int]:
+        return self.inner.capture_layers()
+
+    def new_session(self, state: Any) -> Any:
+        return self.inner.new_session(state)
+
+    def new_batch(self) -> DraftBatch:
+        return Recorded(self.inner.new_batch(), self.log)
+
+
+class CountingModel:
+    """The draft model, counting the positions fed to it (hooks.batch.forward calls model(inputs, cache=))."""
+
+    def __init__(self, model: Any):
+        self.model, self.fed = model, 0
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        self.fed += inputs.shape[0] * inputs.shape[1]
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _host(kind: str, models: Dict[str, Path], arch: str = "llama") -> Tuple[Any, Any, Dict[str, Any]]:
+    spec = {"kind": "ngram"} if kind == "ngram" else {"draft_model": str(models[kind])}
+    host = make_host({**spec, "block_size": 4})  # pinned: a round every step, no adaptive pauses
+    target = host.load(str(models[arch]))
+    att = target.attachments["speculative"]
+    assert att.drafter.kind == kind
+    log: Dict[str, Any] = {"rows": [], "proposals": {}, "restored": []}
+    att.drafter = RecordedDrafter(att.drafter, log)
+    return host, target, log
+
+
+def _run(scheduler: Scheduler, jobs: List[Tuple[List[int], GenerationParams]]) -> List[Any]:
+    """Submit every job at once; their emitted tokens and requests (``request.first``: the first
+    token's log-probabilities, [V])."""
+    requests = [scheduler.submit(p, params) for p, params in jobs]
+    got: Dict[int, List[int]] = {r.id: [] for r in requests}
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            if not got[request.id]:
+                request.first = event.logprobs
+            if event.emitted:
+                got[request.id].append(event.token)
+    return [(got[r.id], r) for r in requests]
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram", "dflash"])
+def test_second_turn_restores_target_and_drafter_state(kind: str, models: Dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    host, target, log = _host(kind, models)
+    joined: List[int] = []  # positions the draft model prefilled for rows joining its batch
+    if kind == "draft_model":
+        from mlx_speculative.drafters.draft_model import DraftModelBatch
+
+        drafter = target.attachments["speculative"].drafter.inner
+        counting = drafter.model = CountingModel(drafter.model)
+        join = DraftModelBatch._join
+
+        def counted_join(self: Any, row: Any) -> None:
+            before = counting.fed
+            join(self, row)
+            joined.append(counting.fed - before)
+
+        monkeypatch.setattr(DraftModelBatch, "_join", counted_join)
+    a1, b1, c = (encode(target, t) for t in ("the model token draft verify", "river stone light night day code",
+                                            "one two three four five six seven"))
+    cache = pc.PromptCache(BIG)
+    on = Scheduler(host, target, prompt_cache=cache)
+    turn1 = _run(on, [(a1, no_stop(12)), (b1, no_stop(9))])
+    a2 = a1 + turn1[0][0] + encode(target, " accept commit")
+    b2 = b1 + turn1[1][0] + encode(target, " cache layer")
+    seeded = GenerationParams(max_tokens=10, stop_token_ids=[], sampling=SamplingParams(temperature=0.9, seed=7))
+    jobs = [(a2, no_stop(14)), (b2, no_stop(11)), (c, no_stop(8)), (a1 + turn1[0][0][:5], seeded)]
+
+    log["proposals"].clear()
+    joined.clear()
+    hits = _run(on, jobs)
+    on_props, on_joined, rows = dict(log["proposals"]), sum(joined), list(log["rows"])
+    log["proposals"].clear()
+    joined.clear()
+    refs = _run(Scheduler(host, target), jobs)  # the same requests, cache off
+
+    cached = [r.state.cached for _, r in hits]
+    # What turn 1 left: prompt + answer but its last token (never fed: it was pending).
+    assert cached == [len(a1) + 12 - 1, len(b1) + 9 - 1, 0, len(a1) + 4]
+    assert [t for t, _ in hits] == [t for t, _ in refs]
+    for (_, r), (_, ref) in zip(hits, refs):
+        stats = r.state.report["speculative"]
+        assert stats.fallback is None and stats.rounds > 0
+        assert stats.rounds == ref.state.report["speculative"].rounds
+    # The drafter drafted exactly as without the cache: its state for the reused prefix was right.
+    assert on_props == log["proposals"] and on_props[tuple(a2)]
+    assert max(rows) >= 3  # the restored rows batched with the fresh one
+    restored = log["restored"]
+    if kind == "ngram":
+        assert restored == []  # nothing to keep: its state is the row's tokens
+    else:
+        assert len(restored) == 3 and all(restored)
+    if kind == "dflash":  # a context of exactly the reused positions
+        assert sorted(restored) == sorted([cached[0], cached[1], cached[3]])
+    if kind == "draft_model":  # the draft model prefilled only what it did not restore
+        assert all(c - 3 <= m <= c for m, c in zip(sorted(restored), sorted([cached[0], cached[1], cached[3]])))
+        assert sum(joined) - on_joined == sum(restored)
+
+
+class WrongState(pc.PromptCache):
+    """Hands out a snapshot of more tokens than it claims (the recurrent state is not trimmable)."""
+
+    def __init__(self, caches: List[Any], positions: int):
+        super().__init__(BIG)
+        self.caches, self.positions = caches, positions
+
+    def fetch(self, prompt: Sequence[int], captures: bool = False) -> Optional[pc.Hit]:
+        return pc.Hit(pc.copy_caches(self.caches), self.positions, {})
+
+
+@pytest.mark.parametrize("kind", [None, "dflash"])
+def test_recurrent_target_restores_a_snapshot_position(kind: Optional[str], models: Dict[str, Path]) -> None:
+    if kind is None:
+        host, log = make_host(None, plugins=False), None
+        target = host.load(str(models["qwen3_5"]))
+    else:
+        host, target, log = _host(kind, models, "qwen3_5")
+    p = encode(target, "test plan build run step loop test plan build run step loop")
+    cache = pc.PromptCache(BIG)
+    on = Scheduler(host, target, prompt_cache=cache)
+    [(gen, _)] = _run(on, [(p, no_stop(8))])
+    # Snapshots: the prompt's end (len(p) - 1) and the generation's end (len(p) + 7).
+    assert sorted(len(e.tokens) for e in cache.entries) == [len(p) - 1, len(p) + 7]
+    assert not any(e.trimmable for e in cache.entries)
+    cases = [
+        (p, len(p) - 1),  # the same prompt: one token is still fed
+        (p[:-1] + [7], len(p) - 1),  # shares len(p) - 1
+        (p + gen[:3] + [9, 10], len(p) - 1),  # shares len(p) + 3: no snapshot there; the one below
+        (p + gen + [11], len(p) + 7),  # shares the whole generation
+        (p[:6] + [12, 13, 14], 0),  # shares 6: no snapshot at or below
+    ]
+    for prompt, expected in cases:
+        if log is not None:
+            log["proposals"].clear()
+        [(got, request)] = _run(on, [(prompt, no_stop(10))])
+        props = dict(log["proposals"]) if log is not None else None
+        if log is not None:
+            log["proposals"].clear()
+        [(ref, plain)] = _run(Scheduler(host, target), [(prompt, no_stop(10))])
+        assert request.state.cached == expected, prompt
+        assert got == ref, prompt
+        # The restored state is the state: the first token's distribution too (fp32, summation order only).
+        assert mx.allclose(request.first, plain.first, atol=1e-4).item(), prompt
+        if log is not None:
+            assert request.state.report["speculative"].fallback is None
+            assert props == log["proposals"]
+    # The test can fail: a state of more tokens than the prefix it claims gives other tokens.
+    gen_end = next(e for e in cache.entries if len(e.tokens) == len(p) + 7)
+    assert any(isinstance(c, ArraysCache) for c in gen_end.caches)
+    wrong = pc.copy_caches(gen_end.caches)
+    for c in wrong:
+        if not isinstance(c, ArraysCache):
+            c.trim(4)  # attention says len(p) + 3; the recurrent state holds len(p) + 7
+    prompt = p + gen[:3] + [9, 10]
+    [(bad, wrong_request)] = _run(Scheduler(host, target, prompt_cache=WrongState(wrong, len(p) + 3)),
+                                  [(prompt, no_stop(10))])
+    [(ref, plain)] = _run(Scheduler(host, target), [(prompt, no_stop(10))])
+    assert bad != ref and not mx.allclose(wrong_request.first, plain.first, atol=1e-2).item()
+
+
+def test_byte_bound_holds_and_memory_stays_flat(models: Dict[str, Path]) -> None:
+    host = make_host(None, plugins=False)
+    target = host.load(str(models["llama"]))
+    bound = 3 << 20
+    cache = pc.PromptCache(bound)
+    scheduler = Scheduler(host, target, prompt_cache=cache)
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    memory: List[int] = []
+    sizes: List[int] = []
+    for i in range(200):
+        prompt = [2 + i % 190, 2 + i // 190] + [3 + (i * 31 + j * 7) % 370 for j in range(120)]  # distinct
+        [(_, request)] = _run(scheduler, [(prompt, no_stop(2))])
+        assert request.state.cached == 0
+        assert cache.nbytes <= bound and cache.nbytes == sum(e.nbytes for e in cache.entries)
+        sizes.append(len(cache))
+        mx.clear_cache()
+        memory.append(mx.get_active_memory())
+    full = sizes.index(max(sizes))
+    assert cache.evictions == 200 - len(cache) and 0 < full < 50 and min(sizes[full:]) == max(sizes)
+    entry = max(e.nbytes for e in cache.entries)
+    steady = memory[full:]
+    # Evicted entries are freed at once (no reference cycle waits for the garbage collector).
+    assert max(steady) - min(steady) <= entry, (min(steady), max(steady), entry)
+    assert max(memory) - base <= bound + entry
+
+
+def test_cancelled_requests_leave_what_they_fed(models: Dict[str, Path]) -> None:
+    host, target, _ = _host("draft_model", models)
+    cache = pc.PromptCache(BIG)
+    scheduler = Scheduler(host, target, prompt_cache=cache)
+    prompt = [3 + (i * 11) % 370 for i in range(40)]
+    decoding = scheduler.submit(prompt, no_stop(30))
+    while decoding.state.generated < 6:
+        scheduler.step()
+    scheduler.cancel(decoding)
+    scheduler.step()
+    kept = decoding.state.tokens[:-1]  # every token the caches held but the pending one
+    assert decoding.finish_reason == "cancelled" and [list(e.tokens) for e in cache.entries] == [kept]
+    other = [5 + (i * 13) % 370 for i in range(40)]
+    prefilling = scheduler.submit(other, no_stop(8, prefill_step_size=16))
+    scheduler.step()
+    scheduler.step()
+    assert prefilling.fed == 32 and prefilling.prefill is not None
+    scheduler.cancel(prefilling)
+    scheduler.step()
+    assert sorted(len(e.tokens) for e in cache.entries) == [32, len(kept)]
+    # Both are found again, and the answers equal the cache-off ones.
+    jobs = [(kept + [7], no_stop(6)), (other, no_stop(6))]
+    hits = _run(scheduler, jobs)
+    assert [r.state.cached for _, r in hits] == [len(kept), 32]
+    assert [t for t, _ in hits] == [t for t, _ in _run(Scheduler(host, target), jobs)]
