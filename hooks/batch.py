@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, CacheList
 
 from . import taps
 from .state import DecodeState, LoadedTarget
@@ -71,9 +71,26 @@ def forward(model: nn.Module, inputs: Inputs, cache: List[Any], layers: Sequence
     """
     if not isinstance(inputs, mx.array):
         inputs = mx.array([list(r) for r in inputs], dtype=mx.uint32)
+    if inputs.shape[1] > 1:
+        in_temporal_order(cache)
     with taps.record(layers) as rec:
         logits = model(inputs.astype(mx.uint32), cache=cache)
     return logits, {i: mx.concatenate(v, axis=1) if len(v) > 1 else v[0] for i, v in rec.items() if v}
+
+
+def in_temporal_order(caches: Sequence[Any]) -> None:
+    """Lay wrapped batched sliding-window caches out in temporal order before a multi-token forward.
+
+    mlx-lm's ``BatchRotatingKVCache.make_mask`` (built before the update) takes the ring index for
+    the length its multi-token update will trim, so once the ring has wrapped it masks one real key
+    of each left-padded row too many (the update itself reorders first, then trims). Reordering
+    first, with the cache's own ``_temporal_order``, makes mask and update agree; a cache
+    transaction that began before keeps the wrapped state to restore."""
+    for c in caches:
+        if isinstance(c, CacheList):
+            in_temporal_order(c.caches)
+        elif isinstance(c, BatchRotatingKVCache) and c.rotated:
+            c._temporal_order()
 
 
 @dataclass

@@ -87,7 +87,8 @@ class WatchedDrafter(Drafter):
 def models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[str, Path]:
     root = tmp_path_factory.mktemp("engine")
     out: Dict[str, Path] = {}
-    for arch, config in (("llama", tm.llama_config(num_hidden_layers=4)), ("qwen3_5", tm.qwen3_5_config())):
+    for arch, config in (("llama", tm.llama_config(num_hidden_layers=4)), ("qwen3_5", tm.qwen3_5_config()),
+                         ("gemma3_text", tm.gemma3_text_config())):
         out[arch] = tm.make_checkpoint(root / arch, config, seed=41, tokenizer_dir=tokenizer_dir, logit_scale=3.0,
                                        quiet_layers_from=2)
         out[arch + ":draft_model"] = tm.make_truncated_drafter(out[arch], root / f"{arch}-draft", num_layers=2)
@@ -245,3 +246,20 @@ def test_a_drafter_failing_mid_batch_loses_no_token(arch: str, models: Dict[str,
     failed = [s for s in reports if s.fallback]
     assert log["exploded"] and len(failed) == log["exploded"][0] >= 3
     assert all("drafter exploded" in s.fallback for s in failed) and sum(s.rounds for s in failed) > 0
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_sliding_windows_that_wrap_batch_exactly(kind: str, models: Dict[str, Path]) -> None:
+    """gemma3_text (windows of 8): rows shorter than the window join rows past it (left padding in a
+    wrapped BatchRotatingKVCache), then verify multi-token blocks; each equals its greedy decoding."""
+    spec = {"kind": "ngram"} if kind == "ngram" else {"draft_model": str(models["gemma3_text:draft_model"])}
+    host = make_host({**spec, "block_size": 5})
+    target = host.load(str(models["gemma3_text"]))
+    loops = [20, 21, 22, 20, 21, 22, 20, 21, 22, 20, 21, 22, 23, 24]
+    requests = [(loops[:n], 40) for n in (14, 3, 12, 5)] + [([40 + i, 41, 42], 40) for i in range(2)]
+    refs = [greedy_reference(target.model, p, n) for p, n in requests]
+    log: Dict[str, List[Any]] = {"forwards": [], "accepted": []}
+    att = target.attachments["speculative"]
+    att.drafter = WatchedDrafter(att.drafter, log, {})
+    assert _run_batch(host, target, requests) == refs
+    assert any(len(a) > 1 and max(a) > 0 for a in log["accepted"])  # rounds of several rows that accepted
