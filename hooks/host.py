@@ -15,7 +15,7 @@ import mlx.core as mx
 import pluggy
 from mlx_lm.sample_utils import make_sampler
 
-from . import loading, recurrent, taps
+from . import attention, loading, recurrent, taps
 from .batch import DecodeBatch, forward
 from .manager import make_plugin_manager
 from .state import DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams, keyed_sampler
@@ -87,6 +87,11 @@ class Host:
         policy = self.pm.hook.host_cache_policy(target=target)
         if policy is not None:
             target.cache_policy = policy
+        # The policy's attention dispatcher, for this model's attention layers only (hooks/attention.py).
+        attention.route_policy(model, target.cache_policy)
+        prepare = getattr(target.cache_policy, "prepare", None)
+        if prepare is not None:
+            prepare(model)
         return target
 
     # requests ---------------------------------------------------------------------------------
