@@ -16,9 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
+
+from ...hooks.attention import MaskSpec, describe
 
 # Architectures of the DFlash2 line: extra convolutions and a candidate selector this model lacks.
 UNSUPPORTED_ARCHITECTURES = ("DFlash2DraftModel",)
@@ -223,7 +225,8 @@ class Attention(nn.Module):
             slots = ctx_k.shape[2]
             k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
         mask = self.mask(cache, B, T, slots, start, widths)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        # mlx-lm's function, by name: a host routing this model's attention (hooks/attention.py) sees it.
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
     def mask(self, cache: Any, B: int, T: int, slots: int, start: Any, widths: Optional[mx.array]) -> Optional[mx.array]:
@@ -247,6 +250,9 @@ class Attention(nn.Module):
             key_pos = mx.where(cols < slots, cols - lp_b, cols - slots + start_b)  # [B|1, S]
             q_pos = start_b + mx.arange(T)[None]  # [B|1, T]
             mask = mask & ((q_pos[:, :, None] - key_pos[:, None, :]) < self.window)[:, None]  # [B|1, 1, T, S]
+        elif isinstance(end_b, int) and end_b == slots:  # no gap: row b sees keys [lp_b, slots + w_b), not causal
+            describe(mask, MaskSpec(1, slots + T, 0 if lp is None else lp, slots + (T if widths is None else widths),
+                                    slots + T, slots + T))
         return mask
 
     def blocks(self, x: mx.array, context: mx.array, anchors: mx.array) -> mx.array:
