@@ -139,13 +139,14 @@ def mask_bounds(mask: Any, B: int, L: int, S: int) -> Optional[MaskSpec]:
     return spec
 
 
-def resolve_mode(mode: Optional[str] = None) -> bool:
-    """Whether the dispatcher is on: ``mode`` (or $MLX_SPEC_ATTENTION_KERNEL); auto = where the kernel runs."""
+def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
+    """Whether the dispatcher is on: ``mode`` (or $MLX_SPEC_ATTENTION_KERNEL); auto = where the kernel runs.
+    ``source`` names the setting in messages."""
     mode = (mode or os.environ.get(ENV) or "auto").strip().lower()
     if mode not in MODES:
-        raise ValueError(f"{ENV}: got {mode!r}; allowed: {', '.join(MODES)}")
+        raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(MODES)}")
     if mode == "on" and not cuda_attention.available():
-        raise ValueError(f"{ENV}=on: the attention kernel needs MLX built with CUDA and the GPU as the default "
+        raise ValueError(f"{source} on: the attention kernel needs MLX built with CUDA and the GPU as the default "
                          f"device; this process runs on {mx.default_device()} (allowed here: auto, off)")
     return cuda_attention.available() if mode == "auto" else mode == "on"
 
@@ -163,6 +164,6 @@ def min_keys_from_env() -> Optional[Dict[str, int]]:
     return {kind: n for kind in MIN_KEYS}
 
 
-def dispatcher_for(mode: Optional[str] = None) -> Optional[Dispatcher]:
+def dispatcher_for(mode: Optional[str] = None, source: str = ENV) -> Optional[Dispatcher]:
     """The CUDA kernel's dispatcher where the mode says so, else None (mlx-lm's attention)."""
-    return Dispatcher(cuda_kernel(), min_keys=min_keys_from_env()) if resolve_mode(mode) else None
+    return Dispatcher(cuda_kernel(), min_keys=min_keys_from_env()) if resolve_mode(mode, source) else None

@@ -249,7 +249,8 @@ def test_off_on_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(attention.ENV, "off")
     assert attention.dispatcher_for() is None
     monkeypatch.setenv(attention.ENV, "on")
-    with pytest.raises(ValueError, match="needs MLX built with CUDA.*allowed here: auto, off"):
+    with pytest.raises(ValueError, match="MLX_SPEC_ATTENTION_KERNEL on: the attention kernel needs MLX built with "
+                                         "CUDA.*allowed here: auto, off"):
         cache_policy.policy_for()
     monkeypatch.setenv(attention.ENV, "always")
     with pytest.raises(ValueError, match="allowed: auto, on, off"):
