@@ -18,6 +18,14 @@ compare tokens with ``KVCache`` through plain decoding and the round loop). The 
 positions come after the real ones, so causal attention keeps them out of the real rows; the
 cache transaction trims them like rejected drafts.
 
+Masks describe themselves (``hooks.attention.describe``: key length, offset, left padding), so that
+the short-query attention kernel (``plugin/attention.py``) applies them from those bounds without
+reading them; the kernel reads only the real keys of the padded buffer. The policies carry that
+dispatcher (``attention``) where ``MLX_SPEC_ATTENTION_KERNEL`` resolves on; ``RoutedPolicy`` is
+mlx-lm's caches with it (``MLX_SPEC_PADDED_CACHE=off`` on CUDA). The padded caches stay with the kernel
+on: the calls it does not take (prefill chunks, fewer keys than its thresholds, head dims it lacks)
+still compile per shape in MLX.
+
 Per backend (``mode="auto"``): on for CUDA, off for CPU and Metal. The CPU has no per-shape
 compile cost, so padding would only add attention work. Metal compiles its attention kernels per
 dtype/head size, not per key length, and mlx-lm's own decoding is fast there with exact lengths;
