@@ -55,10 +55,13 @@ class Kernel:
     fn: Callable[..., mx.array]  # (q [B,Hq,L,D], k, v [B,Hkv,S,D], scale, key_len, offset, key_start) -> [B,Hq,L,D]
     head_dims: Optional[Tuple[int, ...]] = cuda_attention.HEAD_DIMS  # None: any
     dtypes: Optional[Tuple[mx.Dtype, ...]] = (mx.bfloat16, mx.float16)  # None: any
+    # (B, key_len, offset, key_start) -> what ``fn`` takes as ``params=``: built once per mask, shared by
+    # the layers of a forward (per-row bounds are then one small device array, not one per layer).
+    params: Optional[Callable[..., Any]] = None
 
 
 def cuda_kernel() -> Kernel:
-    return Kernel("cuda_attention.sdpa", cuda_attention.sdpa)
+    return Kernel("cuda_attention.sdpa", cuda_attention.sdpa, params=cuda_attention.attention_params)
 
 
 class Dispatcher:
@@ -71,6 +74,7 @@ class Dispatcher:
         self.min_keys = dict(MIN_KEYS if min_keys is None else min_keys)
         self.enabled = True  # False: every call takes MLX's path (the bench's on/off in one process)
         self.counts: Counter = Counter()
+        self._params: Tuple[Any, ...] = (None, None, None)  # (spec, batch, params) of the last kernel call
 
     def __call__(self, queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
                  mask: Any, sinks: Optional[mx.array] = None) -> mx.array:
@@ -79,7 +83,13 @@ class Dispatcher:
             self.counts[f"mlx: {why}"] += 1
             return _MLX(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         self.counts["kernel"] += 1
-        return self.kernel.fn(queries, keys, values, scale, spec.key_len, spec.offset, spec.key_start)
+        if self.kernel.params is None:
+            return self.kernel.fn(queries, keys, values, scale, spec.key_len, spec.offset, spec.key_start)
+        B = queries.shape[0]
+        if self._params[0] is not spec or self._params[1] != B:  # a described mask: one spec per forward
+            self._params = (spec, B, self.kernel.params(B, spec.key_len, spec.offset, spec.key_start))
+        return self.kernel.fn(queries, keys, values, scale, spec.key_len, spec.offset, spec.key_start,
+                              params=self._params[2])
 
     def plan(self, queries: mx.array, keys: Any, values: Any, cache: Any, mask: Any,
              sinks: Any) -> Tuple[Optional[MaskSpec], str]:

@@ -195,6 +195,32 @@ def test_a_wrong_bound_changes_a_real_forward() -> None:
     assert mx.abs(outs[1] - want).max().item() > 1e-3
 
 
+def test_kernel_params_are_built_once_per_forward() -> None:
+    """A kernel's ``params`` (the CUDA kernel's per-row bounds array) is built once per mask and shared by
+    the layers of a forward; the next forward's mask builds its own."""
+    seen: List[Any] = []
+
+    def fn(q: mx.array, k: mx.array, v: mx.array, scale: float, key_len: Any, offset: Any, key_start: Any = 0,
+           params: Any = None) -> mx.array:
+        seen.append(params)
+        assert params[1:] == (key_len, offset, key_start)
+        return ca.reference(q, k, v, scale, key_len, offset, key_start)
+
+    kernel = attention.Kernel("stand-in", fn, None, None, params=lambda B, *bounds: (object(), *bounds))
+    disp = attention.Dispatcher(kernel, min_keys={"mlx-mask": 0, "array": 0})
+    model = tm.build_model(tm.llama_config(num_hidden_layers=3))
+    host_attention.route(model, disp)
+    rows = [cache_policy.make_padded_cache(model, bucket=16) for _ in range(2)]
+    for c, n in zip(rows, (7, 3)):
+        model(mx.array([list(range(5, 5 + n))]), cache=c)
+    batch = [PaddedKVCache.merge(list(layer)) for layer in zip(*rows)]
+    seen.clear()  # the prefills' (one mask each, too)
+    for _ in range(2):
+        model(mx.array([[20, 21, 22], [30, 31, 32]]), cache=batch)
+    assert len(seen) == 6 and len({id(p) for p in seen[:3]}) == 1 and seen[3] is not seen[0]
+    assert all(p is seen[3] for p in seen[3:])
+
+
 @pytest.mark.parametrize("arch,why", [("deepseek_v3", "mask"), ("gpt_oss", "sinks")])  # MLA adds its rope scores as a float mask
 def test_real_layers_the_kernel_cannot_take(arch: str, why: str) -> None:
     model = tm.build_model(tm.EXTRA_CONFIGS[arch]())
