@@ -9,9 +9,9 @@ plugin uses on CUDA (``--cache padded``: bucket 256, described masks) or mlx-lm'
 "causal"). The target and the DFlash-shape drafter (``--dflash-layers`` layers of the target's width,
 block ``--block``) are routed through the dispatcher (plugin/attention.py) once; ``off`` disables it
 (MLX's attention), ``on`` enables it with its thresholds (``--min-keys`` overrides them). The drafter's
-block is timed with a padded context cache and with mlx-lm's KVCache: a padded context leaves a gap
-between the context and the block, so only the second reaches the kernel. Every entry records the
-dispatcher's calls by path, so the JSON shows which path ran. Without MLX-CUDA only ``off`` runs.
+block is timed with a padded context cache (the plugin's on CUDA) and with mlx-lm's KVCache. Every
+entry records the dispatcher's calls by path, so the JSON shows which path ran. Without MLX-CUDA only
+``off`` runs.
 """
 
 from __future__ import annotations

@@ -88,27 +88,39 @@ def test_padded_masks_are_what_they_describe(bucket: int, prefill: int, N: int) 
     assert spec.key_start.tolist() == batch.left_padding.tolist() and spec.offset == batch.size()
 
 
-def test_dflash_masks_are_described_only_without_a_gap() -> None:
+def test_dflash_blocks_are_one_range_of_keys_in_any_cache() -> None:
+    """The DFlash block's K/V go right after the context in its cache (then are trimmed off): context and
+    block are one range of keys in plain, batched and padded caches, described, and the dispatcher's
+    kernel computes the layer's output from the bounds (per-row widths and left padding)."""
     args = DFlashArgs.from_dict({"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
                                  "vocab_size": 64, "rms_norm_eps": 1e-6, "block_size": 4, "num_target_layers": 4,
                                  "mask_token_id": 63, "max_position_embeddings": 128})
     layer = DFlashAttention(args, 0)
-    plain = KVCache()
-    plain.update_and_fetch(*_kv(1, 2, 6, 8))
-    widths = mx.array([3])
-    spec = assert_described(layer.mask(plain, 1, 4, 6, 6, widths))
-    assert spec.queries == 1 and spec.offset >= spec.keys - 1  # one row for every query: not causal
-    rows = [KVCache() for _ in range(2)]
-    for c, n in zip(rows, (6, 3)):
-        c.update_and_fetch(*_kv(1, 2, n, 8))
-    batch = KVCache.merge(rows)
-    spec = assert_described(layer.mask(batch, 2, 4, batch.size(), batch.offset, mx.array([4, 2])))
-    assert spec.key_start.tolist() == [0, 3]
-    padded = PaddedKVCache(16)
-    padded.update_and_fetch(*_kv(1, 2, 6, 8))
-    gap = layer.mask(padded, 1, 4, 16, 6, None)  # context slots 6..15 are padding: keys are not one range
-    assert gap is not None and described(gap) is None
+    spec = assert_described(layer.mask(4, 16, 6, 6, None, mx.array([3])))  # a padded cache: 16 slots
+    assert (spec.queries, spec.key_start, spec.offset) == (1, 0, 16) and spec.key_len.tolist() == [9]
+    assert layer.mask(4, 10, 6, 6, None, None) is None  # plain cache, whole block: every key is real
+    disp, kernel = dispatcher()
+    mx.random.seed(5)
+    context, x = mx.random.normal((1, 6, 32)), mx.random.normal((2, 4, 32))
+
+    def caches() -> List[Any]:
+        plain, padded = KVCache(), PaddedKVCache(16)
+        rows = [KVCache(), KVCache()]
+        for c in (plain, padded):
+            layer.append(context, c)
+        for c, n in zip(rows, (6, 3)):
+            layer.append(context[:, :n], c)
+        return [plain, padded, KVCache.merge(rows)]
+
+    want = [layer(x[:1], c, mx.array([3])) for c in caches()[:2]] + [layer(x, caches()[2], mx.array([4, 2]))]
+    host_attention.route(layer, disp)
+    got_caches = caches()
+    got = [layer(x[:1], c, mx.array([3])) for c in got_caches[:2]] + [layer(x, got_caches[2], mx.array([4, 2]))]
+    for w, g in zip(want, got):
+        assert mx.abs(w - g).max().item() < 1e-5
+    assert disp.counts["kernel"] == 3 and isinstance(kernel.calls[-1][1], mx.array)  # left padding [0, 3]
+    assert [c.size() for c in got_caches] == [6, 6, 6]  # the blocks were trimmed off again
 
 
 # -- what the dispatcher takes is exact --------------------------------------------------------

@@ -298,11 +298,13 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
     model.append_context(mx.zeros((1, 1, taps), dtype), caches)
     shapes = [(c.keys.shape, c.values.shape) for c in caches]
     for span in range(bucket, -(-max(bucket, max_tokens) // bucket) * bucket + 1, bucket):
-        for c, (ks, vs) in zip(caches, shapes):
-            c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dtype)
-            c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dtype)
-            c.offset = span - 1  # keys_and_values() then returns all ``span`` slots
         for w in widths:
+            if w > span:
+                continue
+            for c, (ks, vs) in zip(caches, shapes):
+                c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dtype)
+                c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dtype)
+                c.offset = span - w  # the block, written after the context, ends the bucket: ``span`` keys
             mx.eval(model(emb[:, :w], caches, mx.array([w - 1])))
             runs += 1
     mx.clear_cache()
