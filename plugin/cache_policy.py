@@ -255,8 +255,8 @@ class ShapeStablePolicy(CachePolicy):
 
 
 class RoutedPolicy(CachePolicy):
-    """mlx-lm's caches with the attention kernel routed (``MLX_SPEC_PADDED_CACHE=off`` on CUDA). Batched
-    rows pass mlx-lm's undescribed masks, so only single rows ("causal") reach the kernel."""
+    """mlx-lm's caches with the attention kernel routed (``MLX_SPEC_PADDED_CACHE=off`` on CUDA). The target's
+    batched rows pass mlx-lm's undescribed masks (MLX's path); single rows pass "causal" (the kernel)."""
 
     name = "mlx-lm+attention"
 
