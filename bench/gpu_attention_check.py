@@ -26,14 +26,20 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-_SRC = Path(__file__).resolve().parents[1] / "plugin" / "cuda_attention.py"
-_spec = importlib.util.spec_from_file_location("cuda_attention", _SRC)  # standalone: no package imports
+# Standalone: plugin/cuda_attention.py and its sources load as a package of their own (no other imports).
+_PLUGIN = Path(__file__).resolve().parents[1] / "plugin"
+_pkg = types.ModuleType("_spec_kernels")
+_pkg.__path__ = [str(_PLUGIN)]
+sys.modules["_spec_kernels"] = _pkg
+_spec = importlib.util.spec_from_file_location("_spec_kernels.cuda_attention", _PLUGIN / "cuda_attention.py")
 ca = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ca
 _spec.loader.exec_module(ca)
 
 TOL = 2e-2

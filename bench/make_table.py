@@ -71,7 +71,7 @@ H200, Llama-3-8B-shape bf16 synthetic target, DFlash b16 at oracle tau 6.5, 256 
 - engine/h200-train-smoke.txt: `bash bench/h200_engine.sh train`, `mlx-spec train-drafter` on MLX-CUDA:
   dflash 84-86 steps/s (171k tokens/s), draft_model 105-113 steps/s, tiny target; the checkpoints pass
   `mlx-spec check` and generate.
-Short-query attention kernel (plugin/cuda_attention.py, issue 19; not used by decoding yet): kernels/h200-attention-kernel-check.json,
+Short-query attention kernel (plugin/cuda_attention.py, issue 19; wired into decoding by plugin/attention.py, not yet measured there): kernels/h200-attention-kernel-check.json,
 written on the H200 (MLX-CUDA 0.32.4) by
 `python bench/gpu_attention_check.py --out bench/results/kernels/h200-attention-kernel-check.json`.
 Correctness, bf16, 32 query heads, causal with the queries at the end of the keys (all keys visible when there

@@ -15,10 +15,11 @@ import mlx.core as mx
 import pluggy
 from mlx_lm.sample_utils import make_sampler
 
-from . import loading, recurrent, taps
+from . import attention, loading, recurrent, taps
 from .batch import DecodeBatch, forward
 from .manager import make_plugin_manager
-from .state import DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams, keyed_sampler
+from .state import (CachePolicy, DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams,
+                    keyed_sampler)
 from .step import BatchDecoder, PlainRun
 
 DEFAULT_PREFILL_STEP = 2048
@@ -84,10 +85,19 @@ class Host:
         recurrent.scope_model(model)
         target = LoadedTarget(model=model, tokenizer=tokenizer, path=path, model_config=config, name=spec)
         self.pm.hook.host_model_loaded(target=target, config=self.config)
-        policy = self.pm.hook.host_cache_policy(target=target)
+        self.apply_policy(target, self.pm.hook.host_cache_policy(target=target))
+        return target
+
+    @staticmethod
+    def apply_policy(target: LoadedTarget, policy: Optional[CachePolicy]) -> None:
+        """Make ``policy`` (``host_cache_policy``'s answer; None: keep mlx-lm's) the target's: its attention
+        dispatcher routes this model's attention layers only (hooks/attention.py), then it prepares."""
         if policy is not None:
             target.cache_policy = policy
-        return target
+        attention.route_policy(target.model, target.cache_policy)
+        prepare = getattr(target.cache_policy, "prepare", None)
+        if prepare is not None:
+            prepare(target.model)
 
     # requests ---------------------------------------------------------------------------------
     def new_state(self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams) -> DecodeState:

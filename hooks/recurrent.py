@@ -6,7 +6,7 @@ needs the layer's inputs. This module records them, for the loaded model only:
 
 - ``scope_model(model)`` (the host calls it for every model it loads) gives each recurrent layer
   instance of THAT model a subclass whose methods are the original methods' code run over a private
-  globals mapping, in which the shared recurrence primitives of mlx-lm (``gated_delta_update``,
+  globals mapping (``hooks.scoping``, a gated scope), in which the shared recurrence primitives of mlx-lm (``gated_delta_update``,
   ``ssm_update``: ``PRIMITIVES``) and ``mx`` (the layers build the conv input with
   ``mx.concatenate([conv_state, x], axis=1)``) are recording versions. ``__call__`` runs the
   original method itself unless a transaction has opened a recording on the cache it receives, and
@@ -36,17 +36,19 @@ through the replay.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import threading
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import scoping
 from .cache_ops import Lengths, handle
 from .recurrent_state import apply_all
 
@@ -86,7 +88,6 @@ _local = threading.local()  # .current: the Recording of the scoped call under w
 # Step states are kept only while one call's fit in this many bytes (else the call is run again).
 STEP_STATE_BUDGET = 1 << 26
 _open: Dict[int, "Recording"] = {}  # id(cache) -> its open recording
-_scoped: Dict[type, Optional[type]] = {}
 
 
 def _current() -> Optional["Recording"]:
@@ -119,7 +120,7 @@ def _stepping(fn: types.FunctionType, prim: Primitive) -> types.FunctionType:
             steps.append(out[1])
         return out
 
-    return _rebound(fn, {loop_name: _rebound(loop, {step_name: recording_step})})
+    return scoping.rebound(fn, {loop_name: scoping.rebound(loop, {step_name: recording_step})})
 
 
 def _recording_primitive(prim: Primitive, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -166,76 +167,45 @@ def _scoped_mx() -> types.ModuleType:
 _SCOPED_MX = _scoped_mx()
 
 
-def _rebound(fn: types.FunctionType, names: Dict[str, Any]) -> types.FunctionType:
-    """``fn``'s code over a private copy of its globals with ``names`` replaced."""
-    scope = dict(fn.__globals__)
-    scope.update(names)
-    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__qualname__, new.__doc__ = fn.__qualname__, fn.__doc__
-    return new
+def _replacements(fn: types.FunctionType) -> Dict[str, Any]:
+    """What a layer method sees instead: recording primitives for the ones it calls, our ``mx``
+    where it concatenates (conv inputs)."""
+    used = scoping.names_used(fn.__code__)
+    names: Dict[str, Any] = {}
+    for pname, (prim, original) in _PRIMS.items():
+        if pname in used and fn.__globals__.get(pname) is original:
+            names[pname] = _RECORDING[pname]
+    if "concatenate" in used and fn.__globals__.get("mx") is mx:
+        names["mx"] = _SCOPED_MX
+    return names
 
 
-def _scoped_class(cls: type) -> Optional[type]:
-    """A subclass of ``cls`` recording its recurrence, or None when ``cls`` has none."""
-    if cls in _scoped:
-        return _scoped[cls]
-    prims = _originals()
-    methods: Dict[str, types.FunctionType] = {}
-    for name, fn in vars(cls).items():
-        if not isinstance(fn, types.FunctionType):
-            continue
-        used = set(fn.__code__.co_names)
-        names: Dict[str, Any] = {}
-        for pname, (prim, original) in prims.items():
-            if pname in used and fn.__globals__.get(pname) is original:
-                names[pname] = _recording_primitive(prim, original)
-        if "concatenate" in used and fn.__globals__.get("mx") is mx:
-            names["mx"] = _SCOPED_MX
-        if names:
-            methods[name] = _rebound(fn, names)
-    call = getattr(cls, "__call__", None)
-    params = list(inspect.signature(call).parameters) if isinstance(call, types.FunctionType) else []
-    if not methods or "cache" not in params:
-        _scoped[cls] = None
-        return None
-    index = params.index("cache") - 1  # positional index after self
-    scoped_call = methods.pop("__call__", call)
+@contextlib.contextmanager
+def _recording(rec: "Recording") -> Iterator[None]:
+    outer, _local.current = _current(), rec
+    try:
+        yield
+    finally:
+        _local.current = outer
+        rec.after_call()
 
-    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("cache") if "cache" in kwargs else (args[index] if len(args) > index else None)
-        rec = _open.get(id(cache)) if cache is not None else None
-        if rec is None or rec.cache is not cache:
-            return call(self, *args, **kwargs)
-        outer, _local.current = _current(), rec
-        try:
-            return scoped_call(self, *args, **kwargs)
-        finally:
-            _local.current = outer
-            rec.after_call()
 
-    sub = type(cls.__name__, (cls,), {**methods, "__call__": __call__, "_spec_recurrent": True})
-    sub.__module__, sub.__qualname__ = cls.__module__, cls.__qualname__
-    _scoped[cls] = sub
-    return sub
+def _gate(cache: Any) -> Optional[ContextManager[None]]:
+    """Record a layer call only while a transaction records the cache it receives."""
+    rec = _open.get(id(cache))
+    return _recording(rec) if rec is not None and rec.cache is cache else None
+
+
+_PRIMS = _originals()
+_RECORDING = {name: _recording_primitive(prim, fn) for name, (prim, fn) in _PRIMS.items()}
+SCOPE = scoping.Scope("recurrent", _replacements, gate=_gate)
 
 
 def scope_model(model: nn.Module) -> int:
-    """Give the recurrent layers of ``model`` (this instance only) their recording subclass.
-
-    Idempotent; returns the number of recurrent layers found (0 for attention-only models).
-    """
-    found = 0
-    for module in model.modules():
-        cls = type(module)
-        if getattr(cls, "_spec_recurrent", False):
-            found += 1
-            continue
-        sub = _scoped_class(cls)
-        if sub is not None:
-            module.__class__ = sub
-            found += 1
-    return found
+    """Give the recurrent layers of ``model`` (this instance only) their recording subclass
+    (``hooks.scoping``). Idempotent; returns the number of recurrent layers found (0 for
+    attention-only models)."""
+    return scoping.scope_model(model, SCOPE)
 
 
 # -- recording -------------------------------------------------------------------------------

@@ -342,9 +342,7 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: O
     def load() -> Tuple[Host, LoadedTarget]:
         if target is not None:
             host = Host(config, pm=pm)
-            policy = host.pm.hook.host_cache_policy(target=target)
-            if policy is not None:
-                target.cache_policy = policy
+            host.apply_policy(target, host.pm.hook.host_cache_policy(target=target))
             return host, target
         host, loaded, error = load_target(config, model, pm)
         box["error"] = error

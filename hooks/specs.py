@@ -105,7 +105,9 @@ def host_cache_policy(target: "LoadedTarget") -> Optional["CachePolicy"]:
     Return a ``hooks.state.CachePolicy`` (e.g. shape-stable caches for a backend that compiles
     attention per shape), or None for mlx-lm's own ``make_prompt_cache``. The first non-None wins.
     The policy's cache classes must merge into batches (``merge``/``extend``/``extract``) or the
-    host decodes each request of the target alone.
+    host decodes each request of the target alone. A policy whose ``attention`` is set gets the
+    target's attention routed through that dispatcher (``hooks.attention.route``: this model's
+    layers only); the host then calls ``policy.prepare(model)`` once.
     """
 
 

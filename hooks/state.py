@@ -50,9 +50,17 @@ class CachePolicy:
     """
 
     name = "mlx-lm"
+    # An attention dispatcher with the signature of mlx-lm's ``scaled_dot_product_attention``: the
+    # host routes the loaded target's attention through it (``hooks.attention.route``, this model
+    # only), and drafters route their own models. None: mlx-lm's own attention.
+    attention: Optional[Callable[..., Any]] = None
 
     def make_cache(self, model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
         return make_prompt_cache(model, max_kv_size=max_kv_size)
+
+    def prepare(self, model: nn.Module) -> None:
+        """Called once per loaded target after the host applied the policy (attention routed): e.g.
+        run once the shapes its caches will meet. Nothing by default."""
 
 
 @dataclass

@@ -18,6 +18,14 @@ compare tokens with ``KVCache`` through plain decoding and the round loop). The 
 positions come after the real ones, so causal attention keeps them out of the real rows; the
 cache transaction trims them like rejected drafts.
 
+Masks describe themselves (``hooks.attention.describe``: key length, offset, left padding), so that
+the short-query attention kernel (``plugin/attention.py``) applies them from those bounds without
+reading them; the kernel reads only the real keys of the padded buffer. The policies carry that
+dispatcher (``attention``) where ``MLX_SPEC_ATTENTION_KERNEL`` resolves on; ``RoutedPolicy`` is
+mlx-lm's caches with it (``MLX_SPEC_PADDED_CACHE=off`` on CUDA). The padded caches stay with the kernel
+on: the calls it does not take (prefill chunks, fewer keys than its thresholds, head dims it lacks)
+still compile per shape in MLX.
+
 Per backend (``mode="auto"``): on for CUDA, off for CPU and Metal. The CPU has no per-shape
 compile cost, so padding would only add attention work. Metal compiles its attention kernels per
 dtype/head size, not per key length, and mlx-lm's own decoding is fast there with exact lengths;
@@ -35,9 +43,11 @@ from typing import Any, Iterable, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from ..hooks.attention import MaskSpec, describe
 from ..hooks.batch import forward
 from ..hooks.state import CachePolicy
 from ..hooks.transaction import BatchTrimHandler, TrimHandler
+from .attention import Dispatcher, dispatcher_for
 
 DEFAULT_BUCKET = 256
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
@@ -95,9 +105,12 @@ class PaddedKVCache(KVCache):
         if N == 1 and not self.pad_steps:
             return None
         # Called before update_and_fetch: rows are positions offset..offset+N-1.
-        rows = mx.arange(self.offset, self.offset + N)[:, None]
-        cols = mx.arange(self.span(self.offset + N))[None]
-        return rows >= cols  # [N, span] bool; padding and stale tail are "future" positions
+        end, span = self.offset + N, self.span(self.offset + N)
+        rows = mx.arange(self.offset, end)[:, None]
+        cols = mx.arange(span)[None]
+        # [N, span] bool; padding and stale tail are "future" positions. Described, so that an
+        # attention kernel can apply it from the bounds without reading it (plugin/attention.py).
+        return describe(rows >= cols, MaskSpec(N, span, 0, end, self.offset, end))
 
     def keys_and_values(self):
         span = self.span(self.offset)
@@ -143,10 +156,12 @@ class PaddedBatchKVCache(BatchKVCache):
         if kwargs.get("window_size") is not None:
             raise ValueError("PaddedBatchKVCache does not support sliding-window attention; use the model's own cache")
         # Called before update_and_fetch: rows are positions size()..size()+N-1 of the batch's index.
-        rows = mx.arange(self.size(), self.size() + N)[:, None]
-        cols = mx.arange(self.span(self.size() + N))[None]
+        start, span = self.size(), self.span(self.size() + N)
+        rows = mx.arange(start, start + N)[:, None]
+        cols = mx.arange(span)[None]
         mask = (rows >= cols)[None, None]  # [1, 1, N, span]
-        return mask & (cols >= self.left_padding[:, None])[:, None, None, :]  # [B, 1, N, span]
+        mask = mask & (cols >= self.left_padding[:, None])[:, None, None, :]  # [B, 1, N, span]
+        return describe(mask, MaskSpec(N, span, self.left_padding, start + N, start, start + N))
 
     @classmethod
     def merge(cls, caches: List[Any]) -> "PaddedBatchKVCache":
@@ -207,10 +222,13 @@ class ShapeStablePolicy(CachePolicy):
     name = "padded"
     shape_stable = True
 
-    def __init__(self, bucket: int = DEFAULT_BUCKET, prewarm_tokens: Optional[int] = None):
+    def __init__(self, bucket: int = DEFAULT_BUCKET, prewarm_tokens: Optional[int] = None,
+                 attention: Optional[Dispatcher] = None):
         if bucket < 1:
             raise ValueError(f"padded cache bucket: got {bucket}; expected a positive integer")
         self.bucket = bucket
+        self.attention = attention  # the short-query kernel's dispatcher (plugin/attention.py), or None
+        self.block_size: Optional[int] = None  # the drafter's block: the widths ``prepare`` warms
         tokens = os.environ.get("MLX_SPEC_PREWARM_TOKENS", DEFAULT_PREWARM_TOKENS) if prewarm_tokens is None else prewarm_tokens
         self.prewarm_tokens = int(tokens)
 
@@ -224,6 +242,10 @@ class ShapeStablePolicy(CachePolicy):
     def verify_width(self, n: int) -> int:
         return pow2_width(n)
 
+    def prepare(self, model: Any) -> None:
+        """The host applied the policy (attention routed): warm the shapes rounds will meet."""
+        self.prewarm(model, self.block_size)
+
     def prewarm(self, model: Any, block_size: Optional[int], default_block: int = 16) -> int:
         """One forward per (query width, key bucket) up to ``prewarm_tokens`` keys, so that rounds
         meet no attention shape for the first time. Returns the number of forwards."""
@@ -232,9 +254,23 @@ class ShapeStablePolicy(CachePolicy):
         return prewarm(model, self.prewarm_tokens, widths, self.bucket)
 
 
-def policy_for(mode: Optional[str] = None) -> Optional[ShapeStablePolicy]:
-    """The shape-stable policy where the mode (``MLX_SPEC_PADDED_CACHE``) says so, else None (mlx-lm's caches)."""
-    return ShapeStablePolicy() if resolve_mode(mode) else None
+class RoutedPolicy(CachePolicy):
+    """mlx-lm's caches with the attention kernel routed (``MLX_SPEC_PADDED_CACHE=off`` on CUDA). The target's
+    batched rows pass mlx-lm's undescribed masks (MLX's path); single rows pass "causal" (the kernel)."""
+
+    name = "mlx-lm+attention"
+
+    def __init__(self, attention: Dispatcher):
+        self.attention = attention
+
+
+def policy_for(mode: Optional[str] = None, attention_mode: Optional[str] = None) -> Optional[CachePolicy]:
+    """The shape-stable policy where the mode (``MLX_SPEC_PADDED_CACHE``) says so, carrying the attention
+    dispatcher where ``MLX_SPEC_ATTENTION_KERNEL`` (``attention_mode``) says so; None: mlx-lm's caches and attention."""
+    attention = dispatcher_for(attention_mode)
+    if resolve_mode(mode):
+        return ShapeStablePolicy(attention=attention)
+    return RoutedPolicy(attention) if attention is not None else None
 
 
 def prewarm(

@@ -48,7 +48,7 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     drafter = registry.load(resolution, draft_target(target, policy), options)
     block = settings.block_size or drafter.default_block_size
     if policy is not None:
-        policy.prewarm(target.model, block)
+        policy.block_size = block  # the host warms the policy's shapes after routing attention (prepare)
     return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy)
 
 
@@ -134,7 +134,9 @@ def host_describe(target: LoadedTarget) -> Optional[Description]:
         line = f"speculative decoding is off: {att.error}" if att.error else "speculative decoding is off"
         return Description(NAME, False, [line + f" ({s.describe()})" if att.error else line], info)
     d = att.drafter
-    info.update(kind=d.kind, family=d.family, cache_policy=(att.policy or target.cache_policy).name)
+    policy = att.policy or target.cache_policy
+    info.update(kind=d.kind, family=d.family, cache_policy=policy.name,
+                attention="kernel" if getattr(policy, "attention", None) is not None else "mlx-lm")
     line = (f"speculative decoding on: kind {d.kind} (family {d.family}), block size {att.block_size}"
             f"{' (adaptive)' if s.adaptive and s.block_size is None else ' (pinned)'}, acceptance {s.acceptance}, "
             f"draft model {s.draft_model or '-'}; settings from {s.sources_text()}")

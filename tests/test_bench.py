@@ -56,3 +56,30 @@ def test_bench_smoke(tmp_path: Path) -> None:
         verify = costs["target_forward_ms"]["4"]
         assert spec["verify_ceiling_vs_mlx_lm_plain"] == pytest.approx(spec["tau"] * step_ms / verify, rel=1e-2)
         assert "kernel_bound_vs_mlx_lm_plain" not in rows["mlx_lm.speculative_generate_step b4 tau3"]
+
+
+def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> None:
+    """``--kernel``: the JSON says which attention path each method's timed calls took. A stand-in with the
+    CUDA kernel's contract takes the kernel's place on the CPU; mlx-lm's methods keep mlx-lm's attention."""
+    from mlx_speculative.hooks.cli import main
+    from mlx_speculative.plugin import attention
+    from mlx_speculative.plugin.bench.core import BenchSettings, run_bench
+    from test_attention_dispatch import StandIn
+
+    kernel = StandIn()
+    disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
+    s = BenchSettings(synthetic_target="tiny", cpu=True, kind="draft_model", taus=[3.0], block_sizes=[4],
+                      prompt_lengths=[64], max_tokens=8, padded="on", bucket=32)
+    report = run_bench(s, on_progress=lambda msg: None, dispatcher=disp)
+    assert report["attention"]["kernel"] == "on" and report["attention"]["dispatcher"]["calls"]["kernel"] > 0
+    for regime in ("fresh", "warm"):
+        rows = report["results"][regime]
+        spec = rows["plugin draft_model b4 tau3"]
+        assert spec["identical_share"] == 1.0 and spec["attention_kernel_share"] > 0, spec.get("attention_calls")
+        for name in ("mlx_lm.generate_step", "mlx_lm.speculative_generate_step b4 tau3"):
+            assert set(rows[name]["attention_calls"]) == {"mlx: off"}, rows[name]["attention_calls"]
+    costs = report["kernel_costs"]
+    assert costs["attention"] == "kernel" and set(costs["target_forward_ms_kernel_off"]) == {"1", "4"}
+    capsys.readouterr()
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kernel", "on", "--prompt-lengths", "64"]) != 0
+    assert "--kernel on: the attention kernel needs MLX built with CUDA" in capsys.readouterr().err

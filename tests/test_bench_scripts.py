@@ -69,3 +69,17 @@ def test_verify_cost(tmp_path: Path) -> None:
 def test_host_plain_speed(tmp_path: Path) -> None:
     out = run("host_plain_speed", ["--tokens", "16", "--repeats", "1"], tmp_path / "h.json")
     assert set(out["results"]) == {"mlx_lm.generate_step", "host plain, pipelined", "host plain, unpipelined"}
+
+
+def test_attention_forwards(tmp_path: Path) -> None:
+    """bench/attention_forwards.py with the kernel's pure-MLX reference in its place: "on" rows reach it for
+    2..32 positions and the DFlash block (padded context or not), "off" rows never do."""
+    report = run("attention_forwards", ["--synthetic-target", "tiny", "--cpu", "--stand-in", "--min-keys", "0",
+                                        "--keys", "40", "--widths", "1,4", "--block", "4", "--iters", "1"], tmp_path / "a.json")
+    rows = {r["kernel"]: r for r in report["results"]}
+    assert set(rows) == {"on", "off"} and report["dispatcher"]["kernel"] == "reference"
+    assert rows["on"]["target_calls"]["kernel"] > 0 and "kernel" not in rows["off"]["target_calls"]
+    assert rows["on"]["dflash_calls_kvcache_context"]["kernel"] > 0
+    assert rows["on"]["dflash_calls_padded_context"]["kernel"] > 0
+    assert "kernel" not in rows["off"]["dflash_calls_padded_context"]
+    assert set(rows["on"]["target_forward_ms"]) == {"1", "4"}

@@ -7,7 +7,8 @@ after, every module's globals are compared by identity, and so are the attribute
 defined in an ``mlx`` / ``mlx_lm`` module; ``mx.concatenate`` and every function defined in those
 modules must be the originals. A second copy of the model, loaded with ``mlx_lm.load`` in the same
 process, keeps mlx-lm's layer classes and decodes the same before and after. The scoped layers
-(``hooks.recurrent.scope_model``) run mlx-lm's code when no transaction records them.
+(``hooks.recurrent.scope_model``) run mlx-lm's code when no transaction records them. The same holds
+with the target's and drafters' attention routed through a policy's dispatcher (``hooks.attention``).
 """
 
 from __future__ import annotations
@@ -209,6 +210,55 @@ def test_rounds_patch_nothing(checkpoints: Dict[str, Path]) -> None:
     fresh, _ = load(str(checkpoints["target"]))
     assert original_classes(fresh) == []
     assert {tuple(p): greedy_reference(fresh, p, MAX_TOKENS) for p in PROMPTS} == refs
+
+
+def test_routed_attention_patches_nothing(checkpoints: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention dispatcher the policy carries (MLX-CUDA's kernel; here a stand-in with its contract,
+    thresholds at 0) reaches this target's and its drafters' attention layers only: mlx-lm's function
+    stays in every module, a second model keeps mlx-lm's classes and never calls the dispatcher."""
+    import mlx_lm.models.base as base
+    import mlx_lm.models.qwen3_next as qwen3_next
+
+    from mlx_speculative.hooks import attention as host_attention
+    from mlx_speculative.plugin import attention, cache_policy
+    from test_attention_dispatch import StandIn
+
+    for name in MODULES + ["mlx_lm.models.base", "mlx_speculative.plugin.attention"]:
+        importlib.import_module(name)
+    registry.families()
+    other, _ = load(str(checkpoints["target"]))
+    refs = {tuple(p): greedy_reference(other, p, MAX_TOKENS) for p in PROMPTS}
+    kernel = StandIn()
+    disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
+    monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None: disp)
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
+    sdpa = base.scaled_dot_product_attention
+    modules, classes = snapshot()
+
+    for padded, speculative in (("on", {"draft_model": str(checkpoints["truncated"])}),
+                                ("off", {"draft_model": str(checkpoints["dflash"]), "kind": "dflash"})):
+        monkeypatch.setenv(cache_policy.ENV, padded)
+        host = make_host(dict(speculative, block_size=5))
+        target = host.load(str(checkpoints["target"]))
+        assert target.cache_policy.attention is disp
+        assert host_attention.routed(target.model) == 2  # the two full-attention layers
+        assert host_attention.routed(target.attachments["speculative"].drafter.model) > 0
+        totals = rounds(host, target, refs)
+        assert totals["rounds"] > 0 and totals["partial_or_zero"] > 0, (speculative, totals)
+    assert disp.counts["kernel"] == len(kernel.calls) > 0
+
+    assert base.scaled_dot_product_attention is sdpa and qwen3_next.scaled_dot_product_attention is sdpa
+    modules_after, classes_after = snapshot()
+    assert rewritten(modules, modules_after, classes=False) == []
+    assert rewritten(classes, classes_after, classes=True) == []
+    assert not_original(modules_after) == []
+    calls = len(kernel.calls)
+    assert original_classes(other) == []
+    assert {tuple(p): greedy_reference(other, p, MAX_TOKENS) for p in PROMPTS} == refs
+    fresh, _ = load(str(checkpoints["target"]))
+    assert original_classes(fresh) == []
+    assert greedy_reference(fresh, PROMPTS[0], MAX_TOKENS) == refs[tuple(PROMPTS[0])]
+    assert len(kernel.calls) == calls  # neither the other model nor the fresh one reached the dispatcher
 
 
 def _feed(model: Any, cache: List[Any]) -> List[mx.array]:

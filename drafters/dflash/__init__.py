@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget
 from ..compat import check_tokenizer, config_value
-from ...hooks import loading
+from ...hooks import attention, loading
 from .batch import DFlashBatch
 from .features import final_norm_tap
 from .model import MUSE_ASSISTANT, UNSUPPORTED_ARCHITECTURES, Model, ModelArgs, canonical_name, config_layout
@@ -263,6 +263,7 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     if target.model is None:
         raise DrafterError("dflash drafters borrow the target's embedding and lm_head: load the target first")
     embed, head = target_embedding_and_head(target.model)
+    attention.route_policy(model, target.cache_policy)  # the host's attention dispatcher (CUDA), if any
     drafter = DFlashDrafter(model, embed, head, target.cache_policy)
     drafter.final_norm = final_norm_tap(target.model, drafter.capture_layers())
     if drafter.shape_stable:
@@ -297,11 +298,13 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
     model.append_context(mx.zeros((1, 1, taps), dtype), caches)
     shapes = [(c.keys.shape, c.values.shape) for c in caches]
     for span in range(bucket, -(-max(bucket, max_tokens) // bucket) * bucket + 1, bucket):
-        for c, (ks, vs) in zip(caches, shapes):
-            c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dtype)
-            c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dtype)
-            c.offset = span - 1  # keys_and_values() then returns all ``span`` slots
         for w in widths:
+            if w > span:
+                continue
+            for c, (ks, vs) in zip(caches, shapes):
+                c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dtype)
+                c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dtype)
+                c.offset = span - w  # the block, written after the context, ends the bucket: ``span`` keys
             mx.eval(model(emb[:, :w], caches, mx.array([w - 1])))
             runs += 1
     mx.clear_cache()

@@ -16,9 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
+
+from ...hooks.attention import MaskSpec, describe
 
 # Architectures of the DFlash2 line: extra convolutions and a candidate selector this model lacks.
 UNSUPPORTED_ARCHITECTURES = ("DFlash2DraftModel",)
@@ -210,44 +212,43 @@ class Attention(nn.Module):
         """The block [B, T, H] attending, non-causally, to the context in ``cache`` and to itself.
 
         ``widths`` [B]: only a row's first widths[b] block positions are real (shorter rows and
-        shape-stable padding); no real position attends to the others.
+        shape-stable padding); no real position attends to the others. The block's K/V go into the
+        cache right after the context and are trimmed off again: context and block are then one range
+        of keys in any cache (an attention kernel takes them from bounds), and nothing is copied.
         """
         B, T, _ = x.shape
         start = cache.offset  # int, or [B]: the block continues each row's context positions
+        end = cache.size()  # the slot the block starts at (batched rows are left-padded up to it)
+        lp = getattr(cache, "left_padding", None)
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
-        k, v = self.keys_values(x, start)  # [B, n_kv, T, D]
-        slots = 0
-        if not cache.empty():
-            ctx_k, ctx_v = cache.keys_and_values()  # [B, n_kv, slots, D]; slots may exceed the context
-            slots = ctx_k.shape[2]
-            k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
-        mask = self.mask(cache, B, T, slots, start, widths)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        k, v = cache.update_and_fetch(*self.keys_values(x, start))  # [B, n_kv, S, D]: context, block, padding
+        cache.trim(T)
+        mask = self.mask(T, k.shape[2], end, start, lp, widths)
+        # mlx-lm's function, by name: a host routing this model's attention (hooks/attention.py) sees it.
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
-    def mask(self, cache: Any, B: int, T: int, slots: int, start: Any, widths: Optional[mx.array]) -> Optional[mx.array]:
-        """[B|1, 1, T|1, slots+T] bool, or None when every key is real and in the window.
+    def mask(self, T: int, S: int, end: int, start: Any, lp: Optional[mx.array],
+             widths: Optional[mx.array]) -> Optional[mx.array]:
+        """[B|1, 1, T|1, S] bool, or None when every key is real and in the window.
 
-        Context slots are real from the row's left padding (batched caches) to its context length
-        (slots past it: a shape-stable cache's padding); block slots up to the row's width."""
-        lp = getattr(cache, "left_padding", None)
-        padded = slots > (start if isinstance(start, int) else 0) or lp is not None or hasattr(cache, "bucket")
+        Row b sees slots [lp_b, end + w_b): its context from its left padding (batched caches), then its
+        block up to its width; slots past them are a shape-stable cache's padding."""
         windowed = self.window is not None
-        if not (padded or windowed or widths is not None):
+        if lp is None and widths is None and S == end + T and not windowed:
             return None
-        cols = mx.arange(slots + T)[None]  # [1, S]
+        cols = mx.arange(S)[None]  # [1, S]
         lp_b = (lp if lp is not None else mx.zeros((1,), mx.int32))[:, None]  # [B|1, 1]
-        end_b = cache.size() if lp is not None else start  # batched: keys_and_values may be padded past size()
         w_b = widths[:, None] if widths is not None else T
-        valid = mx.where(cols < slots, (cols >= lp_b) & (cols < end_b), (cols - slots) < w_b)  # [B|1, S]
-        mask = valid[:, None, None, :]  # [B|1, 1, 1, S]
+        mask = ((cols >= lp_b) & (cols < end + w_b))[:, None, None, :]  # [B|1, 1, 1, S]
         if windowed:
             start_b = start if isinstance(start, int) else start[:, None]  # int | [B, 1]
-            key_pos = mx.where(cols < slots, cols - lp_b, cols - slots + start_b)  # [B|1, S]
             q_pos = start_b + mx.arange(T)[None]  # [B|1, T]
-            mask = mask & ((q_pos[:, :, None] - key_pos[:, None, :]) < self.window)[:, None]  # [B|1, 1, T, S]
-        return mask
+            key_pos = cols - lp_b  # [B|1, S]: a slot's position in its row
+            return mask & ((q_pos[:, :, None] - key_pos[:, None, :]) < self.window)[:, None]  # [B|1, 1, T, S]
+        # One row for every query (not causal): an attention kernel applies it from these bounds.
+        return describe(mask, MaskSpec(1, S, 0 if lp is None else lp, end + (T if widths is None else widths), S, S))
 
     def blocks(self, x: mx.array, context: mx.array, anchors: mx.array) -> mx.array:
         """``__call__`` for many blocks at once (training, offline evaluation).

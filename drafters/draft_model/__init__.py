@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, make_prompt_cache
 
-from ...hooks import recurrent
+from ...hooks import attention, recurrent
 from ...hooks.batch import extend_rows, extract_row, forward, keep_rows, merge_rows, mergeable, replay
 from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches, trimmable
 from ...hooks.transaction import CacheTransaction, check_supported
@@ -243,6 +243,7 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
         raise DrafterError(f"draft model {str(path)!r}: its caches ({sorted({type(c).__name__ for c in caches})}) "
                            "cannot merge into a batch; expected mlx-lm caches with merge()")
     recurrent.scope_model(model)  # recurrent draft models keep part of a round without a replay
+    attention.route_policy(model, target.cache_policy)  # the host's attention dispatcher (CUDA), if any
     return DraftModelDrafter(model, target.cache_policy)
 
 

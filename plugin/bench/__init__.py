@@ -58,6 +58,13 @@ def add_command(subparsers: Any) -> None:
     run.add_argument("--padded-cache", default="auto", choices=["auto", "on", "off"],
                      help="shape-stable padded KV caches (auto: on for CUDA only)")
     run.add_argument("--bucket", type=int, default=256, help="padded key-length bucket (default 256)")
+    run.add_argument("--kernel", default="auto", choices=["auto", "on", "off"],
+                     help="the short-query attention kernel for 2-32-query forwards of this project's host "
+                          "(plugin/attention.py; auto: on where MLX runs on CUDA; on elsewhere is an error). "
+                          "The JSON's attention section and rows record which path each call took; "
+                          "kernel_costs then also time the bare forwards with MLX's attention")
+    src.add_argument("--quantize-target", type=int, default=None, choices=[4, 8], metavar="BITS",
+                     help="quantize the target's weights after loading (4 or 8 bits, group size 64)")
     run.add_argument("--no-mlx-lm-spec", action="store_true", help="skip mlx-lm's speculative_generate_step")
     run.add_argument("--cpu", action="store_true", help="run on the CPU")
     run.add_argument("--seed", type=int, default=0)
@@ -97,6 +104,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         synthetic_target=args.synthetic_target, model=args.model, draft_model=args.draft_model, kind=args.kind,
         block_sizes=args.block_sizes, taus=taus, adaptive_taus=[t for t in args.adaptive_at if t is not None],
         prompt_lengths=args.prompt_lengths, max_tokens=args.max_tokens, padded=args.padded_cache, bucket=args.bucket,
+        kernel=args.kernel, quantize_bits=args.quantize_target,
         mlx_lm_spec=not args.no_mlx_lm_spec, draft_layers=args.draft_layers, dflash_layers=args.dflash_layers,
         seed=args.seed, cpu=args.cpu,
     )

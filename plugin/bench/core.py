@@ -13,14 +13,16 @@ from __future__ import annotations
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ...hooks import attention as host_attention
 from ...hooks.state import CachePolicy, LoadedTarget
-from .. import cache_policy
+from .. import attention, cache_policy
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import summarize
 from . import synthetic
@@ -41,6 +43,8 @@ class BenchSettings:
     max_tokens: int = 256
     padded: str = "auto"
     bucket: int = cache_policy.DEFAULT_BUCKET
+    kernel: str = "auto"  # the short-query attention kernel (plugin/attention.py): auto | on | off
+    quantize_bits: Optional[int] = None  # the target's weights quantized (group size 64) after loading
     mlx_lm_spec: bool = True
     draft_layers: int = 2
     dflash_layers: int = 5
@@ -53,6 +57,17 @@ def _progress(msg: str) -> None:
 
 
 def load_target(s: BenchSettings) -> Tuple[LoadedTarget, Dict[str, Any], str]:
+    target, config, note = _load_target(s)
+    if s.quantize_bits:
+        import mlx.nn as nn
+
+        nn.quantize(target.model, group_size=64, bits=s.quantize_bits)
+        mx.eval(target.model.parameters())
+        note += f"; weights quantized to {s.quantize_bits} bits (group size 64)"
+    return target, config, note
+
+
+def _load_target(s: BenchSettings) -> Tuple[LoadedTarget, Dict[str, Any], str]:
     if s.synthetic_target:
         config = synthetic.config_for(s.synthetic_target)
         model = synthetic.build(config, seed=s.seed)
@@ -94,12 +109,13 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
     if "draft_model" in kinds or s.mlx_lm_spec:
         if draft_lm is None:
             raise ValueError("mlx-spec bench: the draft_model kind needs --draft-model PATH (or --synthetic-target)")
-        out["draft_model"] = (DraftModelDrafter(draft_lm, policy), draft_lm, desc + (", padded caches" if policy else ""))
+        padded = getattr(policy, "shape_stable", False)
+        out["draft_model"] = (DraftModelDrafter(draft_lm, policy), draft_lm, desc + (", padded caches" if padded else ""))
     if "dflash" in kinds:
         try:
             drafter, ddesc = synthetic.dflash_drafter(target.model, config, max(s.block_sizes), s.dflash_layers,
                                                       s.seed + 2, policy)
-            if policy is not None:  # as drafters.dflash.load does on CUDA: padded context cache, power-of-two blocks
+            if getattr(policy, "shape_stable", False):  # as drafters.dflash.load does on CUDA: padded context cache
                 ddesc += ", padded context cache"
             out["dflash"] = (drafter, None, ddesc)
         except Exception as e:  # noqa: BLE001 - the DFlash family may be missing in this build
@@ -117,7 +133,7 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
                   policy: Optional[CachePolicy]) -> List[Method]:
     vocab = int(config["vocab_size"])
     methods: List[Method] = [MlxLmPlain(target.model), HostMethod(target, "host plain (KVCache)", None)]
-    if policy is not None:
+    if getattr(policy, "shape_stable", False):
         methods.append(HostMethod(target, "host plain (padded)", policy))
     spec_kinds = [k for k in ("dflash", "draft_model", "ngram") if k in drafters and (s.kind in ("auto", k))]
     for kind in spec_kinds:
@@ -138,16 +154,40 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
     return methods
 
 
-def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress) -> Dict[str, Any]:
+def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
+              dispatcher: Optional[attention.Dispatcher] = None) -> Dict[str, Any]:
+    """``dispatcher``: the attention dispatcher to route with (tests: a stand-in kernel); default: ``--kernel``'s."""
     if s.cpu:
         mx.set_default_device(mx.cpu)
-    policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0) if cache_policy.resolve_mode(s.padded) else None
-    padded = policy is not None
+    disp = dispatcher if dispatcher is not None else attention.dispatcher_for(s.kernel, source="--kernel")
+    padded = cache_policy.resolve_mode(s.padded)
+    policy: Optional[CachePolicy] = None
+    if padded:
+        policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp)
+    elif disp is not None:
+        policy = cache_policy.RoutedPolicy(disp)
     t_start = time.perf_counter()
     on_progress("loading the target")
     target, config, note = load_target(s)
     drafters = load_drafters(s, target, config, policy)
+    if disp is not None:  # as the host and the drafter families do with the policy's dispatcher
+        for model in [target.model] + [d[1] for d in drafters.values() if d[1] is not None] + \
+                [d[0].model for k, d in drafters.items() if k == "dflash"]:
+            host_attention.route(model, disp)
     methods = build_methods(s, target, config, drafters, policy)
+    calls: Dict[str, Counter] = {m.name: Counter() for m in methods}
+
+    def run(m: Method, *args: Any) -> Run:
+        """One run; the dispatcher serves this project's host only (mlx-lm's methods keep mlx-lm's attention)."""
+        if disp is None:
+            return m.run(*args)
+        disp.enabled = isinstance(m, HostMethod)
+        before = Counter(disp.counts)
+        try:
+            return m.run(*args)
+        finally:
+            calls[m.name].update(Counter(disp.counts) - before)
+            disp.enabled = True
     vocab = int(config["vocab_size"])
     cap = max(s.block_sizes)
     stride = s.max_tokens + 2 * cap + 8
@@ -178,7 +218,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress) 
     warm_ref = reference(target, warm_prompt, warm_tokens, policy)
     for i, m in enumerate(methods):
         on_progress(f"warm-up {i + 1}/{len(methods)} {m.name}")
-        m.run(warm_prompt, warm_tokens, warm_ref, s.seed)
+        run(m, warm_prompt, warm_tokens, warm_ref, s.seed)
 
     refs: Dict[Tuple[int, int], Reference] = {}
     total = len(s.prompt_lengths) * len(methods)
@@ -201,7 +241,9 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress) 
                 mx.clear_cache()
                 mx.reset_peak_memory()
                 ref = refs.get((p, mi))
-                r = m.run(stream[:L], s.max_tokens, ref, s.seed + 1000 * p + mi)
+                before = Counter(calls[m.name])
+                r = run(m, stream[:L], s.max_tokens, ref, s.seed + 1000 * p + mi)
+                r.attention = dict(calls[m.name] - before) if disp is not None else None
                 r.peak_memory_gb = mx.get_peak_memory() / 1e9
                 r.regime = regime
                 r.divergence = divergence(r.tokens, ref) if ref is not None else None
@@ -210,10 +252,21 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress) 
                 print(f"[run] {regime} L={L} {m.name}: {r.tok_s:.1f} tok/s{tau}", flush=True)
     on_progress("bare forward costs (kernel bound)")
     timed_lens = sorted(L for row in lengths for L in row)
-    costs = kernel_costs(s, target, drafters, methods, timed_lens[len(timed_lens) // 2] + s.max_tokens // 2, padded)
+    key_length = timed_lens[len(timed_lens) // 2] + s.max_tokens // 2
+    costs = kernel_costs(s, target, drafters, methods, key_length, padded)
+    if disp is not None:  # the same bare forwards on MLX's attention: the kernel's share of a forward
+        disp.enabled = False
+        off = kernel_costs(s, target, drafters, methods, key_length, padded)
+        disp.enabled = True
+        costs["target_forward_ms_kernel_off"] = off["target_forward_ms"]
+        costs["draft_ms_kernel_off"] = off["draft_ms"]
+    costs["attention"] = "kernel" if disp is not None else "mlx"
     on_progress("done\n")
+    info = {"kernel": "on" if disp is not None else "off", "mode": s.kernel,
+            "dispatcher": disp.report() if disp is not None else None,
+            "calls_by_method": {name: dict(c) for name, c in calls.items()} if disp is not None else None}
     return summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start,
-                     costs)
+                     costs, info)
 
 
 def kernel_costs(s: BenchSettings, target: LoadedTarget, drafters: Dict[str, Any], methods: List[Method],

@@ -41,6 +41,7 @@ class Run:
     spec: Optional[Dict[str, Any]] = None
     drafted: List[int] = field(default_factory=list)
     divergence: Optional[Dict[str, Any]] = None
+    attention: Optional[Dict[str, int]] = None  # attention calls by path (plugin/attention.py), when routed
 
 
 class Method:

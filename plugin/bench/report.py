@@ -26,7 +26,7 @@ def _per_position(spec: Dict[str, Any], drafted: List[int]) -> List[float]:
 
 def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List[int]], note: str,
               drafters: Dict[str, Any], padded: bool, prewarm_s: float, wall_s: float,
-              costs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+              costs: Optional[Dict[str, Any]] = None, attention: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     import importlib.metadata as md
 
     def med(xs: List[float]) -> float:
@@ -45,6 +45,13 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
             divs = [r.divergence for r in rs if r.divergence is not None]
             row["identical_share"] = sum(1 for d in divs if d["identical"]) / len(divs) if divs else None
             row["divergence"] = divs
+            paths: Dict[str, int] = {}
+            for r in rs:
+                for k, n in (r.attention or {}).items():
+                    paths[k] = paths.get(k, 0) + n
+            if paths:  # which attention path this method's timed runs took
+                row["attention_calls"] = paths
+                row["attention_kernel_share"] = round(paths.get("kernel", 0) / sum(paths.values()), 4)
             specs = [r.spec for r in rs if r.spec]
             if specs:
                 rounds = sum(x["rounds"] for x in specs)
@@ -116,6 +123,7 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
         "target": note,
         "drafters": {k: v[2] for k, v in drafters.items()},
         "padded_cache": {"on": padded, "bucket": s.bucket, "prewarm_seconds": round(prewarm_s, 2)},
+        "attention": attention or {"kernel": "off"},
         "prompt_lengths": {"bases": s.prompt_lengths, "per_method": {m.name: [lengths[p][i] for p in range(len(lengths))] for i, m in enumerate(methods)}},
         "regimes": {"fresh": "key lengths never run before in this process", "warm": "the same lengths replayed"},
         "kernel_costs": costs,
@@ -150,8 +158,11 @@ def format_table(report: Dict[str, Any]) -> str:
     if costs:
         fwd = ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["target_forward_ms"].items())
         drafts = "; ".join(f"{k} " + ", ".join(f"b{b}: {ms:.2f}" for b, ms in v.items()) for k, v in costs["draft_ms"].items())
-        lines.append(f"bare forwards after {costs['key_length']} keys ({costs['cache']}), ms: target by positions {fwd}; "
-                     f"drafters {drafts}")
+        lines.append(f"bare forwards after {costs['key_length']} keys ({costs['cache']}, attention "
+                     f"{costs.get('attention', 'mlx')}), ms: target by positions {fwd}; drafters {drafts}")
+        if costs.get("target_forward_ms_kernel_off"):
+            off = ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["target_forward_ms_kernel_off"].items())
+            lines.append(f"  the same with MLX's attention: target by positions {off}")
         lines.append("bound: tau * T(mlx-lm plain step) / (bare draft + bare verify), the speed-up over mlx-lm "
                      "with no machinery at all (each forward timed alone and synchronised; a round overlaps the "
                      "drafter's kernels with building the verify, so it can beat this)")

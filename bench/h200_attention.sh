@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The H200 runs behind issue 19's acceptance: the short-query attention kernel (plugin/cuda_attention.py)
+# wired into decoding through the dispatcher (plugin/attention.py), on and off. Prepared on the CPU; not run yet.
+#
+# Run from the repo root on the GPU machine with MLX-CUDA staged (../shared/gpu/prepare-mlx-cuda.sh puts it
+# in $SITE, default /tmp/site). Each line below is meant as one device call (<= 10 minutes; not timed yet:
+# where one runs out, give it fewer prompt lengths). Usage:
+#   bash bench/h200_attention.sh check               # the kernel against MLX's SDPA (bench/gpu_attention_check.py)
+#   bash bench/h200_attention.sh forwards            # bare forwards by positions 1..32 at 4k/16k keys, kernel on/off,
+#                                                    #   padded cache (the plugin's) and KVCache; DFlash-shape block
+#   bash bench/h200_attention.sh forwards-4bit       # the same with the target quantized (4 bits, group 64)
+#   bash bench/h200_attention.sh e2e on 1            # mlx-spec bench, prompts near 512,2048,8192,16384 in one process
+#   bash bench/h200_attention.sh e2e off 1           #   (oracle tau 6.5 and tau 1 adaptive, block 16, 256 new tokens),
+#                                                    #   kernel on / off, run 1; then runs 2 and 3 (median of 3)
+#   bash bench/h200_attention.sh e2e on 1 512,2048   # other prompt lengths (if a call would run out of time)
+#   bash bench/h200_attention.sh e2e-4bit on         # the bench with the 4-bit target (prompts near 2048,8192), then off
+# Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json; copy them to
+# bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
+set -euo pipefail
+OUT=${OUT:-h200-out}
+SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT" /tmp/new/mlx_speculative
+for d in hooks plugin drafters; do ln -sfn "$PWD/$d" "/tmp/new/mlx_speculative/$d"; done
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+py() { env PYTHONPATH="$SITE:/tmp/new" python3 "$@"; }
+py -c "import mlx.core as mx; assert mx.cuda.is_available(), 'MLX-CUDA is not staged'; print(mx.__version__, mx.device_info().get('device_name'))"
+
+FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16384 --widths 1,2,4,8,16,32
+          --block 16 --dflash-layers 5 --iters 10 --kernel both)
+BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
+       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec)
+what=${1:-}; shift || true
+case "$what" in
+  check)
+    py bench/gpu_attention_check.py --out "$OUT/h200-attention-kernel-check.json" | tail -20 ;;
+  forwards)
+    py "${FORWARDS[@]}" --cache padded --json "$OUT/h200-attention-forwards-padded.json"
+    py "${FORWARDS[@]}" --cache kvcache --block 0 --json "$OUT/h200-attention-forwards-kvcache.json" ;;
+  forwards-4bit)
+    py "${FORWARDS[@]}" --cache padded --quantize-target 4 --json "$OUT/h200-attention-forwards-padded-4bit.json" ;;
+  e2e)  # e2e on|off RUN [LENGTHS]
+    k=$1; run=$2; lengths=${3:-512,2048,8192,16384}
+    py "${BENCH[@]}" --prompt-lengths "$lengths" --kernel "$k" \
+      --json "$OUT/h200-attention-e2e-${lengths//,/-}-kernel-$k-$run.json" | tail -30 ;;
+  e2e-4bit)  # e2e-4bit on|off [LENGTHS]
+    k=$1; lengths=${2:-2048,8192}
+    py "${BENCH[@]}" --prompt-lengths "$lengths" --quantize-target 4 --kernel "$k" \
+      --json "$OUT/h200-attention-e2e-4bit-${lengths//,/-}-kernel-$k.json" | tail -30 ;;
+  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS])"; exit 2 ;;
+esac

@@ -1,0 +1,127 @@
+"""Routing a loaded model's attention through a plugin's dispatcher, and masks that say what they hide.
+
+mlx-lm's attention layers call ``scaled_dot_product_attention(queries, keys, values, cache=, scale=,
+mask=)``, imported by name from ``mlx_lm.models.base``. A plugin may hand the host a dispatcher with
+that signature (``CachePolicy.attention``); the host then calls ``route(model, dispatcher)`` when it
+loads the target (and a drafter family for its own models, through ``route_policy``). ``route``
+scopes the loaded model only (``hooks.scoping``): its attention instances get a subclass whose
+methods are mlx-lm's code run over a private globals mapping in which that name is the dispatcher.
+``mlx_lm.models.base`` and every other model keep mlx-lm's function.
+
+A dispatcher may compute attention another way only where it can prove the result is the same
+function of (queries, keys, values). ``None`` and ``"causal"`` masks say so by MLX's own rules; an
+array mask says nothing by itself (reading it would stall the stream). So code that builds a mask
+array may ``describe`` it: a ``MaskSpec`` is a promise that the array is exactly
+
+    mask[b, ..., i, j] = key_start[b] <= j < key_len[b]  and  j <= offset[b] + i
+
+over its last two axes (queries ``i`` < ``queries``, keys ``j`` < ``span``). The plugin's caches
+(plugin/cache_policy.py) and the DFlash drafter describe theirs; a dispatcher looks them up with
+``described`` and falls back to mlx-lm's function for any mask without a description.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import scoping
+
+NAME = "scaled_dot_product_attention"
+IntOrArray = Union[int, mx.array]
+Dispatcher = Callable[..., mx.array]  # mlx_lm.models.base.scaled_dot_product_attention's signature
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What a boolean mask array holds, as bounds (each an int, or an int array of shape [B])."""
+
+    queries: int  # rows of the mask (its axis -2)
+    span: int  # keys of the mask (its axis -1)
+    key_start: IntOrArray  # first key any query sees (left padding)
+    key_len: IntOrArray  # keys at or past this are hidden (a buffer's padding or stale tail)
+    offset: IntOrArray  # query i sees keys j <= offset + i (offset >= key_len - 1: no causal cut)
+    keys: int  # an int bound on key_len over the rows (what a dispatcher's thresholds compare)
+    kind: str = "array"
+
+
+_described: Dict[int, Tuple["weakref.ref[mx.array]", MaskSpec]] = {}
+
+
+def _forget(key: int, ref: "weakref.ref[mx.array]") -> None:
+    entry = _described.get(key)
+    if entry is not None and entry[0] is ref:
+        del _described[key]
+
+
+def describe(mask: mx.array, spec: MaskSpec) -> mx.array:
+    """Record what ``mask`` holds (until it is freed) and return it."""
+    if tuple(mask.shape[-2:]) != (spec.queries, spec.span):
+        raise ValueError(f"describe: mask of shape {tuple(mask.shape)}; expected its last axes to be "
+                         f"(queries, span) = ({spec.queries}, {spec.span})")
+    key = id(mask)
+    ref = weakref.ref(mask, lambda r, key=key: _forget(key, r))
+    _described[key] = (ref, spec)
+    return mask
+
+
+def described(mask: Any) -> Optional[MaskSpec]:
+    """The ``MaskSpec`` recorded for this very array, or None."""
+    entry = _described.get(id(mask))
+    return entry[1] if entry is not None and entry[0]() is mask else None
+
+
+# -- routing ----------------------------------------------------------------------------------
+
+def _mlx_lm_function() -> Callable[..., mx.array]:
+    from mlx_lm.models import base
+
+    return getattr(base, NAME)
+
+
+_scopes: Dict[int, Tuple[Dispatcher, scoping.Scope]] = {}
+
+
+def scope_for(dispatcher: Dispatcher) -> scoping.Scope:
+    """The scope routing attention through ``dispatcher`` (one per dispatcher, so classes are shared)."""
+    entry = _scopes.get(id(dispatcher))
+    if entry is not None and entry[0] is dispatcher:
+        return entry[1]
+    original = _mlx_lm_function()
+
+    def replacements(fn: Any) -> Dict[str, Any]:
+        if NAME in scoping.names_used(fn.__code__) and fn.__globals__.get(NAME) is original:
+            return {NAME: dispatcher}
+        return {}
+
+    made = scoping.Scope("attention", replacements)
+    _scopes[id(dispatcher)] = (dispatcher, made)
+    return made
+
+
+def route(model: nn.Module, dispatcher: Optional[Dispatcher]) -> int:
+    """Route the attention of ``model`` (this instance only) through ``dispatcher``: its modules whose
+    methods call mlx-lm's ``scaled_dot_product_attention`` call the dispatcher instead. Returns how many
+    modules run under it; None routes nothing. Idempotent; a later dispatcher replaces an earlier one."""
+    if dispatcher is None:
+        return 0
+    return scoping.scope_model(model, scope_for(dispatcher))
+
+
+def unroute(model: nn.Module) -> int:
+    """Give ``model``'s attention back to mlx-lm's function; returns how many modules changed."""
+    return sum(scoping.unscope(m, "attention") for m in list(model.modules()))
+
+
+def route_policy(model: nn.Module, policy: Any) -> int:
+    """``route`` with a cache policy's dispatcher (``CachePolicy.attention``), if it has one."""
+    return route(model, getattr(policy, "attention", None))
+
+
+def routed(model: nn.Module) -> int:
+    """How many modules of ``model`` call a dispatcher for their attention."""
+    return sum(1 for _ in scoping.scoped_modules(model, "attention"))
