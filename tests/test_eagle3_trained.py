@@ -145,3 +145,45 @@ def test_the_layer_convention_moves_with_the_layout(trained: Dict[str, Any]) -> 
     verbatim = _as_speculators(trained["drafter"], trained["root"] / "verbatim", [0, 2, 3])
     verdict = registry.check(registry.resolve(str(verbatim)), DraftTarget(config=tm.llama_config(), num_layers=4))
     assert not verdict.ok and "names layer(s) [0] (hidden_states[0] is the embedding output" in verdict.reasons[0]
+
+
+def test_train_drafter_cli_init_keeps_the_speculators_layout(trained: Dict[str, Any]) -> None:
+    from test_train_drafter import cli
+
+    root = trained["root"]
+    (root / "text.txt").write_text("\n".join(corpus(60, seed=5)))
+    real = json.loads((Path(__file__).parent / "fixtures" / "eagle3" / "speculators-issue-1065__eagle3-qwen3moe.config.json").read_text())
+    init = tiny.write_checkpoint(root / "init", tiny.shrink_config(real, layer_ids=[1, 3, 4], norm_output=False), seed=9)
+    out = root / "cli"
+    rc, stdout, stderr = cli("train-drafter", "--target", str(trained["target"]), "--kind", "eagle3", "--init", str(init),
+                             "--data", str(root / "text.txt"), "--out", str(out), "--steps", "4", "--batch-size", "4",
+                             "--seq-len", "24", "--prompt-tokens", "8", "--heldout-sequences", "4", "--eval-every", "0",
+                             "--log-every", "2", "--cpu")
+    assert rc == 0, stderr
+    assert "eagle3 drafter (speculators layout), 1 layer(s), chain depth 7" in stdout and "held-out tau" in stderr
+    config = json.loads((out / "config.json").read_text())
+    assert set(config) == set(json.loads((init / "config.json").read_text()))
+    weights, before = mx.load(str(out / "model.safetensors")), mx.load(str(init / "model.safetensors"))
+    assert set(weights) == set(before) and mx.array_equal(weights["d2t"], before["d2t"]).item()
+    assert not mx.array_equal(weights["layers.0.self_attn.q_proj.weight"], before["layers.0.self_attn.q_proj.weight"]).item()
+    assert main(["check", "--model", str(trained["target"]), "--draft-model", str(out)]) == 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--draft-vocab-size", "0"], r"--draft-vocab-size: got 0; allowed: 1 or more"),
+    (["--num-layers", "2"], r"--num-layers: got 2; eagle3 drafters written here have one decoder layer"),
+    (["--draft-vocab-size", "999"], r"--draft-vocab-size: got 999; allowed: 1 to the target's vocab_size 384"),
+    (["--target-layers", "0,2,9"], r"the EAGLE-3 drafter would not fit the target: eagle_config.eagle_aux_hidden_state_layer_ids: "
+                                   r"\[0, 2, 9\] \(from the checkpoint\) names layer\(s\) \[9\]"),
+    (["--anchors", "3"], r"--anchors does not apply to --kind eagle3"),
+])
+def test_train_drafter_cli_bad_input_is_one_line(trained: Dict[str, Any], extra: List[str], message: str) -> None:
+    import re
+
+    from test_train_drafter import cli
+
+    (trained["root"] / "text.txt").write_text("\n".join(corpus(60, seed=5)))
+    rc, _, err = cli("train-drafter", "--target", str(trained["target"]), "--kind", "eagle3", "--data",
+                     str(trained["root"] / "text.txt"), "--out", str(trained["root"] / "never"), "--steps", "2",
+                     "--seq-len", "24", "--prompt-tokens", "8", "--cpu", *extra)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
