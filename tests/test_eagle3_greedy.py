@@ -114,14 +114,18 @@ def test_greedy_equals_plain_with_zero_partial_full(arch: str, layout: str, mode
     assert any(token != d for d, token in oracle.own)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
-def test_a_batch_of_eight_accepting_different_counts(arch: str, models: Dict[str, Path]) -> None:
+@pytest.mark.parametrize("arch, padded", [("llama", False), ("qwen3_5", False), ("llama", True)])
+def test_a_batch_of_eight_accepting_different_counts(arch: str, padded: bool, models: Dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if padded:  # CUDA's shape-stable caches: padded keys, power-of-two catch-up widths, pre-warmed
+        monkeypatch.setenv("MLX_SPEC_PADDED_CACHE", "on")
+        monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "256")
     host = make_host({"draft_model": str(models["specforge"]), "block_size": BLOCK})
     target = host.load(str(models[arch]))
     requests = _requests(target)
     refs = [greedy_reference(target.model, p, n) for p, n in requests]
     att = target.attachments["speculative"]
-    assert att.drafter.kind == "eagle3"
+    assert att.drafter.kind == "eagle3" and att.drafter.shape_stable == padded
     log: Dict[str, List[Any]] = {"forwards": [], "accepted": []}
     att.drafter = WatchedDrafter(att.drafter, log, {tuple(p): r for (p, _), r in zip(requests, refs)})
     assert _run_batch(host, target, requests) == refs
