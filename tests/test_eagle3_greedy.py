@@ -137,3 +137,18 @@ def test_a_batch_of_eight_accepting_different_counts(arch: str, padded: bool, mo
     # steps; k - 1 when every row's catch-up was its prompt, fed alone as it joined.
     assert all(k - 1 <= f <= k for f, k, _ in log["forwards"]), log["forwards"]
     assert any(f == k and b >= ROWS // 2 for f, k, b in log["forwards"]), str(log["forwards"])
+
+
+def test_bench_runs_a_synthetic_eagle3_drafter(tmp_path: Path) -> None:
+    from mlx_speculative.hooks.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "eagle3", "--oracle-acceptance", "3",
+                 "--block-sizes", "4", "--prompt-lengths", "64,100", "--max-tokens", "12", "--no-mlx-lm-spec",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "draft vocabulary 384" in report["drafters"]["eagle3"]  # the tiny target's whole vocabulary (32k on real ones)
+    for regime in ("fresh", "warm"):
+        spec = report["results"][regime]["plugin eagle3 b4 tau3"]
+        assert spec["identical_share"] == 1.0 and 1.5 < spec["tau"] <= 4 and spec["rounds"] > 0
+    assert set(report["kernel_costs"]["draft_ms"]["eagle3"]) == {"4"}
