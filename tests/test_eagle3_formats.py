@@ -65,7 +65,7 @@ def test_real_configs_and_their_conventions() -> None:
 
 
 @pytest.mark.parametrize("name", [EAGLE, SPECFORGE, SPECULATORS])
-def test_real_configs_detected_as_eagle3(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_real_configs_detected_as_eagle3(name: str, tmp_path: Path) -> None:
     assert detect(real(name))
     (tmp_path / "config.json").write_text(json.dumps(real(name)))
     assert registry.resolve(str(tmp_path)).kind == "eagle3"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +26,6 @@ from .check import check, target_layers
 from .model import DEFAULT_BLOCK_SIZE, Model, ModelArgs, canonical_name, config_layout
 
 KIND = "eagle3"
-CONTEXT_PREWARM = 512  # catch-up widths pre-warmed on shape-stable caches: 1, 2, 4 .. (powers of two)
 
 
 class Eagle3Drafter(Drafter):
@@ -86,7 +85,7 @@ def draft_targets(raw: Dict[str, mx.array], args: ModelArgs) -> mx.array:
     return (base if d2t is None else base + d2t.astype(mx.int64)).astype(mx.uint32)
 
 
-def build(path: Path, config: Dict[str, Any]) -> tuple:
+def build(path: Path, config: Dict[str, Any]) -> Tuple[Model, Dict[str, mx.array]]:
     """(Model with the checkpoint's weights, the raw tensors) from a checkpoint folder."""
     args = ModelArgs.from_dict(config)
     raw = read_weights(path)

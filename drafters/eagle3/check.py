@@ -96,10 +96,11 @@ def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> 
                          f"{convention_text(args)}")
     if args.hidden_act != "silu":
         verdict.fail(f"{f('hidden_act')}: {args.hidden_act!r}; supported: 'silu'")
-    if args.num_hidden_layers < 1 or (args.layout != "speculators" and args.num_hidden_layers != 1):
+    if args.layout != "speculators" and args.num_hidden_layers != 1:
         verdict.fail(f"{f('num_hidden_layers')}: {args.num_hidden_layers}; the {args.layout} layout has exactly one "
-                     "decoder layer (midlayer)" if args.layout != "speculators" else
-                     f"{f('num_hidden_layers')}: {args.num_hidden_layers}; expected 1 or more")
+                     "decoder layer (midlayer)")
+    elif args.num_hidden_layers < 1:
+        verdict.fail(f"{f('num_hidden_layers')}: {args.num_hidden_layers}; expected 1 or more")
 
     n = target_layers(target)
     ids = args.aux_layer_ids if args.aux_layer_ids else (args.layer_ids(n) if n is not None else None)
