@@ -36,7 +36,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Di
     # Quiet layers (output projections x0.1): the target's text follows its tokens mostly, its context some.
     target = tm.make_checkpoint(root / "target", tm.llama_config(num_hidden_layers=4), seed=41, tokenizer_dir=tokenizer_dir,
                                 logit_scale=3.0, quiet_layers_from=0, quiet_scale=0.1)
-    losses = tiny.train(None, target, root / "drafter", steps=100, sequences=TRAIN_SEQUENCES, length=48, block=BLOCK,
+    losses = tiny.train(None, target, root / "drafter", steps=70, sequences=TRAIN_SEQUENCES, length=48, block=BLOCK,
                         lr=4e-3, draft_vocab_size=256)
     assert losses["last_loss"] < losses["first_loss"] / 4, losses
     return {"target": target, "drafter": root / "drafter", "root": root}
