@@ -1,7 +1,7 @@
 """No process-wide patching (issue 13): speculative rounds on a recurrent target leave mlx, mlx-lm and
 every other module as they were, and other models in the process run mlx-lm's own code.
 
-One process loads every drafter family (draft_model, ngram, dflash) for a tiny qwen3_5 target and
+One process loads every drafter family (draft_model, ngram, dflash, eagle3) for a tiny qwen3_5 target and
 runs rounds (alone and batched: partial commits of its GatedDeltaNet caches included). Before and
 after, every module's globals are compared by identity, and so are the attributes of every class
 defined in an ``mlx`` / ``mlx_lm`` module; ``mx.concatenate`` and every function defined in those
@@ -29,6 +29,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from conftest import greedy_reference, make_host, no_stop
 from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.dflash import tiny
+from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
 from mlx_speculative.hooks import recurrent
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
@@ -43,7 +44,7 @@ MODULES = [
     "mlx_lm.generate", "mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3",
     "mlx_lm.models.gated_delta", "mlx_lm.models.ssm", "mlx_lm.models.mamba2", "mlx_lm.models.falcon_h1",
     "mlx_speculative.plugin.hookimpls", "mlx_speculative.drafters.draft_model", "mlx_speculative.drafters.ngram",
-    "mlx_speculative.drafters.dflash",
+    "mlx_speculative.drafters.dflash", "mlx_speculative.drafters.eagle3",
 ]
 
 
@@ -58,6 +59,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -
         "target": target,
         "truncated": tm.make_truncated_drafter(target, root / "truncated", num_layers=2),
         "dflash": tiny.write_checkpoint(root / "dflash", dflash, seed=52),
+        "eagle3": eagle3_tiny.write_checkpoint(root / "eagle3", eagle3_tiny.shrink_config(json.loads(
+            (FIXTURES.parent / "eagle3" / "speculators-issue-1065__eagle3-qwen3moe.config.json").read_text()),
+            layer_ids=[1, 2, 4]), seed=53),
     }
 
 
@@ -185,7 +189,8 @@ def test_rounds_patch_nothing(checkpoints: Dict[str, Path]) -> None:
     assert not_original(modules) == []
 
     for speculative in ({"draft_model": str(checkpoints["truncated"])}, {"kind": "ngram"},
-                        {"draft_model": str(checkpoints["dflash"]), "kind": "dflash"}):
+                        {"draft_model": str(checkpoints["dflash"]), "kind": "dflash"},
+                        {"draft_model": str(checkpoints["eagle3"]), "kind": "eagle3"}):
         host = make_host(dict(speculative, block_size=5))
         target = host.load(str(checkpoints["target"]))
         assert target.attachments["speculative"].drafter is not None

@@ -210,6 +210,7 @@ def train(
     mx.random.seed(o.seed)
     model = trainer.build(target)  # before the data: a drafter that cannot fit the target fails early
     data = prepare(target, o, out / STATE_DIR / "data.safetensors", log, sources, prompts, heldout_prompts)
+    trainer.data_ready(data.train, data.first)
     taps.install_taps(target.model, trainer.capture_layers())
     opt = optim.AdamW(learning_rate=schedule(o), weight_decay=o.weight_decay)
     start = 0

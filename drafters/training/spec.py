@@ -52,6 +52,7 @@ class TrainOptions:
     anchors: Optional[int] = None
     loss_decay_gamma: Optional[float] = None
     kl_weight: Optional[float] = None
+    draft_vocab_size: Optional[int] = None
     eval_every: int = 100
     checkpoint_every: int = 100
     log_every: int = 10
@@ -64,7 +65,8 @@ class TrainOptions:
 
 # Options that change neither the data nor the weights: a resumed run may change them.
 NOT_RUN_DEFINING = ("out", "resume", "eval_every", "checkpoint_every", "log_every", "gen_batch", "max_time", "dtype")
-FAMILY_OPTIONS = ("hidden_size", "target_layers", "mask_token_id", "anchors", "loss_decay_gamma", "kl_weight")
+FAMILY_OPTIONS = ("hidden_size", "target_layers", "mask_token_id", "anchors", "loss_decay_gamma", "kl_weight",
+                  "draft_vocab_size")
 
 
 def option_name(name: str) -> str:
@@ -131,6 +133,10 @@ class FamilyTrainer(abc.ABC):
     def features(self, target: TrainTarget, captures: Dict[int, mx.array]) -> Optional[mx.array]:
         """[b, L, F] drafter input features from the captured layer outputs (each [b, L, H])."""
         return None
+
+    def data_ready(self, sequences: np.ndarray, first: int) -> None:
+        """The run's training sequences ([N, L], positions after ``first`` the target's) exist: called
+        once after ``build`` (a fresh or a resumed run alike), e.g. to choose a vocabulary from them."""
 
     def sample_anchors(self, rng: np.random.Generator, length: int, first: int, rows: int) -> Optional[np.ndarray]:
         """[rows, n] anchor positions for one training step (None: the objective uses every position)."""

@@ -34,15 +34,16 @@ def add_command(subparsers: Any) -> None:
     src.add_argument("--model", help="target checkpoint: path or HF repo id")
     src.add_argument("--synthetic-target", help="build a random target in memory instead: llama-8b, llama-1b, tiny")
     src.add_argument("--draft-model", help="draft LM for the draft_model kind and mlx-lm's speculative loop")
-    src.add_argument("--kind", default="auto", choices=["auto", "dflash", "draft_model", "ngram"],
-                     help="drafter kind(s) to run (auto: dflash when available, and draft_model)")
+    src.add_argument("--kind", default="auto", choices=["auto", "dflash", "eagle3", "draft_model", "ngram"],
+                     help="drafter kind(s) to run (auto: dflash when available, and draft_model; eagle3: a synthetic "
+                          "EAGLE-3-shape drafter, one layer at the target's width, a 32k draft vocabulary)")
     src.add_argument("--draft-layers", type=int, default=2, help="layers of the synthetic draft LM (default 2)")
     src.add_argument("--dflash-layers", type=int, default=5, help="layers of the synthetic DFlash drafter (default 5)")
     run = p.add_argument_group("what to run")
     run.add_argument("--oracle-acceptance", type=_floats, default=None, metavar="TAU[,TAU...]",
                      help="replace proposals by the target's greedy continuation with errors injected so that the "
                           "mean acceptance length is TAU, from 1 to the smallest block size (the drafter still "
-                          "runs; 'real' = its own proposals; default: real). The plugin's dflash and ngram kinds "
+                          "runs; 'real' = its own proposals; default: real). The plugin's dflash, eagle3 and ngram kinds "
                           "run every TAU at every block size; draft_model (unless --kind draft_model) and mlx-lm's "
                           "speculative_generate_step run only the first TAU (mlx-lm at the largest block size)")
     run.add_argument("--adaptive-at", type=_floats, default=[], metavar="TAU[,TAU...]",

@@ -35,7 +35,7 @@ class BenchSettings:
     synthetic_target: Optional[str] = None
     model: Optional[str] = None
     draft_model: Optional[str] = None
-    kind: str = "auto"  # dflash | draft_model | ngram | auto
+    kind: str = "auto"  # dflash | eagle3 | draft_model | ngram | auto
     block_sizes: List[int] = field(default_factory=lambda: [16])
     taus: List[Optional[float]] = field(default_factory=lambda: [6.5])
     adaptive_taus: List[float] = field(default_factory=list)
@@ -122,6 +122,9 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
             if s.kind == "dflash":
                 raise
             print(f"[bench] dflash drafter unavailable ({type(e).__name__}: {e}); skipping it", file=sys.stderr)
+    if "eagle3" in kinds:
+        drafter, edesc = synthetic.eagle3_drafter(target.model, config, seed=s.seed + 3, cache_policy=policy)
+        out["eagle3"] = (drafter, None, edesc + (", padded caches" if policy is not None else ""))
     if "ngram" in kinds:
         from ...drafters.base import DraftTarget
 
@@ -135,7 +138,7 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
     methods: List[Method] = [MlxLmPlain(target.model), HostMethod(target, "host plain (KVCache)", None)]
     if getattr(policy, "shape_stable", False):
         methods.append(HostMethod(target, "host plain (padded)", policy))
-    spec_kinds = [k for k in ("dflash", "draft_model", "ngram") if k in drafters and (s.kind in ("auto", k))]
+    spec_kinds = [k for k in ("dflash", "eagle3", "draft_model", "ngram") if k in drafters and (s.kind in ("auto", k))]
     for kind in spec_kinds:
         drafter = drafters[kind][0]
         taus = s.taus if kind != "draft_model" or s.kind == "draft_model" else [t for t in s.taus[:1]]
@@ -207,6 +210,10 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             from ...drafters.dflash import prewarm as prewarm_dflash
 
             prewarm_dflash(drafters["dflash"][0], max_len, cap)
+        if "eagle3" in drafters:
+            from ...drafters.eagle3 import prewarm as prewarm_eagle3
+
+            prewarm_eagle3(drafters["eagle3"][0], max_len, cap)
         prewarm_s = time.perf_counter() - t
 
     # warm-up: every method once, on a length shorter than any timed range
@@ -283,6 +290,8 @@ def kernel_costs(s: BenchSettings, target: LoadedTarget, drafters: Dict[str, Any
         drafter, draft_lm, _ = drafters[kind]
         if kind == "dflash":
             draft_ms[kind] = {b: kernels.dflash_block_ms(drafter, key_length, b, iters) for b in blocks}
+        elif kind == "eagle3":
+            draft_ms[kind] = {b: kernels.eagle3_chain_ms(drafter, key_length, b, iters) for b in blocks}
         elif kind == "draft_model" and draft_lm is not None:
             draft_ms[kind] = {b: kernels.draft_lm_ms(draft_lm, key_length, b, iters, bucket) for b in blocks}
     return {"key_length": key_length, "cache": "padded" if padded else "KVCache", "iters": iters,

@@ -112,3 +112,31 @@ def draft_lm_ms(draft_lm: Any, key_length: int, block: int, iters: int, bucket: 
     ms = timed(fwd, iters)
     mx.clear_cache()
     return round(ms, 3)
+
+
+def eagle3_chain_ms(drafter: Any, key_length: int, block: int, iters: int, new_context: int = 7) -> float:
+    """An EAGLE-3 round's draft: ``new_context`` committed positions fed with the target's features
+    (the first draft step), then ``block - 2`` chain steps of one position, each the previous argmax."""
+    model, args, dtype = drafter.model, drafter.args, drafter.dtype
+    caches = drafter.make_cache()
+    F = args.taps * args.feature_size
+    ctx = (mx.random.normal((1, key_length, F)) * 0.1).astype(dtype)
+    toks = mx.array([[5] * key_length], dtype=mx.uint32)
+    mx.eval(model(drafter.embed(toks), model.project(ctx), caches))
+    new = (mx.random.normal((1, new_context, F)) * 0.1).astype(dtype)
+    new_toks = mx.array([[7] * new_context], dtype=mx.uint32)
+
+    def fwd() -> mx.array:
+        h = model(drafter.embed(new_toks), model.project(new), caches)[:, -1:]
+        y = drafter.targets[mx.argmax(model.logits(h)[:, 0].astype(mx.float32), axis=-1)]
+        for _ in range(block - 2):
+            h = model(drafter.embed(y[:, None]), model.carry(h), caches)
+            y = drafter.targets[mx.argmax(model.logits(h)[:, 0].astype(mx.float32), axis=-1)]
+        mx.eval(y)
+        for c in caches:
+            c.trim(new_context + block - 2)
+        return y
+
+    ms = timed(fwd, iters)
+    mx.clear_cache()
+    return round(ms, 3)

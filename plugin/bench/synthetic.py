@@ -75,7 +75,8 @@ def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 
                    cache_policy: Any = None) -> Tuple[Any, str]:
     """A DFlash-shape drafter (``layers`` layers, the target's width, target_layer_ids spread over
     the target) with random weights, borrowing the target's embedding and head."""
-    from ...drafters.dflash import DFlashDrafter, target_embedding_and_head
+    from ...drafters.dflash import DFlashDrafter
+    from ...drafters.target_parts import target_embedding_and_head
     from ...drafters.dflash.model import Model, ModelArgs
 
     mx.random.seed(seed)
@@ -97,3 +98,37 @@ def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 
     embed, head = target_embedding_and_head(target)
     drafter = DFlashDrafter(model, embed, head, cache_policy)
     return drafter, f"dflash ({layers} layers, width {config['hidden_size']}, target_layer_ids {list(args.target_layer_ids)})"
+
+
+def eagle3_drafter(target: nn.Module, config: Dict[str, Any], draft_vocab: int = 32000, seed: int = 3,
+                   cache_policy: Any = None) -> Tuple[Any, str]:
+    """An EAGLE-3-shape drafter (one layer at the target's width, fc over the default three layers,
+    a ``draft_vocab`` head mapped through a random d2t) with random weights, borrowing the target's
+    embedding."""
+    from ...drafters.target_parts import target_embedding_and_head
+    from ...drafters.eagle3 import Eagle3Drafter
+    from ...drafters.eagle3.model import Model, ModelArgs
+    from ...drafters.eagle3.tiny import default_draft_ids
+
+    mx.random.seed(seed)
+    vocab = config["vocab_size"]
+    draft_vocab = min(draft_vocab, vocab)
+    args = ModelArgs.from_dict({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": config["hidden_size"],
+        "num_hidden_layers": 1, "intermediate_size": config["intermediate_size"],
+        "num_attention_heads": config["num_attention_heads"], "num_key_value_heads": config["num_key_value_heads"],
+        "head_dim": config.get("head_dim"), "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+        "rms_norm_eps": config["rms_norm_eps"], "rope_theta": config["rope_theta"],
+        "max_position_embeddings": config.get("max_position_embeddings"),
+    })
+    model = Model(args)
+    model.set_dtype(getattr(mx, config.get("torch_dtype", "float32")))
+    for _, p in tree_flatten(model.parameters()):
+        mx.eval(p)
+    model.eval()
+    embed, _ = target_embedding_and_head(target)
+    targets = mx.array(default_draft_ids(vocab, draft_vocab, seed), dtype=mx.uint32)
+    capture = args.capture_layers(config["num_hidden_layers"])
+    drafter = Eagle3Drafter(model, embed, targets, capture, cache_policy)
+    return drafter, (f"eagle3 (1 layer, width {config['hidden_size']}, draft vocabulary {draft_vocab}, target "
+                     f"layers {capture} (hidden_states {args.layer_ids(config['num_hidden_layers'])}), chain drafting)")
