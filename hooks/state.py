@@ -187,6 +187,9 @@ class DecodeState:
     # mlx-lm). The drafter draws from its own stream, so its draws never move the target's.
     rng: Optional[KeyStream] = None
     draft_rng: Optional[KeyStream] = None
+    # The ``hooks.batch.DecodeBatch`` the row decodes in (None while it prefills), set by the batch:
+    # plugins read its caches (e.g. ``hooks.kv_view.committed_kv(batch.cache[i])``), never change them.
+    batch: Any = field(default=None, repr=False, compare=False)
 
     @property
     def model(self) -> nn.Module:
