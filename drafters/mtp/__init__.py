@@ -1,0 +1,37 @@
+"""``mtp``: multi-token-prediction drafters that come with their target.
+
+Families (each registered under ``mlx_speculative.drafters`` in pyproject.toml):
+
+- ``qwen3_5_mtp`` (``qwen.py``): the Qwen3.5 / Qwen3.6 / Qwen3-Next ``mtp.*`` head, inside the
+  target's checkpoint or split out by mlx-vlm; one full-attention layer with its own KV cache
+  (``batch.HeadBatch``).
+
+Every family reads the target's final hidden state AFTER its final norm (the host taps the last
+decoder layer; the drafter applies the target's own norm). Block size: the checkpoint's depth by
+default; a larger block applies the head recursively, per row only while its recursive drafts get
+accepted (``batch.Depth``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..base import DrafterFamily
+from . import qwen
+
+KIND = "mtp"
+
+
+def _trainer():  # type: ignore[no-untyped-def]
+    return importlib.import_module(".train", __name__).MTPTrainer
+
+
+qwen_family = DrafterFamily(
+    name=qwen.FAMILY,
+    kind=KIND,
+    description="Qwen3.5 / Qwen3.6 / Qwen3-Next MTP head (mtp.* in the target's checkpoint, or split out by mlx-vlm)",
+    load=qwen.load,
+    check=qwen.check,
+    detect=qwen.detect,
+    priority=20,
+)

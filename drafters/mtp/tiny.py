@@ -1,0 +1,138 @@
+"""Tiny MTP checkpoints with random weights in the real layouts (tests, demos, the bench).
+
+- ``write_qwen_target``: a tiny Qwen3.5 (nested ``text_config``) or Qwen3-Next target in the Hugging
+  Face layout (``model.language_model.*`` / ``model.*``, conv1d [C, 1, K], zero-centred norms,
+  per-expert tensors), its ``mtp.*`` head inside its own shards (``model-0000i-of-0000n.safetensors``
+  + ``model.safetensors.index.json``), as the published checkpoints ship it.
+- ``split_qwen_head``: that head split out as mlx-vlm's ``split_mtp`` writes it (``qwen3_5_mtp``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ...hooks import tiny_models as tm
+from .qwen3_5_mtp import Model as QwenHead
+from .qwen3_5_mtp import ModelArgs as QwenArgs
+from .qwen3_5_mtp import text_config
+
+QWEN3_5_TEXT = dict(
+    model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=384, rms_norm_eps=1e-6, linear_num_value_heads=4,
+    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    full_attention_interval=2, tie_word_embeddings=False, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]},
+)
+HF_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
+            ".k_norm.weight", "mtp.norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+
+
+def qwen3_5_config(**text: Any) -> Dict[str, Any]:
+    """A Qwen3.5 (Qwen3_5ForConditionalGeneration) config.json with a tiny ``text_config``."""
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": {**QWEN3_5_TEXT, **text}, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1}
+
+
+def qwen3_next_config(**over: Any) -> Dict[str, Any]:
+    return tm.qwen3_next_config(mtp_num_hidden_layers=1, **over)
+
+
+def to_hf(weights: Dict[str, mx.array], config: Dict[str, Any]) -> Dict[str, mx.array]:
+    """mlx-lm parameters of a Qwen3.5 / Qwen3-Next model (or head, ``mtp.``) -> Hugging Face's names and conventions."""
+    out: Dict[str, mx.array] = {}
+    fused = str(text_config(config).get("model_type", "")).startswith("qwen3_5_moe")
+    for orig, v in weights.items():
+        k = orig
+        if k.startswith("language_model.model."):
+            k = "model.language_model." + k[len("language_model.model."):]
+        elif k.startswith("language_model."):
+            k = k[len("language_model."):]
+        if "conv1d.weight" in k:
+            v = v.moveaxis(2, 1)  # [C, K, 1] -> [C, 1, K]
+        if k.endswith(HF_NORMS) and v.ndim == 1:
+            v = v - 1.0
+        m = re.fullmatch(r"(.*)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight", k)
+        if m and fused:
+            if m[2] == "gate_proj":
+                out[f"{m[1]}.experts.gate_up_proj"] = mx.concatenate([v, weights[orig.replace("gate_proj", "up_proj")]], axis=-2)
+            elif m[2] == "down_proj":
+                out[f"{m[1]}.experts.down_proj"] = v
+            continue
+        if m:
+            out.update({f"{m[1]}.experts.{e}.{m[2]}.weight": v[e] for e in range(v.shape[0])})
+            continue
+        out[k] = v
+    return out
+
+
+def head_tensors(config: Dict[str, Any], seed: int, scale: float = 1.0) -> Dict[str, mx.array]:
+    """A random head for ``config``, as ``mtp.*`` tensors in the Hugging Face layout."""
+    mx.random.seed(seed)
+    head = QwenHead(QwenArgs.from_dict(config))
+    params = {k: (v if k.endswith("norm.weight") else v * scale) for k, v in tree_flatten(head.parameters())}
+    return to_hf({"mtp." + k: v for k, v in params.items()}, config)
+
+
+def save_shards(out_dir: Path, weights: Dict[str, mx.array], shards: int, last: List[str], metadata: str = "pt") -> None:
+    """``weights`` in ``shards`` files with an index; the names in ``last`` all in the last file."""
+    names = [n for n in sorted(weights) if n not in last]
+    per = -(-len(names) // max(1, shards - 1)) if shards > 1 else len(names)
+    groups = [names[i:i + per] for i in range(0, len(names), per)] if shards > 1 else []
+    groups = (groups + [[]] * shards)[: shards - 1] + [list(last) + ([] if shards > 1 else names)]
+    weight_map = {}
+    for i, group in enumerate(groups, start=1):
+        name = f"model-{i:05d}-of-{shards:05d}.safetensors"
+        mx.save_safetensors(str(out_dir / name), {n: weights[n] for n in group}, metadata={"format": metadata})
+        weight_map.update({n: name for n in group})
+    total = sum(v.nbytes for v in weights.values())
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def write_qwen_target(out_dir: Path, config: Dict[str, Any], *, seed: int = 0, tokenizer_dir: Optional[Path] = None,
+                      head_seed: Optional[int] = None, head: bool = True, shards: int = 2, logit_scale: float = 3.0) -> Path:
+    """A tiny Qwen3.5 / Qwen3-Next target in the Hugging Face layout, with its ``mtp.*`` head in its last shard."""
+    with tempfile.TemporaryDirectory() as tmp:
+        made = tm.make_checkpoint(Path(tmp) / "t", config, seed=seed, tokenizer_dir=tokenizer_dir, logit_scale=logit_scale)
+        weights = to_hf(dict(mx.load(str(made / "model.safetensors"))), config)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for f in made.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, out_dir / f.name)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    mtp = head_tensors(config, seed=seed + 1000 if head_seed is None else head_seed) if head else {}
+    weights.update(mtp)
+    save_shards(out_dir, weights, shards, sorted(mtp))
+    return out_dir
+
+
+def split_qwen_head(target_dir: Path, out_dir: Path, block_size: Optional[int] = None) -> Path:
+    """The target's ``mtp.*`` head as a standalone drafter folder, as mlx-vlm's ``split_mtp`` writes
+    it: the tensors without ``mtp.`` in mlx-lm's layout, ``model_type: qwen3_5_mtp``, the source's
+    ``text_config``, ``block_size`` = depth + 2, the tokenizer files."""
+    source = json.loads((target_dir / "config.json").read_text())
+    text = text_config(source)
+    index = json.loads((target_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    raw: Dict[str, mx.array] = {}
+    for name, f in index.items():
+        if name.startswith("mtp."):
+            raw[name] = mx.load(str(target_dir / f))[name]
+    weights = QwenHead.sanitize(raw, hf_layout=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    depth = int(text.get("mtp_num_hidden_layers", 1) or 1)
+    config = {"block_size": int(block_size or depth + 2), "model_type": "qwen3_5_mtp", "text_config": copy.deepcopy(text),
+              "tie_word_embeddings": bool(text.get("tie_word_embeddings", True))}
+    (out_dir / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        if (target_dir / name).exists():
+            shutil.copy(target_dir / name, out_dir / name)
+    return out_dir
