@@ -5,6 +5,8 @@ Families (each registered under ``mlx_speculative.drafters`` in pyproject.toml):
 - ``qwen3_5_mtp`` (``qwen.py``): the Qwen3.5 / Qwen3.6 / Qwen3-Next ``mtp.*`` head, inside the
   target's checkpoint or split out by mlx-vlm; one full-attention layer with its own KV cache
   (``batch.HeadBatch``).
+- ``gemma4_assistant`` (``gemma.py``): Google's Gemma 4 assistant; no cache of its own, it attends
+  over the K/V of the target's last full- and sliding-attention layers (``assistant.AssistantBatch``).
 
 Every family reads the target's final hidden state AFTER its final norm (the host taps the last
 decoder layer; the drafter applies the target's own norm). Block size: the checkpoint's depth by
@@ -17,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 from ..base import DrafterFamily
-from . import qwen
+from . import gemma, qwen
 
 KIND = "mtp"
 
@@ -33,5 +35,15 @@ qwen_family = DrafterFamily(
     load=qwen.load,
     check=qwen.check,
     detect=qwen.detect,
+    priority=20,
+)
+
+gemma_family = DrafterFamily(
+    name=gemma.FAMILY,
+    kind=KIND,
+    description="Gemma 4 assistant (gemma4_assistant): attends over the target's own K/V, dense or centroid-routed head",
+    load=gemma.load,
+    check=gemma.check,
+    detect=gemma.detect,
     priority=20,
 )

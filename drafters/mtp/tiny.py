@@ -136,3 +136,59 @@ def split_qwen_head(target_dir: Path, out_dir: Path, block_size: Optional[int] =
         if (target_dir / name).exists():
             shutil.copy(target_dir / name, out_dir / name)
     return out_dir
+
+
+GEMMA4_TEXT = dict(
+    model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], hidden_size=64, intermediate_size=96,
+    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+    num_kv_shared_layers=2, sliding_window=8, vocab_size=384, vocab_size_per_layer_input=384,
+    hidden_size_per_layer_input=8, rms_norm_eps=1e-6, final_logit_softcapping=30.0, use_double_wide_mlp=True,
+    tie_word_embeddings=True, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                 "full_attention"],
+    rope_parameters={"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                     "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+    torch_dtype="float32",
+)
+
+
+def gemma4_text_config(**over: Any) -> Dict[str, Any]:
+    """A tiny Gemma 4 text target (per-layer inputs, KV-shared layers, sliding windows), HF field names."""
+    return {**copy.deepcopy(GEMMA4_TEXT), **over}
+
+
+def assistant_config(real: Dict[str, Any], target: Dict[str, Any], *, ordered: bool = True, hidden: int = 32,
+                     centroids: int = 24, top_k: int = 4, **text: Any) -> Dict[str, Any]:
+    """``real`` (google/gemma-4-E2B-it-assistant's config.json) with tiny sizes for ``target``, same fields."""
+    config = copy.deepcopy(real)
+    t = config["text_config"]
+    t.update(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+             num_key_value_heads=target["num_key_value_heads"], head_dim=target["head_dim"],
+             global_head_dim=target["global_head_dim"], sliding_window=target["sliding_window"],
+             vocab_size=target["vocab_size"], rope_parameters=copy.deepcopy(target["rope_parameters"]), dtype="float32")
+    t.update(text)
+    config.update(backbone_hidden_size=target["hidden_size"], use_ordered_embeddings=ordered, num_centroids=centroids,
+                  centroid_intermediate_top_k=top_k, dtype="float32")
+    for k in ("audio_token_id", "boa_token_id", "boi_token_id", "eoa_token_id", "eoi_token_id", "image_token_id"):
+        config[k] = target["vocab_size"] - 1
+    return config
+
+
+def write_assistant(out_dir: Path, config: Dict[str, Any], seed: int = 0, tokenizer_dir: Optional[Path] = None) -> Path:
+    """Random weights for a gemma4_assistant config under its tensor names (token_ordering int64, as HF stores it)."""
+    from .gemma4_assistant import Model as Assistant
+    from .gemma4_assistant import ModelArgs as AssistantArgs
+
+    mx.random.seed(seed)
+    model = Assistant(AssistantArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    if config.get("use_ordered_embeddings"):
+        vocab = config["text_config"]["vocab_size"]
+        weights["masked_embedding.token_ordering"] = mx.random.permutation(vocab).astype(mx.int64)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in tm.TOKENIZER_FILES:
+        if tokenizer_dir is not None and (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
