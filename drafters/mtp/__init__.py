@@ -35,6 +35,7 @@ qwen_family = DrafterFamily(
     load=qwen.load,
     check=qwen.check,
     detect=qwen.detect,
+    trainer=_trainer,  # mlx-spec train-drafter --kind mtp
     priority=20,
 )
 
@@ -45,5 +46,6 @@ gemma_family = DrafterFamily(
     load=gemma.load,
     check=gemma.check,
     detect=gemma.detect,
+    trainer=_trainer,
     priority=20,
 )

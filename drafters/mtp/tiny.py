@@ -98,11 +98,21 @@ def save_shards(out_dir: Path, weights: Dict[str, mx.array], shards: int, last: 
 
 
 def write_qwen_target(out_dir: Path, config: Dict[str, Any], *, seed: int = 0, tokenizer_dir: Optional[Path] = None,
-                      head_seed: Optional[int] = None, head: bool = True, shards: int = 2, logit_scale: float = 3.0) -> Path:
-    """A tiny Qwen3.5 / Qwen3-Next target in the Hugging Face layout, with its ``mtp.*`` head in its last shard."""
+                      head_seed: Optional[int] = None, head: bool = True, shards: int = 2, logit_scale: float = 3.0,
+                      quiet_from: Optional[int] = None) -> Path:
+    """A tiny Qwen3.5 / Qwen3-Next target in the Hugging Face layout, with its ``mtp.*`` head in its last shard.
+
+    ``quiet_from``: the output projections of layers from that index are scaled by 0.05 (attention,
+    GatedDeltaNet and MLP alike), so that the last tokens decide the next one: greedy text a small
+    drafter can learn from a few thousand tokens (a fully random target's is chaotic)."""
     with tempfile.TemporaryDirectory() as tmp:
         made = tm.make_checkpoint(Path(tmp) / "t", config, seed=seed, tokenizer_dir=tokenizer_dir, logit_scale=logit_scale)
-        weights = to_hf(dict(mx.load(str(made / "model.safetensors"))), config)
+        raw = dict(mx.load(str(made / "model.safetensors")))
+        if quiet_from is not None:
+            outs = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+            raw = {k: v * 0.05 if k.endswith(outs) and (tm._layer_index(k) or 0) >= quiet_from and "layers." in k else v
+                   for k, v in raw.items()}
+        weights = to_hf(raw, config)
         out_dir.mkdir(parents=True, exist_ok=True)
         for f in made.iterdir():
             if f.name != "model.safetensors":
@@ -192,3 +202,19 @@ def write_assistant(out_dir: Path, config: Dict[str, Any], seed: int = 0, tokeni
         if tokenizer_dir is not None and (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+def write_gemma_target(out_dir: Path, config: Dict[str, Any], *, seed: int = 0, tokenizer_dir: Optional[Path] = None,
+                       logit_scale: float = 3.0, quiet_from: Optional[int] = None) -> Path:
+    """A tiny Gemma 4 text target (mlx-lm's layout). ``quiet_from``: layers from that index add
+    little to the residual stream (their post-attention, post-feedforward and per-layer-input norms
+    scaled by 0.05: Gemma normalises each block's output, so scaling its projections would not do),
+    so that the next token depends mostly on the current one."""
+    made = tm.make_checkpoint(out_dir, config, seed=seed, tokenizer_dir=tokenizer_dir, logit_scale=logit_scale)
+    if quiet_from is None:
+        return made
+    norms = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight", "post_per_layer_input_norm.weight")
+    weights = dict(mx.load(str(made / "model.safetensors")))
+    weights = {k: v * 0.05 if k.endswith(norms) and (tm._layer_index(k) or 0) >= quiet_from else v for k, v in weights.items()}
+    mx.save_safetensors(str(made / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return made
