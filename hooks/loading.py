@@ -195,8 +195,8 @@ def load_target(path: Path, config: Dict[str, Any]) -> Tuple[Any, Any]:
         return mlx_load(str(path))
     from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-    def classes(cfg: Dict[str, Any]) -> Tuple[Any, Any]:
-        model_class, args_class = _get_classes(cfg)
+    def classes(config: Dict[str, Any]) -> Tuple[Any, Any]:
+        model_class, args_class = _get_classes(config)
 
         def build(args: Any) -> Any:
             model = model_class(args)

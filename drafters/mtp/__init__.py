@@ -7,6 +7,8 @@ Families (each registered under ``mlx_speculative.drafters`` in pyproject.toml):
   (``batch.HeadBatch``).
 - ``gemma4_assistant`` (``gemma.py``): Google's Gemma 4 assistant; no cache of its own, it attends
   over the K/V of the target's last full- and sliding-attention layers (``assistant.AssistantBatch``).
+- ``deepseek_nextn`` (``deepseek.py``): DeepSeek-V3's nextn layer ``model.layers.{num_hidden_layers}``
+  inside the target's checkpoint; a decoder block with its own KV cache (``batch.HeadBatch``).
 
 Every family reads the target's final hidden state AFTER its final norm (the host taps the last
 decoder layer; the drafter applies the target's own norm). Block size: the checkpoint's depth by
@@ -19,7 +21,7 @@ from __future__ import annotations
 import importlib
 
 from ..base import DrafterFamily
-from . import gemma, qwen
+from . import deepseek, gemma, qwen
 
 KIND = "mtp"
 
@@ -47,5 +49,15 @@ gemma_family = DrafterFamily(
     check=gemma.check,
     detect=gemma.detect,
     trainer=_trainer,
+    priority=20,
+)
+
+deepseek_family = DrafterFamily(
+    name=deepseek.FAMILY,
+    kind=KIND,
+    description="DeepSeek-V3 nextn layer (model.layers.{num_hidden_layers} in the target's checkpoint)",
+    load=deepseek.load,
+    check=deepseek.check,
+    detect=deepseek.detect,
     priority=20,
 )

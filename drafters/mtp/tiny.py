@@ -218,3 +218,52 @@ def write_gemma_target(out_dir: Path, config: Dict[str, Any], *, seed: int = 0, 
     weights = {k: v * 0.05 if k.endswith(norms) and (tm._layer_index(k) or 0) >= quiet_from else v for k, v in weights.items()}
     mx.save_safetensors(str(made / "model.safetensors"), weights, metadata={"format": "mlx"})
     return made
+
+
+def deepseek_to_hf(weights: Dict[str, mx.array], config: Dict[str, Any]) -> Dict[str, mx.array]:
+    """mlx-lm deepseek_v3 parameters -> Hugging Face's: experts one by one, ``kv_b_proj`` from mlx-lm's
+    ``embed_q`` / ``unembed_out`` split of it."""
+    out: Dict[str, mx.array] = {}
+    for k, v in weights.items():
+        m = re.fullmatch(r"(.*)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight", k)
+        if m:
+            out.update({f"{m[1]}.mlp.experts.{e}.{m[2]}.weight": v[e] for e in range(v.shape[0])})
+        elif k.endswith(".self_attn.embed_q.weight"):
+            base = k[: -len(".embed_q.weight")]
+            wk, wv = v.swapaxes(-1, -2), weights[base + ".unembed_out.weight"]  # [h, nope, r], [h, v, r]
+            merged = mx.concatenate([wk, wv], axis=1)
+            out[base + ".kv_b_proj.weight"] = merged.reshape(-1, merged.shape[-1])
+        elif not k.endswith(".self_attn.unembed_out.weight"):
+            out[k] = v
+    return out
+
+
+def write_deepseek_target(out_dir: Path, config: Dict[str, Any], *, seed: int = 0, tokenizer_dir: Optional[Path] = None,
+                          shards: int = 2, logit_scale: float = 3.0, nextn: bool = True) -> Path:
+    """A tiny DeepSeek-V3 target in the Hugging Face layout with its nextn layer ``model.layers.{N}``
+    (enorm, hnorm, eh_proj, the block, shared_head, its embedding copy) in its last shard."""
+    from .deepseek_nextn import Model as NextN
+    from .deepseek_nextn import ModelArgs as NextNArgs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        made = tm.make_checkpoint(Path(tmp) / "t", config, seed=seed, tokenizer_dir=tokenizer_dir,
+                                  logit_scale=logit_scale, quiet_layers_from=1)
+        weights = deepseek_to_hf(dict(mx.load(str(made / "model.safetensors"))), config)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for f in made.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, out_dir / f.name)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    layer: Dict[str, mx.array] = {}
+    if nextn:
+        mx.random.seed(seed + 1000)
+        params = dict(tree_flatten(NextN(NextNArgs.from_dict(config)).parameters()))
+        prefix = f"model.layers.{config['num_hidden_layers']}."
+        block = deepseek_to_hf({"model.layers.0." + k[len("block."):]: v for k, v in params.items() if k.startswith("block.")}, config)
+        layer = {prefix + k[len("model.layers.0."):]: v for k, v in block.items()}
+        layer.update({prefix + k: v for k, v in params.items() if not k.startswith("block.")})
+        layer[prefix + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        layer[prefix + "shared_head.head.weight"] = weights["lm_head.weight"]
+    weights.update(layer)
+    save_shards(out_dir, weights, shards, sorted(layer))
+    return out_dir
