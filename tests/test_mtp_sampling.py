@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 from typing import Any, Dict
 
-import numpy as np
 import pytest
 
 from mlx_speculative.drafters.mtp import tiny
@@ -55,7 +54,6 @@ def test_mtp_rounds_keep_the_target_distribution(pairs: Dict[str, Dict[str, Any]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("name", ["qwen3_5_mtp", "gemma4_assistant"])
-def test_mtp_rounds_keep_the_target_distribution_long(pairs: Dict[str, Dict[str, Any]], name: str, temperature: float) -> None:
-    run(pairs, name, temperature, 1500)
+def test_mtp_rounds_keep_the_target_distribution_at_a_lower_temperature(pairs: Dict[str, Dict[str, Any]], name: str) -> None:
+    run(pairs, name, 0.7, 1000)
