@@ -101,5 +101,6 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     model.set_dtype(next(v.dtype for k, v in weights.items() if k.startswith(OWN)))
     mx.eval(model.parameters())
     model.eval()
+    # mlx-lm's KVCache for the MLA block (its attention takes boolean masks only; no padded caches).
     return HeadDrafter(FAMILY, model, tg.embedding(target.model), model.logits, tg.final_norm(target.model),
-                       tg.last_layer(target.model), int(config.get("num_nextn_predict_layers") or 1) + 1, target.cache_policy)
+                       tg.last_layer(target.model), int(config.get("num_nextn_predict_layers") or 1) + 1, None)
