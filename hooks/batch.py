@@ -12,13 +12,14 @@ of one row keeps the row's own caches (``KVCache``: mask-free one-token steps, a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, CacheList
 
 from . import taps
+from .kv_view import KVView, committed_kv
 from .state import DecodeState, LoadedTarget
 
 Inputs = Union[mx.array, Sequence[Sequence[int]]]
@@ -140,6 +141,7 @@ class DecodeBatch:
         else:
             extend_rows(self.cache, merge_rows([caches]))
         self.rows.append(state)
+        state.batch = self
         self.version += 1
 
     def leave(self, state: DecodeState) -> None:
@@ -148,6 +150,7 @@ class DecodeBatch:
         if i is None:
             return
         del self.rows[i]
+        state.batch = None
         if not self.rows:
             self.cache = []
         elif len(self.rows) == 1:
@@ -179,8 +182,14 @@ class DecodeBatch:
     def take(self) -> List[Any]:
         """Empty a one-row batch, handing its row's caches back (a row's first step, then it moves)."""
         assert len(self.rows) == 1, "take() empties a one-row batch"
+        self.rows[0].batch = None
         caches, self.cache, self.rows = self.cache, [], []
         return caches
+
+    def committed_kv(self, layer: int) -> Optional[KVView]:
+        """The committed K/V of the cache at ``layer`` of the target's cache list, with each slot's
+        position per row (``hooks.kv_view``); None while it holds nothing. Read it between steps."""
+        return committed_kv(self.cache[layer])
 
     def forward(self, inputs: Inputs) -> Tuple[mx.array, Dict[int, mx.array]]:
         """The target's ordinary forward over one equally long token list per row.

@@ -75,12 +75,11 @@ class Host:
 
     # model-load -----------------------------------------------------------------------------
     def load(self, spec: str) -> LoadedTarget:
-        from mlx_lm import load as mlx_load
-
         path = loading.resolve_path(spec, "model")
         config = loading.read_config(path, "model")
         loading.check_safetensors(path, "model")
-        model, tokenizer = mlx_load(str(path))
+        # mlx_lm.load; a checkpoint's extra prediction layers (DeepSeek nextn) are left out.
+        model, tokenizer = loading.load_target(path, config)
         # Recurrent layers of this model can then keep part of a forward (hooks/recurrent.py).
         recurrent.scope_model(model)
         target = LoadedTarget(model=model, tokenizer=tokenizer, path=path, model_config=config, name=spec)

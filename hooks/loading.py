@@ -164,3 +164,54 @@ def safetensors_headers(path: Path, what: str = "model", required: bool = True) 
 def check_safetensors(path: Path, what: str = "model") -> None:
     """Every *.safetensors file has a readable header that fits the file (catches truncated or corrupt files)."""
     safetensors_headers(path, what)
+
+
+def extra_layer_prefixes(config: Dict[str, Any]) -> Tuple[str, ...]:
+    """Tensor-name prefixes of decoder layers a checkpoint stores past its model's own: DeepSeek-style
+    multi-token-prediction layers, ``model.layers.{num_hidden_layers + k}.`` for k below the config's
+    ``num_nextn_predict_layers`` (read from ``text_config`` where the checkpoint nests it)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    extra = int(text.get("num_nextn_predict_layers") or config.get("num_nextn_predict_layers") or 0)
+    layers = text.get("num_hidden_layers")
+    if extra <= 0 or layers is None:
+        return ()
+    return tuple(f"model.layers.{int(layers) + k}." for k in range(extra))
+
+
+def load_target(path: Path, config: Dict[str, Any]) -> Tuple[Any, Any]:
+    """``mlx_lm.load`` of a target checkpoint, leaving out the tensors of its extra prediction layers
+    (``extra_layer_prefixes``): mlx-lm's deepseek_v3 ``sanitize`` drops only ``model.layers.61``, so a
+    checkpoint of another depth with its nextn layer fails to load ("parameters not in model").
+
+    Without such tensors this is ``mlx_lm.load`` itself. With them, the model is built through
+    ``mlx_lm.utils.load_model``'s ``get_model_classes`` argument: the model object gets its own
+    ``sanitize`` (an attribute of that one object, removed after loading) that drops those tensors
+    and then runs the class's. Nothing of mlx-lm is changed; the model keeps its class.
+    """
+    from mlx_lm import load as mlx_load
+
+    prefixes = extra_layer_prefixes(config)
+    if not prefixes or not any(name.startswith(prefixes) for name in safetensors_headers(path, "model", required=False)):
+        return mlx_load(str(path))
+    from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+
+    def classes(config: Dict[str, Any]) -> Tuple[Any, Any]:
+        model_class, args_class = _get_classes(config)
+
+        def build(args: Any) -> Any:
+            model = model_class(args)
+            own = getattr(model, "sanitize", None)
+
+            def sanitize(weights: Dict[str, Any]) -> Dict[str, Any]:
+                kept = {k: v for k, v in weights.items() if not k.startswith(prefixes)}
+                return own(kept) if own is not None else kept
+
+            model.sanitize = sanitize  # this object only, until loaded
+            return model
+
+        return build, args_class
+
+    model, loaded = load_model(path, get_model_classes=classes)
+    model.__dict__.pop("sanitize", None)
+    tokenizer = load_tokenizer(path, eos_token_ids=loaded.get("eos_token_id", None))
+    return model, tokenizer

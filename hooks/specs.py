@@ -24,6 +24,22 @@ entries under its own name (``target.attachments[name]``, ``batch.extras[name]``
 ``state.extras[name]``, ``state.report[name]``); everything that changes what the host does next
 (which layers to capture, how caches are made, which tokens to emit, how many plain steps to take)
 is a hook's return value.
+
+What the host exposes of the ordinary forward, for plugins to read:
+
+- the outputs of decoder layers (``CaptureRequest.layers``, ``host_prefill_captures``): across the
+  chunked prefill, the host's plain steps and every ``batch.forward``. A drafter that reads the
+  target's final hidden state taps the last decoder layer and applies the target's own final norm.
+- the committed K/V of the target's attention caches: ``state.batch`` is the ``DecodeBatch`` a row
+  decodes in (None while it prefills), and ``batch.committed_kv(i)`` (``hooks.kv_view``) hands over
+  the K/V the cache at index i of the target's cache list holds, with the token position of each
+  slot per row, without copying or changing it. On entry to ``host_decode_step`` the caches hold
+  every token but each row's pending one, so a drafter attending over them (shared K/V, e.g. the
+  Gemma 4 assistant) reads exactly the committed positions.
+
+``hooks.loading.load_target`` loads targets: ``mlx_lm.load``, except that the tensors of a
+checkpoint's extra multi-token-prediction layers (``model.layers.{num_hidden_layers + k}``, k below
+``num_nextn_predict_layers``) are left out of the target's weights; a plugin may read them itself.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hidden-state taps on mlx-lm's own decoder stacks.
 
 A tapped layer keeps its class, weights and parameter names; only its ``__call__`` also records
-its output while a recorder is active. This is how drafters that read hidden states (DFlash, EAGLE-3) get the
+its output while a recorder is active. This is how drafters that read hidden states (DFlash, EAGLE-3, MTP) get the
 target's hidden states from the ordinary forward, without any copied model code.
 """
 

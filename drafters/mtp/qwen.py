@@ -1,0 +1,154 @@
+"""The ``qwen3_5_mtp`` family: the Qwen3.5 / Qwen3.6 / Qwen3-Next MTP head, in two layouts.
+
+- Inside the target's own checkpoint (Hugging Face layout): ``mtp.*`` tensors next to the model's,
+  ``text_config.mtp_num_hidden_layers`` (Qwen3.5) or ``mtp_num_hidden_layers`` (Qwen3-Next) >= 1.
+  Name the checkpoint itself as the draft model. Only the ``mtp.*`` tensors are read, lazily.
+  mlx-lm's ``convert`` drops them (its sanitize filters ``mtp.*``), so an mlx-lm conversion has
+  none: the original checkpoint still serves as the draft model for a converted target.
+- Standalone, as mlx-vlm's ``python -m mlx_vlm.split_mtp`` writes it: ``model_type: qwen3_5_mtp``,
+  the source's ``text_config`` and ``block_size``, the tensors without ``mtp.`` in mlx-lm's layout
+  (bf16 or quantized).
+
+A Qwen3.5 checkpoint without ``mtp.*`` tensors that is not the target itself (e.g. a small Qwen3.5
+as a plain draft LM for a large one) is handed to the ``draft_model`` family.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..base import Compatibility, Drafter, DrafterError, DraftTarget
+from ..compat import check_tokenizer, config_value
+from . import target as tg
+from .batch import HeadDrafter
+from .qwen3_5_mtp import (QWEN3_5_TYPES, QWEN3_NEXT_TYPES, STANDALONE_TYPE, Model, ModelArgs, layer_family,
+                          sanitized_names, text_config)
+
+FAMILY = "qwen3_5_mtp"
+SPLIT_HINT = ("split the head out of the original Hugging Face checkpoint with mlx-vlm "
+              "(`python -m mlx_vlm.split_mtp --model <original> --output <folder>`, model_type qwen3_5_mtp) and "
+              "pass that folder as the draft model, or pass the original checkpoint itself as the draft model")
+
+
+def is_standalone(config: Dict[str, Any]) -> bool:
+    return config.get("model_type") == STANDALONE_TYPE
+
+
+def detect(config: Dict[str, Any]) -> bool:
+    if is_standalone(config):
+        return True
+    text = text_config(config)
+    return str(text.get("model_type")) in QWEN3_5_TYPES + QWEN3_NEXT_TYPES and int(text.get("mtp_num_hidden_layers") or 0) >= 1
+
+
+def _mtp_names(path: Optional[Path], standalone: bool) -> List[str]:
+    heads = tg.headers(path)
+    return list(heads) if standalone else [n for n in heads if n.startswith("mtp.")]
+
+
+def _plain_lm(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> bool:
+    """A Qwen checkpoint with no head, other than the target: a plain draft LM."""
+    return (not is_standalone(config) and path is not None and bool(tg.headers(path))
+            and not _mtp_names(path, False) and not tg.same_dir(path, target.path))
+
+
+def _draft_model_family() -> Any:
+    from ..draft_model import family
+
+    return family
+
+
+def expected_names(args: ModelArgs) -> List[str]:
+    return [k for k, _ in tree_flatten(Model(args).parameters())]
+
+
+def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> Compatibility:
+    if _plain_lm(path, config, target):
+        verdict = _draft_model_family().check(path, config, target)
+        verdict.notes.insert(0, "no mtp.* tensors and not the target: checked as a plain draft LM (family draft_model)")
+        return verdict
+    verdict = Compatibility()
+    standalone = is_standalone(config)
+    text = text_config(config)
+    where = "text_config." if isinstance(config.get("text_config"), dict) else ""
+    verdict.notes.append(f"layout: {'standalone (mlx-vlm split_mtp)' if standalone else 'mtp.* inside the target checkpoint'}")
+    try:
+        family = layer_family(text)
+    except ValueError as e:
+        verdict.fail(str(e))
+        return verdict
+    depth = int(text.get("mtp_num_hidden_layers") or 1)
+    if depth != 1:
+        verdict.fail(f"{where}mtp_num_hidden_layers: {depth}; supported: 1 (every published Qwen3.5/3.6/Qwen3-Next head; "
+                     "a larger block applies it recursively)")
+    else:
+        verdict.notes.append(f"{where}mtp_num_hidden_layers: 1 (one full-attention layer of the {family} kind, its own KV cache)")
+    t_text = text_config(target.config)
+    t_type = str(t_text.get("model_type", ""))
+    allowed = QWEN3_NEXT_TYPES if family == "qwen3_next" else QWEN3_5_TYPES
+    if t_type and t_type not in allowed:
+        verdict.fail(f"target model_type: {t_type!r}; a {family} MTP head needs a target of type {', '.join(allowed)}")
+    for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        d, t = text.get(name), config_value(target.config, name)
+        if d is not None and t is not None and d != t:
+            verdict.fail(f"{where}{name}: the head has {d}, the target has {t}; they must be equal "
+                         "(the head is made for its own target: it reads its hidden states, embedding and lm_head)")
+        elif d is not None:
+            verdict.notes.append(f"{where}{name}: {d} on both")
+    if path is None:
+        return verdict
+    names = _mtp_names(path, standalone)
+    if not names and tg.headers(path):
+        verdict.fail(f"mtp.*: none in {path}'s safetensors files; mlx-lm's convert drops them (its sanitize filters "
+                     f"mtp.*), so an mlx-lm conversion has no head: {SPLIT_HINT}")
+        return verdict
+    if names and verdict.ok:
+        got = sanitized_names(names)
+        prefix = "" if standalone else "mtp."
+        lost = [prefix + n for n in tg.missing(expected_names(ModelArgs(text)), got)
+                if not (n.endswith((".scales", ".biases")))]
+        if lost:
+            verdict.fail(f"{prefix or 'head '}tensors missing from {path}: {', '.join(lost[:6])}"
+                         f"{f' and {len(lost) - 6} more' if len(lost) > 6 else ''}")
+        else:
+            fc = tg.headers(path).get(f"{prefix}fc.weight")
+            verdict.notes.append(f"{prefix}*: {len(names)} tensors, all the head needs"
+                                 + (f"; {prefix}fc.weight {list(fc.shape)}" if fc is not None else ""))
+    if standalone:
+        check_tokenizer(target.path, path, verdict)
+    return verdict
+
+
+def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, options: Dict[str, Any]) -> Drafter:
+    if _plain_lm(path, config, target):
+        return _draft_model_family().load(path, config, target, options)
+    if path is None:
+        raise DrafterError("the qwen3_5_mtp family needs a checkpoint: the target's own (mtp.* inside) or a split head")
+    if target.model is None:
+        raise DrafterError("MTP heads use the target's embedding, lm_head and hidden states: load the target first")
+    standalone = is_standalone(config)
+    args = ModelArgs.from_dict(config)
+    names = _mtp_names(path, standalone)
+    raw = tg.read_tensors(path, names)
+    hf = not standalone and tg.file_format(next(iter({tg.headers(path)[n].file for n in names}))) != "mlx"
+    weights = Model.sanitize(raw, hf_layout=hf)
+    model = Model(args)
+    quant = config.get("quantization")
+    if quant:
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"),
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise DrafterError(f"draft model {str(path)!r}: its MTP tensors do not match a {layer_family(args.text)} head: {e}") from e
+    mx.eval(model.parameters())
+    model.eval()
+    head = tg.lm_head(target.model)
+    block = int(args.block_size) if standalone and args.block_size else args.depth + 1
+    return HeadDrafter(FAMILY, model, tg.embedding(target.model), head, tg.final_norm(target.model),
+                       tg.last_layer(target.model), block, target.cache_policy)
