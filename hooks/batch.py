@@ -52,6 +52,17 @@ def filter_rows(batched: Sequence[Any], keep: Sequence[int]) -> None:
         c.filter(indices)
 
 
+def add_row(batched: List[Any], rows: int, caches: List[Any]) -> List[Any]:
+    """The caches of ``rows`` rows with one more row's own (plain) caches after them: returns the
+    caches to hold from now on (the row's own for the first row, else batched caches)."""
+    if rows == 0:
+        return caches
+    if rows == 1:
+        return merge_rows([batched, caches])
+    extend_rows(batched, merge_rows([caches]))
+    return batched
+
+
 def keep_rows(caches: List[Any], keep: Sequence[int], before: int) -> List[Any]:
     """Only rows ``keep`` of ``before`` rows stay: batched caches filtered in place, a single row's
     own (plain) caches extracted, none left: []. Returns the caches to hold from now on."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.batch import extend_rows, extract_row, keep_rows, merge_rows
+from ...hooks.batch import add_row, extract_row, keep_rows
 from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
 from ...hooks.transaction import CacheTransaction
 from ..base import DraftBatch, DraftState, Proposal, Verified
@@ -71,12 +71,7 @@ class DFlashBatch(DraftBatch):
             n = 0 if feats is None else feats.shape[1]
             if n:
                 self._append(caches, feats[None] if feats.ndim == 2 else feats, [n])
-            if not self.rows:
-                self.cache = caches
-            elif len(self.rows) == 1:
-                self.cache = merge_rows([self.cache, caches])
-            else:
-                extend_rows(self.cache, merge_rows([caches]))
+            self.cache = add_row(self.cache, len(self.rows), caches)
             self.rows.append(row)
             self.context.append(start + n)
         self.fresh = []

@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, make_prompt_cache
 
 from ...hooks import attention, recurrent
-from ...hooks.batch import extend_rows, extract_row, forward, keep_rows, merge_rows, mergeable, replay
+from ...hooks.batch import add_row, extract_row, forward, keep_rows, mergeable, replay
 from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches, trimmable
 from ...hooks.transaction import CacheTransaction, check_supported
 from ..base import (Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftState, DraftTarget, Proposal,
@@ -77,12 +77,7 @@ class DraftModelBatch(DraftBatch):
         for start in range(done, len(history), PREFILL_STEP):
             forward(self.model, [history[start : start + PREFILL_STEP]], caches, [])
             mx.eval([c.state for c in caches])
-        if not self.rows:
-            self.cache = caches
-        elif len(self.rows) == 1:
-            self.cache = merge_rows([self.cache, caches])
-        else:
-            extend_rows(self.cache, merge_rows([caches]))
+        self.cache = add_row(self.cache, len(self.rows), caches)
         self.rows.append(row)
         self.fed.append(len(history))
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ...hooks.batch import extend_rows, extract_row, filter_rows, merge_rows
+from ...hooks.batch import add_row, keep_rows
 from ...hooks.transaction import CacheTransaction
 from ..base import DraftBatch, Proposal, Verified
 
@@ -45,12 +45,7 @@ class Eagle3Batch(DraftBatch):
             self.context = [self.context[b] for b in keep]
             self.ready = [self.ready[b] for b in keep]
             self.last = self.last[mx.array(keep)] if keep else None
-            if not keep:
-                self.cache = []
-            elif len(keep) == 1 and before > 1:
-                self.cache = extract_row(self.cache, keep[0])
-            elif len(keep) > 1:
-                filter_rows(self.cache, keep)
+            self.cache = keep_rows(self.cache, keep, before)
         self.fresh = [r for r in self.fresh if id(r) in present]
         known = {id(r) for r in self.rows + self.fresh}
         self.fresh += [r for r in rows if id(r) not in known]
@@ -100,12 +95,7 @@ class Eagle3Batch(DraftBatch):
             if n:
                 last = self._catch_up(caches, [self._tokens(row, 0, n)], feats, [n])
                 self.prefills += 1
-            if not self.rows:
-                self.cache = caches
-            elif len(self.rows) == 1:
-                self.cache = merge_rows([self.cache, caches])
-            else:
-                extend_rows(self.cache, merge_rows([caches]))
+            self.cache = add_row(self.cache, len(self.rows), caches)
             self.last = last if self.last is None else mx.concatenate([self.last, last], axis=0)
             self.rows.append(row)
             self.context.append(n)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ...hooks.batch import extend_rows, extract_row, filter_rows, merge_rows
+from ...hooks.batch import add_row, keep_rows
 from ...hooks.transaction import CacheTransaction
 from ..base import DraftBatch, Drafter, Proposal, Verified
 
@@ -161,12 +161,7 @@ class HeadBatch(RowBook):
         before = len(self.rows)
         self.context = [self.context[b] for b in keep]
         self.seeds = [self.seeds[b] for b in keep]
-        if not keep:
-            self.cache = []
-        elif len(keep) == 1 and before > 1:
-            self.cache = extract_row(self.cache, keep[0])
-        elif len(keep) > 1:
-            filter_rows(self.cache, keep)
+        self.cache = keep_rows(self.cache, keep, before)
 
     def _entries(self, row: Any, start: int, hidden: mx.array) -> mx.array:
         """[1, n, H] embeddings of tokens start+1 .. start+n, paired with ``hidden`` [1, n, H]."""
@@ -183,12 +178,7 @@ class HeadBatch(RowBook):
             if n:
                 out = d.model(self._entries(row, 0, hidden).astype(hidden.dtype), hidden, caches)  # [1, n, H]
                 seed = out[:, -1:]
-            if not self.rows:
-                self.cache = caches
-            elif len(self.rows) == 1:
-                self.cache = merge_rows([self.cache, caches])
-            else:
-                extend_rows(self.cache, merge_rows([caches]))
+            self.cache = add_row(self.cache, len(self.rows), caches)
             self.rows.append(row)
             self.context.append(n)
             self.seeds.append(seed)
