@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -210,6 +211,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`mlx-spec drafters | head -1`): no error message; stdout is closed
+        # for good so that the interpreter's final flush does not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, OSError) as e:
         # Every expected failure (bad config, missing/corrupt checkpoint, incompatible drafter)
         # is a ValueError/OSError subclass with a message that says what to fix.
