@@ -67,8 +67,8 @@ def models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dic
     gemma = mtp_tiny.gemma4_text_config()  # sliding window 8: a prompt's caches are snapshots
     out["gemma4"] = tm.make_checkpoint(root / "gemma4", gemma, seed=57, tokenizer_dir=tokenizer_dir, logit_scale=3.0)
     real = json.loads((FIXTURES / "mtp" / "google__gemma-4-E2B-it-assistant.config.json").read_text())
-    out["gemma4_assistant"] = mtp_tiny.write_assistant(root / "assistant", mtp_tiny.assistant_config(real, gemma), seed=58,
-                                                       tokenizer_dir=tokenizer_dir)
+    out["gemma4_assistant"] = mtp_tiny.write_assistant(root / "assistant", mtp_tiny.assistant_config(real, gemma),
+                                                       seed=58, tokenizer_dir=tokenizer_dir)
     return out
 
 
@@ -130,7 +130,8 @@ class Recorded(DraftBatch):
         if len(entry) == 3:
             held = entry[2].shape[1]
         else:
-            held = entry[1] + sum(next(iter(p.values())).shape[1] for p in getattr(self.inner, "pending", {}).get(id(row), []))
+            tail = getattr(self.inner, "pending", {}).get(id(row), [])
+            held = entry[1] + sum(next(iter(p.values())).shape[1] for p in tail)
         self.log["restored"][id(row)] = (n, entry[1], held)
         return done
 
@@ -209,8 +210,8 @@ def test_second_turn_restores_target_and_drafter_state(name: str, models: Dict[s
             joined.append(counting.fed - before)
 
         monkeypatch.setattr(DraftModelBatch, "_join", counted_join)
-    a1, b1, c = (encode(target, t) for t in ("the model token draft verify layer cache", "river stone light night day code",
-                                            "one two three four five six seven"))
+    a1, b1, c = (encode(target, t) for t in ("the model token draft verify layer cache",
+                                            "river stone light night day code", "one two three four five six seven"))
     cache = pc.PromptCache(BIG)
     on = Scheduler(host, target, prompt_cache=cache)
     turn1 = _run(on, [(a1, no_stop(12)), (b1, no_stop(9))])

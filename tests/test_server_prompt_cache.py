@@ -217,7 +217,8 @@ def test_three_turn_chats_reuse_the_shared_prefix(kind: str, servers: Dict[str, 
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_mtp"])
-def test_recurrent_target_reuses_the_largest_snapshot(kind: str, servers: Dict[str, ServerProc], tokenizer: Any) -> None:
+def test_recurrent_target_reuses_the_largest_snapshot(kind: str, servers: Dict[str, ServerProc],
+                                                      tokenizer: Any) -> None:
     """qwen3_5's GatedDeltaNet states cannot be trimmed: each request leaves snapshots at its prompt's
     end (len(prompt) - 1) and its generation's end (prompt + answer but the pending token), and a
     later request reuses the largest of them <= the prefix it shares (``Expect``). The drafter's state
