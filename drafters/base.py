@@ -163,7 +163,11 @@ class DraftBatch(abc.ABC):
         from ``saved`` (this family's ``export_row`` for the same tokens) trimmed to those n
         tokens, leaving ``saved`` unchanged. False (the default): nothing restored; ``sync`` takes
         the row as new and the family derives its state from ``row.tokens``. A family that reads
-        captures must restore: the host reuses only positions its saved state covers."""
+        captures must restore: the host reuses only positions its saved state covers. State that
+        also depends on the token after a position (EAGLE-3's and the MTP heads' entries: position
+        t's features with token t + 1) is kept with what re-makes it for a row whose token n differs
+        (``drafters/feature_log.py``). A family that reads captures but needs none restored (the
+        Gemma 4 assistant) exports a state of no bytes covering its positions."""
         return False
 
 

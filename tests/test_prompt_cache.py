@@ -1,9 +1,11 @@
 """The prompt cache in the engine (hooks/prompt_cache.py through hooks/scheduler.py), no HTTP.
 
-A second turn restores the target's caches and the drafter's state (draft_model, ngram, dflash):
-its tokens and every round's proposals equal the same turn without the cache, the rows batch with
-others, and the drafter prefills only what was not restored. On a recurrent target (qwen3_5) a hit
-restores the largest snapshot position <= the shared prefix, and a wrong state (forced) is caught.
+A second turn restores the target's caches and the drafter's state (draft_model, ngram, dflash,
+eagle3, and the MTP families: the Qwen3.5 head, DeepSeek nextn, the Gemma 4 assistant): its tokens
+and every round's proposals equal the same turn without the cache, the rows batch with others, and
+the drafter prefills only what was not restored, also for a prompt that branches off inside a
+cached one. On a recurrent target (qwen3_5) a hit restores the largest snapshot position <= the
+shared prefix, and a wrong state (forced) is caught.
 The byte bound holds over 200 distinct long prompts, with mlx's active memory flat once full.
 Cancelled requests leave what they fed. (The contract's parts: tests/test_prompt_cache_contract.py.)
 """
@@ -21,6 +23,8 @@ from mlx_lm.models.cache import ArraysCache
 from conftest import encode, make_host, no_stop
 from mlx_speculative.drafters.base import DraftBatch, Drafter, DraftState, Proposal, Verified
 from mlx_speculative.drafters.dflash import tiny
+from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
+from mlx_speculative.drafters.mtp import tiny as mtp_tiny
 from mlx_speculative.hooks import prompt_cache as pc
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.host import GenerationParams
@@ -28,8 +32,17 @@ from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import SamplingParams
 from test_dflash_rounds import qwen3_5_config
 
-FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
+FIXTURES = Path(__file__).parent / "fixtures"
 BIG = 1 << 30
+DRAFTERS = {  # name: (target, drafter checkpoint (None: ngram), kind)
+    "draft_model": ("llama", "draft_model", "draft_model"),
+    "ngram": ("llama", None, "ngram"),
+    "dflash": ("llama", "dflash", "dflash"),
+    "eagle3": ("llama", "eagle3", "eagle3"),
+    "qwen3_5_mtp": ("qwen3_5_mtp", "qwen3_5_mtp", "mtp"),  # the head inside the target's own shards
+    "deepseek_nextn": ("deepseek", "deepseek", "mtp"),
+    "gemma4_assistant": ("gemma4", "gemma4_assistant", "mtp"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +55,39 @@ def models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dic
     out["qwen3_5"] = tm.make_checkpoint(root / "qwen3_5", qwen3_5_config(), seed=53, tokenizer_dir=tokenizer_dir,
                                         logit_scale=3.0)
     out["draft_model"] = tm.make_truncated_drafter(out["llama"], root / "draft", num_layers=2)
-    real = json.loads((FIXTURES / "z-lab__Qwen3-4B-DFlash-b16.config.json").read_text())
+    real = json.loads((FIXTURES / "dflash" / "z-lab__Qwen3-4B-DFlash-b16.config.json").read_text())
     config = tiny.shrink_config(real, target_layer_ids=[0, 2], mask_token_id=383, num_target_layers=4)
     out["dflash"] = tiny.write_checkpoint(root / "dflash", config, seed=52)
+    real = json.loads((FIXTURES / "eagle3" / "SafeAILab__EAGLE__traineagle3.config.json").read_text())
+    out["eagle3"] = eagle3_tiny.write_checkpoint(root / "eagle3", eagle3_tiny.shrink_config(real), seed=54)
+    out["qwen3_5_mtp"] = mtp_tiny.write_qwen_target(root / "qwen3_5_mtp", mtp_tiny.qwen3_5_config(), seed=55,
+                                                    tokenizer_dir=tokenizer_dir)
+    out["deepseek"] = mtp_tiny.write_deepseek_target(root / "deepseek", tm.deepseek_v3_config(
+        num_hidden_layers=3, num_nextn_predict_layers=1), seed=56, tokenizer_dir=tokenizer_dir)
+    gemma = mtp_tiny.gemma4_text_config()  # sliding window 8: a prompt's caches are snapshots
+    out["gemma4"] = tm.make_checkpoint(root / "gemma4", gemma, seed=57, tokenizer_dir=tokenizer_dir, logit_scale=3.0)
+    real = json.loads((FIXTURES / "mtp" / "google__gemma-4-E2B-it-assistant.config.json").read_text())
+    out["gemma4_assistant"] = mtp_tiny.write_assistant(root / "assistant", mtp_tiny.assistant_config(real, gemma),
+                                                       seed=58, tokenizer_dir=tokenizer_dir)
     return out
 
 
+def drafter_states(inner: DraftBatch, rows: Sequence[Any]) -> List[Optional[mx.array]]:
+    """Per row, what its first draft is read from: EAGLE-3's output at the last position, an MTP
+    head's seed (both attend over every entry of the drafter's cache), the draft model's logits after
+    the pending token; None where the drafter keeps no such state."""
+    if getattr(inner, "last", None) is not None:
+        return [inner.last[b, 0] for b in range(len(rows))]
+    if isinstance(getattr(inner, "seeds", None), list):
+        return [None if s is None else s[0, 0] for s in inner.seeds]
+    if getattr(inner, "first", None) is not None:
+        return [inner.first[b] for b in range(len(rows))]
+    return [None] * len(rows)
+
+
 class Recorded(DraftBatch):
-    """A drafter's batch, recorded: each row's proposals (by its prompt) and the rows per round.
-    Forwards everything, the prompt cache's ``export_row`` / ``restore_row`` too."""
+    """A drafter's batch, recorded: each row's proposals and drafter states (by its prompt) and the
+    rows per round. Forwards everything, the prompt cache's ``export_row`` / ``restore_row`` too."""
 
     def __init__(self, inner: DraftBatch, log: Dict[str, Any]):
         self.inner, self.log = inner, log
@@ -65,11 +102,14 @@ class Recorded(DraftBatch):
         return self.inner.cache_groups()
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        states = drafter_states(self.inner, rows)
         out = self.inner.propose(rows, max_drafts)
         self.log["rows"].append(len(rows))
-        for row, p in zip(rows, out):
+        for row, p, state in zip(rows, out, states):
             tokens = p.tokens.tolist() if isinstance(p.tokens, mx.array) else list(p.tokens)
             self.log["proposals"].setdefault(tuple(row.tokens[: row.prompt_len]), []).append(tokens)
+            if state is not None:
+                self.log["states"].setdefault(tuple(row.tokens[: row.prompt_len]), []).append(state)
         return out
 
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
@@ -80,9 +120,19 @@ class Recorded(DraftBatch):
 
     def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
         done = self.inner.restore_row(row, saved, n)
-        # Positions restored: in the caches (draft_model, dflash), plus DFlash's captures not yet in them.
-        tail = sum(next(iter(p.values())).shape[1] for p in getattr(self.inner, "pending", {}).get(id(row), []))
-        self.log["restored"].append(self.inner.restored[id(row)][1] + tail if done else None)
+        # By row: a row restored before its prompt's end (a snapshot) is restored again to draft.
+        entry = getattr(self.inner, "restored", {}).get(id(row))
+        if not done or entry is None:  # the Gemma assistant keeps nothing of its own
+            self.log["restored"][id(row)] = (n, None, None) if done else None
+            return done
+        # (n, positions in the restored caches, positions restored): the caches' plus DFlash's captures
+        # not yet in them, or the features EAGLE-3 and the MTP heads hold for every position.
+        if len(entry) == 3:
+            held = entry[2].shape[1]
+        else:
+            tail = getattr(self.inner, "pending", {}).get(id(row), [])
+            held = entry[1] + sum(next(iter(p.values())).shape[1] for p in tail)
+        self.log["restored"][id(row)] = (n, entry[1], held)
         return done
 
 
@@ -115,13 +165,14 @@ class CountingModel:
         return getattr(self.model, name)
 
 
-def _host(kind: str, models: Dict[str, Path], arch: str = "llama") -> Tuple[Any, Any, Dict[str, Any]]:
-    spec = {"kind": "ngram"} if kind == "ngram" else {"draft_model": str(models[kind])}
+def _host(name: str, models: Dict[str, Path], arch: Optional[str] = None) -> Tuple[Any, Any, Dict[str, Any]]:
+    target_name, drafter, kind = DRAFTERS[name]
+    spec = {"kind": "ngram"} if drafter is None else {"draft_model": str(models[drafter])}
     host = make_host({**spec, "block_size": 4})  # pinned: a round every step, no adaptive pauses
-    target = host.load(str(models[arch]))
+    target = host.load(str(models[arch or target_name]))
     att = target.attachments["speculative"]
-    assert att.drafter.kind == kind
-    log: Dict[str, Any] = {"rows": [], "proposals": {}, "restored": []}
+    assert att.drafter.kind == kind and (kind != "mtp" or att.drafter.family == name)
+    log: Dict[str, Any] = {"rows": [], "proposals": {}, "states": {}, "restored": {}}
     att.drafter = RecordedDrafter(att.drafter, log)
     return host, target, log
 
@@ -140,10 +191,11 @@ def _run(scheduler: Scheduler, jobs: List[Tuple[List[int], GenerationParams]]) -
     return [(got[r.id], r) for r in requests]
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram", "dflash"])
-def test_second_turn_restores_target_and_drafter_state(kind: str, models: Dict[str, Path],
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_second_turn_restores_target_and_drafter_state(name: str, models: Dict[str, Path],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    host, target, log = _host(kind, models)
+    host, target, log = _host(name, models)
+    kind = DRAFTERS[name][2]
     joined: List[int] = []  # positions the draft model prefilled for rows joining its batch
     if kind == "draft_model":
         from mlx_speculative.drafters.draft_model import DraftModelBatch
@@ -158,45 +210,69 @@ def test_second_turn_restores_target_and_drafter_state(kind: str, models: Dict[s
             joined.append(counting.fed - before)
 
         monkeypatch.setattr(DraftModelBatch, "_join", counted_join)
-    a1, b1, c = (encode(target, t) for t in ("the model token draft verify", "river stone light night day code",
-                                            "one two three four five six seven"))
+    a1, b1, c = (encode(target, t) for t in ("the model token draft verify layer cache",
+                                            "river stone light night day code", "one two three four five six seven"))
     cache = pc.PromptCache(BIG)
     on = Scheduler(host, target, prompt_cache=cache)
     turn1 = _run(on, [(a1, no_stop(12)), (b1, no_stop(9))])
+    snapshots = not all(e.trimmable for e in cache.entries)  # qwen3_5's recurrent layers, gemma4's wrapped windows
+    assert snapshots == (DRAFTERS[name][0] in ("qwen3_5_mtp", "gemma4")) and min(len(a1), len(b1)) > 9
     a2 = a1 + turn1[0][0] + encode(target, " accept commit")
     b2 = b1 + turn1[1][0] + encode(target, " cache layer")
     seeded = GenerationParams(max_tokens=10, stop_token_ids=[], sampling=SamplingParams(temperature=0.9, seed=7))
-    jobs = [(a2, no_stop(14)), (b2, no_stop(11)), (c, no_stop(8)), (a1 + turn1[0][0][:5], seeded)]
+    # Branches off a1 after len(a1) - 2 tokens: the drafter state of the cached position before the
+    # branch was made with a1's next token, not this one (EAGLE-3 and the MTP heads make it again).
+    branch = a1[:-2] + [t for t in encode(target, " stone river light") if t != a1[-2]]
+    jobs = [(a2, no_stop(14)), (b2, no_stop(11)), (c, no_stop(8)), (a1 + turn1[0][0][:5], seeded), (branch, no_stop(9))]
 
     log["proposals"].clear()
+    log["states"].clear()
     joined.clear()
     hits = _run(on, jobs)
-    on_props, on_joined, rows = dict(log["proposals"]), sum(joined), list(log["rows"])
+    on_props, on_states, on_joined, rows = dict(log["proposals"]), dict(log["states"]), sum(joined), list(log["rows"])
     log["proposals"].clear()
+    log["states"].clear()
     joined.clear()
     refs = _run(Scheduler(host, target), jobs)  # the same requests, cache off
 
     cached = [r.state.cached for _, r in hits]
-    # What turn 1 left: prompt + answer but its last token (never fed: it was pending).
-    assert cached == [len(a1) + 12 - 1, len(b1) + 9 - 1, 0, len(a1) + 4]
+    # What turn 1 left: prompt + answer but its last token (never fed: it was pending). Snapshot
+    # targets keep exactly that (the generation's end) and the prompt's end (len(prompt) - 1), usable
+    # only at their own lengths: the cut-short prompt gets the prompt's end, the branch nothing.
+    if snapshots:
+        assert cached == [len(a1) + 12 - 1, len(b1) + 9 - 1, 0, len(a1) - 1, 0]
+    else:
+        assert cached == [len(a1) + 12 - 1, len(b1) + 9 - 1, 0, len(a1) + 4, len(a1) - 2]
     assert [t for t, _ in hits] == [t for t, _ in refs]
     for (_, r), (_, ref) in zip(hits, refs):
         stats = r.state.report["speculative"]
         assert stats.fallback is None and stats.rounds > 0
         assert stats.rounds == ref.state.report["speculative"].rounds
     # The drafter drafted exactly as without the cache: its state for the reused prefix was right.
-    assert on_props == log["proposals"] and on_props[tuple(a2)]
+    assert on_props == log["proposals"] and on_props[tuple(a2)] and on_props[tuple(branch)]
+    # ... and what its drafts were read from, every round (fp32: summation order only).
+    stateful = kind in ("draft_model", "eagle3") or name in ("qwen3_5_mtp", "deepseek_nextn")
+    assert on_states.keys() == log["states"].keys() and bool(on_states) == stateful
+    for key, states in on_states.items():
+        assert len(states) == len(log["states"][key])
+        assert all(mx.allclose(x, y, atol=1e-4).item() for x, y in zip(states, log["states"][key])), key
     assert max(rows) >= 3  # the restored rows batched with the fresh one
-    restored = log["restored"]
+    restored = list(log["restored"].values())
     if kind == "ngram":
         assert restored == []  # nothing to keep: its state is the row's tokens
-    else:
-        assert len(restored) == 3 and all(restored)
-    if kind == "dflash":  # a context of exactly the reused positions
-        assert sorted(restored) == sorted([cached[0], cached[1], cached[3]])
-    if kind == "draft_model":  # the draft model prefilled only what it did not restore
-        assert all(c - 3 <= m <= c for m, c in zip(sorted(restored), sorted([cached[0], cached[1], cached[3]])))
-        assert sum(joined) - on_joined == sum(restored)
+        return
+    assert sorted(n for n, _, _ in restored) == sorted(x for x in cached if x)
+    if name == "gemma4_assistant":  # nothing of its own: the target's K/V and the last prompt token's capture
+        assert all(held is None for _, _, held in restored)
+    elif kind == "draft_model":  # the draft model prefilled only what it did not restore
+        assert all(n - 3 <= held <= n for n, _, held in restored)
+        assert sum(joined) - on_joined == sum(held for _, _, held in restored)
+    else:  # a context of exactly the reused positions
+        assert all(held == n for n, _, held in restored)
+    if kind in ("eagle3", "mtp"):  # the caches' entry n - 1 made again (at most a round's entries lag) ...
+        prompt_end = len(a1) - 1 if snapshots else None  # ... except a prompt's end: saved before it drafted
+        assert all(kept == 0 if n == prompt_end else n - 4 <= kept <= n - 1
+                   for n, kept, _ in restored if kept is not None), restored
 
 
 class WrongState(pc.PromptCache):
@@ -210,13 +286,13 @@ class WrongState(pc.PromptCache):
         return pc.Hit(pc.copy_caches(self.caches), self.positions, {})
 
 
-@pytest.mark.parametrize("kind", [None, "dflash"])
+@pytest.mark.parametrize("kind", [None, "dflash", "qwen3_5_mtp"])
 def test_recurrent_target_restores_a_snapshot_position(kind: Optional[str], models: Dict[str, Path]) -> None:
     if kind is None:
         host, log = make_host(None, plugins=False), None
         target = host.load(str(models["qwen3_5"]))
-    else:
-        host, target, log = _host(kind, models, "qwen3_5")
+    else:  # the MTP head on its own target (a qwen3_5 with mtp.* tensors)
+        host, target, log = _host(kind, models, "qwen3_5" if kind == "dflash" else None)
     p = encode(target, "test plan build run step loop test plan build run step loop")
     cache = pc.PromptCache(BIG)
     on = Scheduler(host, target, prompt_cache=cache)

@@ -1,12 +1,12 @@
 """The prompt cache in `mlx-spec serve` (real server processes, the `openai` client).
 
-Three-turn chats, two conversations interleaved, for each kind (draft_model, ngram, dflash) on an
-attention-only target: turns 2 and 3 report ``usage.prompt_tokens_details.cached_tokens`` (and
+Three-turn chats, two conversations interleaved, for each kind (draft_model, ngram, dflash, eagle3)
+on an attention-only target: turns 2 and 3 report ``usage.prompt_tokens_details.cached_tokens`` (and
 llama.cpp's ``timings.cache_n``) equal to the prefix they share with what earlier requests left,
 and every answer equals the same request's on a server with the cache off, token for token. Then
 a third chat runs across an eviction (long requests push everything out of a 3 MiB cache). On a
-recurrent target (qwen3_5) the reuse is the largest snapshot position <= the shared prefix.
-/metrics counts hits, misses, reused tokens, bytes and evictions.
+recurrent target (qwen3_5, with DFlash and with its own MTP head) the reuse is the largest snapshot
+position <= the shared prefix. /metrics counts hits, misses, reused tokens, bytes and evictions.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 from mlx_speculative.drafters.dflash import tiny
+from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
+from mlx_speculative.drafters.mtp import tiny as mtp_tiny
 from mlx_speculative.hooks import tiny_models as tm
-from test_dflash_rounds import qwen3_5_config
 from test_server import ServerProc, start_server
 
 openai = pytest.importorskip("openai")
-FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
+FIXTURES = Path(__file__).parent / "fixtures"
 BOUND = 3 << 20
 USER = [["the model token draft", "accept commit cache layer", "river stone light night"],
         ["one two three four five", "red green blue one", "page book word line page"],
@@ -33,8 +34,10 @@ SERVERS = {  # name: (target, speculative section, prompt_cache_bytes)
     "draft_model": ("llama", {"draft_model": "drafter", "block_size": 4}, BOUND),
     "ngram": ("llama", {"kind": "ngram", "block_size": 4}, BOUND),
     "dflash": ("llama", {"draft_model": "dflash", "block_size": 4}, BOUND),
+    "eagle3": ("llama", {"draft_model": "eagle3", "block_size": 4}, BOUND),
     "off": ("llama", None, 0),
     "qwen3_5": ("qwen3_5", {"draft_model": "dflash", "block_size": 4}, BOUND),
+    "qwen3_5_mtp": ("qwen3_5", {"draft_model": "qwen3_5", "block_size": 4}, BOUND),  # its own mtp.* head
     "qwen3_5_off": ("qwen3_5", None, 0),
 }
 
@@ -42,11 +45,14 @@ SERVERS = {  # name: (target, speculative section, prompt_cache_bytes)
 @pytest.fixture(scope="module")
 def files(llama_pair: Dict[str, Path], tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[str, Path]:
     root = tmp_path_factory.mktemp("server_prompt_cache")
-    real = json.loads((FIXTURES / "z-lab__Qwen3-4B-DFlash-b16.config.json").read_text())
+    real = json.loads((FIXTURES / "dflash" / "z-lab__Qwen3-4B-DFlash-b16.config.json").read_text())
     config = tiny.shrink_config(real, target_layer_ids=[0, 2], mask_token_id=383, num_target_layers=4)
-    qwen = tm.make_checkpoint(root / "qwen3_5", qwen3_5_config(), seed=61, tokenizer_dir=tokenizer_dir, logit_scale=3.0)
+    # A Qwen3.5 in the Hugging Face layout with its MTP head in its own shards (mlx-lm loads it without).
+    qwen = mtp_tiny.write_qwen_target(root / "qwen3_5", mtp_tiny.qwen3_5_config(), seed=61, tokenizer_dir=tokenizer_dir)
+    eagle3 = json.loads((FIXTURES / "eagle3" / "SafeAILab__EAGLE__traineagle3.config.json").read_text())
     return {"llama": llama_pair["target"], "drafter": llama_pair["drafter"], "qwen3_5": qwen,
-            "dflash": tiny.write_checkpoint(root / "dflash", config, seed=62)}
+            "dflash": tiny.write_checkpoint(root / "dflash", config, seed=62),
+            "eagle3": eagle3_tiny.write_checkpoint(root / "eagle3", eagle3_tiny.shrink_config(eagle3), seed=63)}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +169,7 @@ def cache_metrics(server: ServerProc) -> Dict[str, float]:
     return {k[len("mlx_spec_prompt_cache_"):]: v for k, v in server.metrics().items() if k.startswith("mlx_spec_prompt_cache_")}
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram", "dflash"])
+@pytest.mark.parametrize("kind", ["draft_model", "ngram", "dflash", "eagle3"])
 def test_three_turn_chats_reuse_the_shared_prefix(kind: str, servers: Dict[str, ServerProc], tokenizer: Any) -> None:
     server, ref = servers[kind], servers["off"]
     before = cache_metrics(server)
@@ -205,12 +211,20 @@ def test_three_turn_chats_reuse_the_shared_prefix(kind: str, servers: Dict[str, 
     assert m["reused_tokens_total"] - before["reused_tokens_total"] == sum(counts)
     assert 0 < m["bytes"] <= m["limit_bytes"] == BOUND and m["entries"] >= 1
     assert cache_metrics(ref)["limit_bytes"] == 0 and cache_metrics(ref)["hits_total"] == 0
+    assert f"speculative decoding on: kind {kind} (family {kind})" in server.log
     if kind != "ngram":  # rounds ran with the restored drafter state, never falling back
         assert "fell back" not in server.log
 
 
-def test_recurrent_target_reuses_the_largest_snapshot(servers: Dict[str, ServerProc], tokenizer: Any) -> None:
-    server, ref = servers["qwen3_5"], servers["qwen3_5_off"]
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_mtp"])
+def test_recurrent_target_reuses_the_largest_snapshot(kind: str, servers: Dict[str, ServerProc],
+                                                      tokenizer: Any) -> None:
+    """qwen3_5's GatedDeltaNet states cannot be trimmed: each request leaves snapshots at its prompt's
+    end (len(prompt) - 1) and its generation's end (prompt + answer but the pending token), and a
+    later request reuses the largest of them <= the prefix it shares (``Expect``). The drafter's state
+    covers every snapshot position, so that is what turns 2 and 3 report: DFlash's context and the
+    MTP head's entries with the hidden states of every position."""
+    server, ref = servers[kind], servers["qwen3_5_off"]
     expect = Expect(recurrent=True, eos=tokenizer.eos_token_id)
     a: List[Dict[str, str]] = []
     b: List[Dict[str, str]] = []
@@ -224,7 +238,8 @@ def test_recurrent_target_reuses_the_largest_snapshot(servers: Dict[str, ServerP
     prompt = list(tokenizer.apply_chat_template(regenerate, add_generation_prompt=True))
     again = chat(server, regenerate, 8)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1 == expect.cached(prompt)
-    assert "fell back" not in server.log
+    drafter = "kind mtp (family qwen3_5_mtp)" if kind == "qwen3_5_mtp" else "kind dflash (family dflash)"
+    assert f"speculative decoding on: {drafter}" in server.log and "fell back" not in server.log
 
 
 def test_prompt_cache_bytes_is_checked_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -8,17 +8,24 @@ row, kept whatever the round decides): its last output is draft step 1. ``propos
 k - 1 more steps, each one forward for every row, the drafter feeding its own state forward;
 those positions are written inside the round's transaction and all rolled back at ``commit``
 (the accepted ones come back next round with the target's real features, as in EAGLE).
+
+The server's prompt cache keeps a row's drafter caches and the projected features of every
+position (``export_row``; drafter position j also holds token j + 1, so a request sharing n tokens
+keeps positions 0..n-2 and makes position n-1 again from its features with its own token n:
+``drafters/feature_log.py``). A row restored from it (``restore_row``) feeds only the rest.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.batch import add_row, keep_rows
+from ...hooks.batch import add_row, extract_row, keep_rows
+from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
 from ...hooks.transaction import CacheTransaction
-from ..base import DraftBatch, Proposal, Verified
+from ..base import DraftBatch, DraftState, Proposal, Verified
+from ..feature_log import FeatureLog, joined
 
 if TYPE_CHECKING:
     from . import Eagle3Drafter
@@ -35,6 +42,9 @@ class Eagle3Batch(DraftBatch):
         self.last: Optional[mx.array] = None  # [B, 1, H] raw output state at each row's last position
         self.ready: List[bool] = []  # the row has a last position (a prompt of one token has none at first)
         self.prefills = 0  # forwards over a new row's prompt (not draft steps)
+        self.log = FeatureLog()  # per row: [1, n, H] projected features of its drafter positions
+        # id(row) -> (caches holding c positions, c, [1, n, H] projected features of its first n positions)
+        self.restored: Dict[int, Tuple[List[Any], int, mx.array]] = {}
 
     def sync(self, rows: Sequence[Any]) -> None:
         present = {id(r) for r in rows}
@@ -50,13 +60,17 @@ class Eagle3Batch(DraftBatch):
         known = {id(r) for r in self.rows + self.fresh}
         self.fresh += [r for r in rows if id(r) not in known]
         self.pending = {k: v for k, v in self.pending.items() if k in present}
+        self.restored = {k: v for k, v in self.restored.items() if k in present}
+        self.log.keep(present)
         for row in rows:
             if row.captures:  # what the host fed since the last step (prefill, plain steps)
                 self.pending.setdefault(id(row), []).append(dict(row.captures))
 
     def _features(self, row: Any) -> Optional[mx.array]:
         """[1, n, taps*F]: the row's pending target features in fc's order, or None."""
-        parts = self.pending.pop(id(row), [])
+        return self._joined(self.pending.pop(id(row), []))
+
+    def _joined(self, parts: List[Dict[int, mx.array]]) -> Optional[mx.array]:
         if not parts:
             return None
         layers = self.drafter.capture_layers()
@@ -69,18 +83,22 @@ class Eagle3Batch(DraftBatch):
         """The tokens paired with drafter positions start..start+n-1 (each position's next token)."""
         return row.tokens[start + 1 : start + n + 1]
 
-    def _catch_up(self, caches: List[Any], tokens: List[List[int]], feats: mx.array, counts: List[int]) -> mx.array:
-        """Feed [B, W] tokens with their [B, W, taps*F] features, keeping counts[b] positions of row b.
-        Returns [B, 1, H]: each row's output at its last new position (rows with none: zeros)."""
+    def _project(self, feats: mx.array) -> mx.array:
+        """[B, n, taps*F] target features -> [B, n, H], what a drafter position reads besides its token."""
+        return self.drafter.model.project(feats.astype(self.drafter.dtype))
+
+    def _catch_up(self, caches: List[Any], tokens: List[List[int]], hidden: mx.array, counts: List[int]) -> mx.array:
+        """Feed [B, W] tokens with their [B, W, H] projected features, keeping counts[b] positions of
+        row b. Returns [B, 1, H]: each row's output at its last new position (rows with none: zeros)."""
         d = self.drafter
-        width = feats.shape[1]
+        width = hidden.shape[1]
         if d.shape_stable and width > 1:  # a catch-up feeds any count; each new count builds new kernels
             padded = 1 << (width - 1).bit_length()
-            feats = mx.pad(feats, [(0, 0), (0, padded - width), (0, 0)])
+            hidden = mx.pad(hidden, [(0, 0), (0, padded - width), (0, 0)])
             width = padded
         ids = mx.array([t + [0] * (width - len(t)) for t in tokens], dtype=mx.uint32)  # [B, W]
         with CacheTransaction(caches) as txn:
-            h = d.model(d.embed(ids), d.model.project(feats.astype(d.dtype)), caches)  # [B, W, H]
+            h = d.model(d.embed(ids), hidden, caches)  # [B, W, H]
             txn.commit(counts, written=width)
         at = mx.array([max(c - 1, 0) for c in counts])[:, None, None]
         return mx.take_along_axis(h, at, axis=1)  # [B, 1, H]
@@ -88,17 +106,23 @@ class Eagle3Batch(DraftBatch):
     def prepare(self, rows: Sequence[Any]) -> None:
         d = self.drafter
         for row in self.fresh:  # a row's prompt is fed alone, then its caches merge into the batch's
-            caches = d.make_cache()
+            caches, start, known = self.restored.pop(id(row), None) or (d.make_cache(), 0, None)
             feats = self._features(row)
-            n = 0 if feats is None else feats.shape[1]
+            hidden = None if feats is None else self._project(feats)  # [1, n, H]
+            if known is not None:  # restored: the positions its caches do not hold yet come first
+                if start:
+                    self.log.append(row, known[:, :start])
+                hidden = known[:, start:] if hidden is None else mx.concatenate([known[:, start:], hidden], axis=1)
+            n = 0 if hidden is None else hidden.shape[1]
             last = mx.zeros((1, 1, d.args.hidden_size), d.dtype)
             if n:
-                last = self._catch_up(caches, [self._tokens(row, 0, n)], feats, [n])
+                last = self._catch_up(caches, [self._tokens(row, start, n)], hidden, [n])
+                self.log.append(row, hidden)
                 self.prefills += 1
             self.cache = add_row(self.cache, len(self.rows), caches)
             self.last = last if self.last is None else mx.concatenate([self.last, last], axis=0)
             self.rows.append(row)
-            self.context.append(n)
+            self.context.append(start + n)
             self.ready.append(n > 0)
         self.fresh = []
         order = {id(r): b for b, r in enumerate(self.rows)}
@@ -113,12 +137,17 @@ class Eagle3Batch(DraftBatch):
             padded = mx.concatenate([mx.zeros((1, width, F), dtype) if f is None else
                                      mx.pad(f, [(0, 0), (0, width - f.shape[1]), (0, 0)]) for f in feats], axis=0)
             tokens = [self._tokens(r, c, n) for r, c, n in zip(self.rows, self.context, counts)]
-            last = self._catch_up(self.cache, tokens, padded, counts)  # draft step 1 for every row
+            hidden = self._project(padded)  # [B, width, H]
+            last = self._catch_up(self.cache, tokens, hidden, counts)  # draft step 1 for every row
             self.forwards += 1
+            for b, (row, n) in enumerate(zip(self.rows, counts)):
+                if n:
+                    self.log.append(row, hidden[b : b + 1, :n])
             fed = mx.array(counts)[:, None, None] > 0
             self.last = mx.where(fed, last, self.last)
             self.ready = [r or n > 0 for r, n in zip(self.ready, counts)]
         self.context = [c + n for c, n in zip(self.context, counts)]
+        mx.async_eval(self.log.arrays())  # queued: the round goes on meanwhile
         for row, c in zip(self.rows, self.context):
             if c != len(row.tokens) - 1:
                 raise RuntimeError(f"EAGLE-3 context out of step: {c} positions in the drafter's cache, but the "
@@ -165,6 +194,41 @@ class Eagle3Batch(DraftBatch):
             out.append(mx.random.categorical(logq, key=row.next_draft_key()))
             qs[b].append(logq)
         return mx.stack(out).astype(mx.uint32)
+
+    # the prompt cache -----------------------------------------------------------------------------
+    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
+        """(caches holding c positions, c, [1, p, H] projected features of positions 0..p-1), c < p:
+        position p-1 pairs with token p, which the p tokens do not include."""
+        b = next((i for i, r in enumerate(self.rows) if r is row), None)
+        if b is not None:
+            caches, c = (extract_row(self.cache, b) if len(self.rows) > 1 else self.cache), self.context[b]
+            known = self.log.read(row)
+            assert self.log.sizes.get(id(row), 0) == c, "the feature log keeps step with the drafter's positions"
+        elif id(row) in self.restored:
+            caches, c, known = self.restored[id(row)]
+        elif row.cached == 0:
+            caches, c, known = self.drafter.make_cache(), 0, None
+        else:
+            return None  # the captures it has start after positions it holds no features for
+        raw = self._joined(self.pending.get(id(row), []) + ([dict(row.captures)] if row.captures else []))
+        feats = joined([known, None if raw is None else self._project(raw)], positions)
+        if feats is None:
+            return None
+        p = feats.shape[1]
+        caches = copy_caches(caches)
+        trim_caches(caches, c - min(c, p - 1))
+        mx.eval(arrays(caches), feats)
+        return DraftState(p, (caches, min(c, p - 1), feats), cache_bytes(caches) + feats.nbytes)
+
+    def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
+        caches, c, feats = saved.value
+        if saved.positions < n:
+            raise RuntimeError(f"EAGLE-3 state covers {saved.positions} positions; the row reuses {n}")
+        keep = min(c, n - 1)  # position n-1 pairs with this row's token n: made again from its features
+        caches = copy_caches(caches)
+        trim_caches(caches, c - keep)
+        self.restored[id(row)] = (caches, keep, feats[:, :n])
+        return True
 
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         # The committed positions come back at the next prepare with the target's features.

@@ -5,16 +5,21 @@ target's caches hold (``DecodeState.batch`` -> ``hooks.kv_view``): between steps
 every committed position < P of each row (P: its pending token), which is what the assistant reads
 at the query position P. What it keeps per row is the target's final hidden state at P-1 (after the
 final norm), from the host's taps (prefill, plain steps) and each verify (``Verified.captures``).
+
+The server's prompt cache needs nothing of it: a row restored from the cache reads the target's
+restored K/V, and the host feeds at least its prompt's last token, whose capture is the hidden state
+at P-1. ``export_row`` says so (a state of no bytes covering every position); ``restore_row`` keeps
+nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ...hooks.kv_view import KVView
-from ..base import DraftBatch, Drafter, Proposal
+from ..base import DraftBatch, Drafter, DraftState, Proposal
 from .batch import RowBook, draw, proposals
 
 
@@ -83,6 +88,12 @@ class AssistantBatch(RowBook):
             steps.append((token, q))
             token = token.astype(mx.uint32)
         return proposals(steps, counts)
+
+    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
+        return DraftState(positions, None, 0) if positions > 0 else None
+
+    def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
+        return True  # the first round reads the hidden state the host captures at the prompt's last token
 
 
 class AssistantDrafter(Drafter):

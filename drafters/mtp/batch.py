@@ -12,6 +12,11 @@ positions get entries made of the target's own hidden states at the next ``prepa
 
 ``Depth``: the checkpoint's depth is what the head was made for; a larger block applies the head
 recursively, and rows stop doing so while the recursive drafts do not get accepted.
+
+The server's prompt cache keeps a row's head cache and the normed hidden states of every position
+(``export_row``; entry t also holds token t + 1, so a request sharing n tokens keeps entries
+0..n-2 and makes entry n-1 again with its own token n: ``drafters/feature_log.py``). A row restored
+from it (``restore_row``) makes only the entries after them, its seed the output at its last one.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ...hooks.batch import add_row, keep_rows
+from ...hooks.batch import add_row, extract_row, keep_rows
+from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
 from ...hooks.transaction import CacheTransaction
-from ..base import DraftBatch, Drafter, Proposal, Verified
+from ..base import DraftBatch, Drafter, DraftState, Proposal, Verified
+from ..feature_log import FeatureLog, joined
 
 WINDOW = 8  # rounds a depth decision looks at
 STOP_BELOW = 0.35  # recursive drafting stops when the first recursive draft is accepted less often
@@ -91,7 +98,9 @@ class RowBook(DraftBatch):
 
     def take_hidden(self, row: Any) -> Optional[mx.array]:
         """[1, n, H] the row's pending target hidden states after the target's final norm, or None."""
-        parts = self.pending.pop(id(row), [])
+        return self.normed(self.pending.pop(id(row), []))
+
+    def normed(self, parts: List[mx.array]) -> Optional[mx.array]:
         if not parts:
             return None
         h = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
@@ -156,6 +165,15 @@ class HeadBatch(RowBook):
         self.context: List[int] = []  # entries in each row's head cache
         self.cache: List[Any] = []  # per head layer: one row's own cache, or batched caches
         self.seeds: List[Optional[mx.array]] = []  # per row: [1, 1, H] output at its last entry
+        self.log = FeatureLog()  # per row: [1, n, H] the normed hidden states of its entries
+        # id(row) -> (caches holding c entries, c, [1, n, H] normed hidden states of its first n positions)
+        self.restored: Dict[int, Tuple[List[Any], int, mx.array]] = {}
+
+    def sync(self, rows: Sequence[Any]) -> None:
+        super().sync(rows)
+        present = {id(r) for r in rows}
+        self.restored = {k: v for k, v in self.restored.items() if k in present}
+        self.log.keep(present)
 
     def keep_rows(self, keep: List[int]) -> None:
         before = len(self.rows)
@@ -171,20 +189,28 @@ class HeadBatch(RowBook):
     def prepare(self, rows: Sequence[Any]) -> None:
         d = self.drafter
         for row in self.fresh:  # a row's first entries (its whole prompt) are made alone, then merged
-            caches = d.make_cache()
+            caches, start, known = self.restored.pop(id(row), None) or (d.make_cache(), 0, None)
             hidden = self.take_hidden(row)
+            if known is not None:  # restored: the positions its caches hold no entry for come first
+                if start:
+                    self.log.append(row, known[:, :start])
+                hidden = known[:, start:] if hidden is None else mx.concatenate([known[:, start:], hidden], axis=1)
             n = 0 if hidden is None else hidden.shape[1]
             seed = None
             if n:
-                out = d.model(self._entries(row, 0, hidden).astype(hidden.dtype), hidden, caches)  # [1, n, H]
+                out = d.model(self._entries(row, start, hidden).astype(hidden.dtype), hidden, caches)  # [1, n, H]
                 seed = out[:, -1:]
+                self.log.append(row, hidden)
             self.cache = add_row(self.cache, len(self.rows), caches)
             self.rows.append(row)
-            self.context.append(n)
+            self.context.append(start + n)
             self.seeds.append(seed)
         self.fresh = []
         self.check_order(rows)
         hidden = [self.take_hidden(r) for r in self.rows]
+        for row, h in zip(self.rows, hidden):
+            if h is not None:
+                self.log.append(row, h)
         counts = [0 if h is None else h.shape[1] for h in hidden]
         if max(counts, default=0) > 0:
             width = max(counts)
@@ -203,6 +229,7 @@ class HeadBatch(RowBook):
                 if c:
                     self.seeds[b] = out[b : b + 1, c - 1 : c]
         self.context = [c + n for c, n in zip(self.context, counts)]
+        mx.async_eval(self.log.arrays())  # queued: the round goes on meanwhile
         for row, c in zip(self.rows, self.context):
             if c != len(row.tokens) - 1:
                 raise RuntimeError(f"MTP head out of step: {c} entries in its cache, but the target has "
@@ -228,6 +255,42 @@ class HeadBatch(RowBook):
                 self.forwards += 1
             steps.append(draw(rows, d.logits(h)[:, 0]))  # logits [B, V]
         return proposals(steps, counts)
+
+    # the prompt cache -----------------------------------------------------------------------------
+    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
+        """(caches holding c entries, c, [1, p, H] normed hidden states of positions 0..p-1), c < p:
+        entry p-1 pairs with token p, which the p tokens do not include."""
+        b = next((i for i, r in enumerate(self.rows) if r is row), None)
+        if b is not None:
+            caches, c = (extract_row(self.cache, b) if len(self.rows) > 1 else self.cache), self.context[b]
+            known = self.log.read(row)
+            assert self.log.sizes.get(id(row), 0) == c, "the feature log keeps step with the head's entries"
+        elif id(row) in self.restored:
+            caches, c, known = self.restored[id(row)]
+        elif row.cached == 0:
+            caches, c, known = self.drafter.make_cache(), 0, None
+        else:
+            return None  # the captures it has start after positions it holds no hidden states for
+        layer = self.drafter.hidden_layer
+        parts = self.pending.get(id(row), []) + ([row.captures[layer]] if layer in row.captures else [])
+        feats = joined([known, self.normed(parts)], positions)
+        if feats is None:
+            return None
+        p = feats.shape[1]
+        caches = copy_caches(caches)
+        trim_caches(caches, c - min(c, p - 1))
+        mx.eval(arrays(caches), feats)
+        return DraftState(p, (caches, min(c, p - 1), feats), cache_bytes(caches) + feats.nbytes)
+
+    def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
+        caches, c, feats = saved.value
+        if saved.positions < n:
+            raise RuntimeError(f"MTP head state covers {saved.positions} positions; the row reuses {n}")
+        keep = min(c, n - 1)  # entry n-1 pairs with this row's token n: made again from its hidden state
+        caches = copy_caches(caches)
+        trim_caches(caches, c - keep)
+        self.restored[id(row)] = (caches, keep, feats[:, :n])
+        return True
 
 
 class HeadDrafter(Drafter):

@@ -1,0 +1,63 @@
+"""Per row, the target features a drafter has fed to its own cache (``FeatureLog``), for the server's
+prompt cache.
+
+EAGLE-3 and the MTP heads (Qwen3.5 / Qwen3-Next, DeepSeek nextn) make each entry of their caches
+out of position t's target features and token t + 1. A request that shares the first t + 1 tokens
+of a cached one but not token t + 1 (a conversation that branches there, a prompt cut short) can
+keep entries 0..t-1 only, and needs position t's features to make entry t with its own next token:
+the target's restored caches do not give them back (the host captures only what it feeds). So
+these drafters keep every fed position's features next to their caches, and ``export_row`` hands
+them over with the caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Set
+
+import mlx.core as mx
+
+STEP = 256  # positions a row's buffer grows by (as mlx-lm's KVCache grows)
+
+
+class FeatureLog:
+    """[1, capacity, H] per row (by ``id``), written in place; ``sizes`` positions hold features."""
+
+    def __init__(self) -> None:
+        self.buffers: Dict[int, mx.array] = {}
+        self.sizes: Dict[int, int] = {}
+
+    def keep(self, present: Set[int]) -> None:
+        """Rows not in ``present`` (ids) left the batch."""
+        self.buffers = {k: v for k, v in self.buffers.items() if k in present}
+        self.sizes = {k: v for k, v in self.sizes.items() if k in present}
+
+    def append(self, row: Any, features: mx.array) -> None:
+        """The row's next n positions' features, [1, n, H]."""
+        key, n = id(row), features.shape[1]
+        size, buf = self.sizes.get(key, 0), self.buffers.get(key)
+        if buf is None or size + n > buf.shape[1]:
+            grown = mx.zeros((1, -(-(size + n) // STEP) * STEP, features.shape[2]), features.dtype)
+            if size:
+                grown[:, :size] = buf[:, :size]
+            buf = grown
+        buf[:, size : size + n] = features
+        self.buffers[key], self.sizes[key] = buf, size + n
+
+    def read(self, row: Any) -> Optional[mx.array]:
+        """[1, n, H]: the features of the row's first n positions (a view of the buffer), or None."""
+        key = id(row)
+        return self.buffers[key][:, : self.sizes[key]] if self.sizes.get(key) else None
+
+    def arrays(self) -> List[mx.array]:
+        """The buffers, to evaluate with the round (else each one's writes chain up unevaluated)."""
+        return list(self.buffers.values())
+
+
+def joined(parts: List[Optional[mx.array]], positions: int) -> Optional[mx.array]:
+    """[1, p, H]: the first ``positions`` positions of the parts laid end to end, as a new array that
+    shares no buffer (a prompt-cache entry holds exactly what it counts), or None when empty."""
+    parts = [p for p in parts if p is not None and p.shape[1]]
+    if not parts or positions <= 0:
+        return None
+    whole = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    return mx.array(whole[:, :positions])
