@@ -6,8 +6,8 @@ out of position t's target features and token t + 1. A request that shares the f
 of a cached one but not token t + 1 (a conversation that branches there, a prompt cut short) can
 keep entries 0..t-1 only, and needs position t's features to make entry t with its own next token:
 the target's restored caches do not give them back (the host captures only what it feeds). So
-these drafters keep every fed position's features next to their caches, and ``export_row`` hands
-them over with the caches.
+these drafters keep every fed position's features next to their caches, for the rows the prompt
+cache will save (``DecodeState.saved``), and ``export_row`` hands them over with the caches.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class FeatureLog:
         self.sizes = {k: v for k, v in self.sizes.items() if k in present}
 
     def append(self, row: Any, features: mx.array) -> None:
-        """The row's next n positions' features, [1, n, H]."""
+        """The row's next n positions' features, [1, n, H]; kept only for rows the prompt cache saves."""
+        if not row.saved:
+            return
         key, n = id(row), features.shape[1]
         size, buf = self.sizes.get(key, 0), self.buffers.get(key)
         if buf is None or size + n > buf.shape[1]:

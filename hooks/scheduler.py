@@ -121,6 +121,7 @@ class Scheduler:
     def submit(self, prompt: Sequence[int], params: GenerationParams) -> Request:
         state = self.host.new_state(self.target, prompt, params)
         request = Request(next(self._ids), state, params, RowEvents(self.target, params))
+        state.saved = self.prompt_cache is not None and params.max_kv_size is None
         if params.max_tokens <= 0:
             request.done, request.finish_reason = True, "length"
             self.host.finished(state, 0)

@@ -200,6 +200,9 @@ class DecodeState:
     # and what each plugin saved for them (``host_save_row``), by plugin name.
     cached: int = 0
     restored: Dict[str, Any] = field(default_factory=dict)
+    # True when the prompt cache will keep this row's state when it ends (``host_save_row``,
+    # ``DraftBatch.export_row``): drafters keep what that needs only then.
+    saved: bool = False
     # The ``hooks.batch.DecodeBatch`` the row decodes in (None while it prefills), set by the batch:
     # plugins read its caches (e.g. ``hooks.kv_view.committed_kv(batch.cache[i])``), never change them.
     batch: Any = field(default=None, repr=False, compare=False)

@@ -388,3 +388,20 @@ def test_cancelled_requests_leave_what_they_fed(models: Dict[str, Path]) -> None
     hits = _run(scheduler, jobs)
     assert [r.state.cached for _, r in hits] == [len(kept), 32]
     assert [t for t, _ in hits] == [t for t, _ in _run(Scheduler(host, target), jobs)]
+
+
+@pytest.mark.parametrize("name", ["eagle3", "qwen3_5_mtp"])
+def test_no_feature_log_without_a_prompt_cache(name: str, models: Dict[str, Path]) -> None:
+    """The features EAGLE-3 and the MTP heads keep for the prompt cache are kept only for rows it saves."""
+    host, target, _ = _host(name, models)
+    prompt = encode(target, "the model token draft verify layer cache")
+    for cache in (None, pc.PromptCache(BIG)):
+        scheduler = Scheduler(host, target, prompt_cache=cache)
+        request = scheduler.submit(prompt, no_stop(12))
+        logs = []
+        while scheduler.busy:
+            scheduler.step()
+            logs += [bool(b.extras["speculative"].draft.inner.log.buffers)
+                     for b in scheduler.batches() if "speculative" in b.extras]
+        assert request.state.saved is (cache is not None) and logs, name
+        assert any(logs) is (cache is not None), name

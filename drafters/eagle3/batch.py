@@ -199,6 +199,8 @@ class Eagle3Batch(DraftBatch):
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
         """(caches holding c positions, c, [1, p, H] projected features of positions 0..p-1), c < p:
         position p-1 pairs with token p, which the p tokens do not include."""
+        if not row.saved:
+            return None  # no feature log kept (no prompt cache)
         b = next((i for i, r in enumerate(self.rows) if r is row), None)
         if b is not None:
             caches, c = (extract_row(self.cache, b) if len(self.rows) > 1 else self.cache), self.context[b]

@@ -260,6 +260,8 @@ class HeadBatch(RowBook):
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
         """(caches holding c entries, c, [1, p, H] normed hidden states of positions 0..p-1), c < p:
         entry p-1 pairs with token p, which the p tokens do not include."""
+        if not row.saved:
+            return None  # no feature log kept (no prompt cache)
         b = next((i for i, r in enumerate(self.rows) if r is row), None)
         if b is not None:
             caches, c = (extract_row(self.cache, b) if len(self.rows) > 1 else self.cache), self.context[b]
