@@ -16,6 +16,10 @@ from typing import Any, Dict, List, Optional, Set
 
 import mlx.core as mx
 
+from ..hooks.batch import extract_row
+from ..hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
+from .base import DraftState
+
 STEP = 256  # positions a row's buffer grows by (as mlx-lm's KVCache grows)
 
 
@@ -63,3 +67,48 @@ def joined(parts: List[Optional[mx.array]], positions: int) -> Optional[mx.array
         return None
     whole = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
     return mx.array(whole[:, :positions])
+
+
+# A batch keeping a FeatureLog (EAGLE-3's, the MTP heads'): its ``rows``, ``cache`` (batched, or one
+# row's own), ``context`` (entries per row), ``log``, ``restored`` (id(row) -> (caches, entries,
+# features)) and ``drafter.make_cache()``.
+
+def export_row(batch: Any, row: Any, positions: int, fresh: Optional[mx.array]) -> Optional[DraftState]:
+    """The row's state for the prompt cache: (caches holding c entries, c, [1, p, H] features of
+    positions 0..p-1), c < p, since entry p-1 pairs with token p, which the p tokens do not include.
+    ``fresh``: [1, n, H] features the host handed over that the batch has not fed yet, or None."""
+    if not row.saved:
+        return None  # no feature log kept (no prompt cache)
+    b = next((i for i, r in enumerate(batch.rows) if r is row), None)
+    if b is not None:
+        caches, c = (extract_row(batch.cache, b) if len(batch.rows) > 1 else batch.cache), batch.context[b]
+        known = batch.log.read(row)
+        assert batch.log.sizes.get(id(row), 0) == c, "the feature log keeps step with the drafter's entries"
+    elif id(row) in batch.restored:
+        caches, c, known = batch.restored[id(row)]
+    elif row.cached == 0:
+        caches, c, known = batch.drafter.make_cache(), 0, None
+    else:
+        return None  # the captures it has start after positions it holds no features for
+    feats = joined([known, fresh], positions)
+    if feats is None:
+        return None
+    p = feats.shape[1]
+    caches = copy_caches(caches)
+    trim_caches(caches, c - min(c, p - 1))
+    mx.eval(arrays(caches), feats)
+    return DraftState(p, (caches, min(c, p - 1), feats), cache_bytes(caches) + feats.nbytes)
+
+
+def restore_row(batch: Any, row: Any, saved: DraftState, n: int) -> bool:
+    """Reuse ``saved`` for the row's first n tokens: entry n-1 pairs with this row's token n, so it is
+    made again from its features at the next prepare."""
+    caches, c, feats = saved.value
+    if saved.positions < n:
+        raise RuntimeError(f"{type(batch).__name__}: the saved state covers {saved.positions} positions; "
+                           f"the row reuses {n}")
+    keep = min(c, n - 1)
+    caches = copy_caches(caches)
+    trim_caches(caches, c - keep)
+    batch.restored[id(row)] = (caches, keep, feats[:, :n])
+    return True

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.batch import add_row, extract_row, keep_rows
-from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
+from ...hooks.batch import add_row, keep_rows
 from ...hooks.transaction import CacheTransaction
 from ..base import DraftBatch, DraftState, Proposal, Verified
-from ..feature_log import FeatureLog, joined
+from .. import feature_log
+from ..feature_log import FeatureLog
 
 if TYPE_CHECKING:
     from . import Eagle3Drafter
@@ -197,40 +197,11 @@ class Eagle3Batch(DraftBatch):
 
     # the prompt cache -----------------------------------------------------------------------------
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
-        """(caches holding c positions, c, [1, p, H] projected features of positions 0..p-1), c < p:
-        position p-1 pairs with token p, which the p tokens do not include."""
-        if not row.saved:
-            return None  # no feature log kept (no prompt cache)
-        b = next((i for i, r in enumerate(self.rows) if r is row), None)
-        if b is not None:
-            caches, c = (extract_row(self.cache, b) if len(self.rows) > 1 else self.cache), self.context[b]
-            known = self.log.read(row)
-            assert self.log.sizes.get(id(row), 0) == c, "the feature log keeps step with the drafter's positions"
-        elif id(row) in self.restored:
-            caches, c, known = self.restored[id(row)]
-        elif row.cached == 0:
-            caches, c, known = self.drafter.make_cache(), 0, None
-        else:
-            return None  # the captures it has start after positions it holds no features for
         raw = self._joined(self.pending.get(id(row), []) + ([dict(row.captures)] if row.captures else []))
-        feats = joined([known, None if raw is None else self._project(raw)], positions)
-        if feats is None:
-            return None
-        p = feats.shape[1]
-        caches = copy_caches(caches)
-        trim_caches(caches, c - min(c, p - 1))
-        mx.eval(arrays(caches), feats)
-        return DraftState(p, (caches, min(c, p - 1), feats), cache_bytes(caches) + feats.nbytes)
+        return feature_log.export_row(self, row, positions, None if raw is None else self._project(raw))
 
     def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
-        caches, c, feats = saved.value
-        if saved.positions < n:
-            raise RuntimeError(f"EAGLE-3 state covers {saved.positions} positions; the row reuses {n}")
-        keep = min(c, n - 1)  # position n-1 pairs with this row's token n: made again from its features
-        caches = copy_caches(caches)
-        trim_caches(caches, c - keep)
-        self.restored[id(row)] = (caches, keep, feats[:, :n])
-        return True
+        return feature_log.restore_row(self, row, saved, n)
 
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         # The committed positions come back at the next prepare with the target's features.

@@ -28,11 +28,11 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ...hooks.batch import add_row, extract_row, keep_rows
-from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
+from ...hooks.batch import add_row, keep_rows
 from ...hooks.transaction import CacheTransaction
 from ..base import DraftBatch, Drafter, DraftState, Proposal, Verified
-from ..feature_log import FeatureLog, joined
+from .. import feature_log
+from ..feature_log import FeatureLog
 
 WINDOW = 8  # rounds a depth decision looks at
 STOP_BELOW = 0.35  # recursive drafting stops when the first recursive draft is accepted less often
@@ -258,41 +258,12 @@ class HeadBatch(RowBook):
 
     # the prompt cache -----------------------------------------------------------------------------
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
-        """(caches holding c entries, c, [1, p, H] normed hidden states of positions 0..p-1), c < p:
-        entry p-1 pairs with token p, which the p tokens do not include."""
-        if not row.saved:
-            return None  # no feature log kept (no prompt cache)
-        b = next((i for i, r in enumerate(self.rows) if r is row), None)
-        if b is not None:
-            caches, c = (extract_row(self.cache, b) if len(self.rows) > 1 else self.cache), self.context[b]
-            known = self.log.read(row)
-            assert self.log.sizes.get(id(row), 0) == c, "the feature log keeps step with the head's entries"
-        elif id(row) in self.restored:
-            caches, c, known = self.restored[id(row)]
-        elif row.cached == 0:
-            caches, c, known = self.drafter.make_cache(), 0, None
-        else:
-            return None  # the captures it has start after positions it holds no hidden states for
         layer = self.drafter.hidden_layer
         parts = self.pending.get(id(row), []) + ([row.captures[layer]] if layer in row.captures else [])
-        feats = joined([known, self.normed(parts)], positions)
-        if feats is None:
-            return None
-        p = feats.shape[1]
-        caches = copy_caches(caches)
-        trim_caches(caches, c - min(c, p - 1))
-        mx.eval(arrays(caches), feats)
-        return DraftState(p, (caches, min(c, p - 1), feats), cache_bytes(caches) + feats.nbytes)
+        return feature_log.export_row(self, row, positions, self.normed(parts))
 
     def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
-        caches, c, feats = saved.value
-        if saved.positions < n:
-            raise RuntimeError(f"MTP head state covers {saved.positions} positions; the row reuses {n}")
-        keep = min(c, n - 1)  # entry n-1 pairs with this row's token n: made again from its hidden state
-        caches = copy_caches(caches)
-        trim_caches(caches, c - keep)
-        self.restored[id(row)] = (caches, keep, feats[:, :n])
-        return True
+        return feature_log.restore_row(self, row, saved, n)
 
 
 class HeadDrafter(Drafter):
