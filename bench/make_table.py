@@ -118,11 +118,29 @@ written by the host per call (a small int array, which MLX places in managed mem
 (60-200 us in a first run), so int arguments travel in a broadcast's shape instead.
 Prompt cache across requests (issue 18): `bash bench/h200_engine.sh prompt-cache` (`python bench/prompt_cache_ttft.py
 --synthetic-target llama-1b --context 8192 --answer 64 --repeats 5`) times the first token of a chat's second turn
-on `mlx-spec serve` with the prompt cache on and off and on `mlx_lm.server`, the same 1B-shape synthetic target
-saved to disk; its JSON belongs in bench/results/prompt_cache/. Not run on the H200 yet. prompt_cache/cpu-tiny-ttft.json is the CPU check that
-it works (tiny target, 1024-token first turn, 16-token answers, ngram): turn 2 after 27 ms with the cache
-(1042 of 1079 prompt tokens reused) against 770 ms without it, mlx-lm's server 27 ms (1043 reused); the answers
-equal the cache-off server's.
+on `mlx-spec serve` with the prompt cache on and off and on `mlx_lm.server`, the same 1B-shape bf16 synthetic target
+saved to disk. H200 (prompt_cache/h200-prompt-cache-ttft.json, median of 5 conversations, 8,295-token second
+turn): 39.9 ms with the cache (8,258 tokens reused), 101.1 ms without it, mlx_lm.server 62.0 ms (8,259 reused);
+turn 1 (nothing to reuse) 102.6 / 100.8 / 690.0 ms; every turn-2 answer equals the cache-off server's.
+prompt_cache/cpu-tiny-ttft.json is the CPU check (tiny target, 1024-token first turn, 16-token answers, ngram):
+turn 2 after 27 ms with the cache (1042 of 1079 prompt tokens reused) against 770 ms without it, mlx-lm's server
+27 ms (1043 reused).
+EAGLE-3 (issue 16), h200-llama8b-eagle3.json: `mlx-spec bench --synthetic-target llama-8b --kind eagle3
+--oracle-acceptance 6.5,3 --block-sizes 8 --prompt-lengths 512,2048,8192 --max-tokens 256`, a random EAGLE-3 head
+of Llama-3-8B's shape (1 layer, width 4096, target layers 1/15/28), chain drafting 7 deep, padded caches. Fresh
+shapes, median over prompts near 512/2048/8192: oracle tau 6.5 (measured 6.83) 239.7 tok/s = 1.86x over mlx-lm's
+generate_step (129.0; per prompt 240/245/205 tok/s), 64% of its kernel bound (2.93x); tau 3 (measured 2.93) 120.9
+tok/s = 0.94x. The drafter's share of a round: 47% at tau 6.5 (13.96 ms drafting, 15.68 ms verify, 0.09 commit,
+0.20 host) and 32% at tau 3 (7.68 / 16.32 ms): the bare 8-position chain costs 3.75 ms forward for forward, so the
+7 sequential chain steps (~2 ms each) are bound by launches and host work, not by the head. mlx-lm's
+speculative_generate_step with a 2-layer draft LM at the same oracle tau: 50.0 tok/s (0.39x).
+MTP heads (issue 17), `python bench/mtp_synthetic.py --shape qwen3_5-27b --oracle-tau 3.5 --block-sizes 4` and
+`--shape gemma4-e2b` (h200-mtp-qwen3_5.json, h200-mtp-gemma4.json; random bf16 targets of those shapes with a
+random head: the Qwen3.5 mtp layer with its own K/V, the Gemma 4 E2B assistant reading the target's K/V), block 4,
+256 new tokens, prompts of 128/512/1024 tokens, greedy output identical to plain decoding on every prompt:
+Qwen3.5-27B shape 36.3 / 41.9 / 37.4 tok/s = 1.16x / 1.12x / 1.59x over mlx-lm's generate_step (31.3 / 37.3 /
+23.5), tau 3.45 / 3.40 / 3.49; Gemma 4 E2B shape 105.1 / 100.8 / 102.8 tok/s = 1.55x / 1.54x / 1.50x (67.7 /
+65.5 / 68.7), same tau.
 cpu-tiny.json: the CPU (2 cores, tiny fp32 models) verifies B positions at ~B times the cost of one, so
 speculative decoding loses there by design (see its bound column). At tau 1 the adaptive controller pauses
 after two rounds, but with 64 new tokens those two 16-wide rounds (each ~20 plain steps) dominate. The file
