@@ -6,7 +6,6 @@ import json
 import os
 import re
 import struct
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Tuple
@@ -14,23 +13,35 @@ from typing import Any, Dict, Tuple
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
 
-# Symbolic names of the embedded demo pair, accepted wherever a model is named (flags, YAML,
-# requests). They always mean the pair (a folder called "demo" is ./demo); the pair is made on
-# first use by ``demo_pair`` below, the one place that knows how it is made.
+# Symbolic names of the embedded demo (mlx_speculative/demo/: a small llama trained on the Python
+# standard library and its drafters, shipped with the package), accepted wherever a model is named
+# (flags, YAML, requests). They always mean the demo (a folder called "demo" is ./demo).
 DEMO_TARGET = "demo"
-DEMO_DRAFTER = "demo-drafter"
-SYMBOLIC = (DEMO_TARGET, DEMO_DRAFTER)
+DEMO_DRAFTER = "demo-drafter"  # the demo's DFlash drafter
+DEMO_DRAFTERS = {DEMO_DRAFTER: "dflash", "demo-dflash": "dflash", "demo-eagle3": "eagle3", "demo-mtp": "mtp",
+                 "demo-draft-model": "draft_model"}
+SYMBOLIC = (DEMO_TARGET, *DEMO_DRAFTERS)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message says what was expected and found."""
 
 
-def demo_pair() -> Tuple[Path, Path]:
-    """(target, drafter) folders of the demo pair, made once and cached; announced on stderr."""
-    from .tiny_models import ensure_demo_pair
+def demo_path(name: str) -> Path:
+    """The folder of a demo name (``demo``, ``demo-drafter``, ``demo-<kind>``)."""
+    from ..demo import drafter_dir, target_dir
 
-    return ensure_demo_pair(announce=lambda m: print(m, file=sys.stderr, flush=True))
+    path = target_dir() if name == DEMO_TARGET else drafter_dir(DEMO_DRAFTERS[name])
+    if not (path / "model.safetensors").is_file():
+        raise CheckpointError(f"{name!r}: the embedded demo's checkpoint {path} is missing; this installation lacks "
+                              f"the demo's weights (reinstall the package, or make them with python -m "
+                              f"mlx_speculative.demo.build)")
+    return path
+
+
+def demo_pair() -> Tuple[Path, Path]:
+    """(target, DFlash drafter) folders of the embedded demo."""
+    return demo_path(DEMO_TARGET), demo_path(DEMO_DRAFTER)
 
 
 def resolve_relative(spec: str, base: Path) -> str:
@@ -48,14 +59,13 @@ def resolve_relative(spec: str, base: Path) -> str:
 
 
 def resolve_path(spec: str, what: str = "model") -> Path:
-    """A local directory for ``spec``: a symbolic name (``demo``, ``demo-drafter``), an existing
-    path, or a repo id from the HF cache/hub.
+    """A local directory for ``spec``: a symbolic name (``demo``, ``demo-drafter``, ``demo-<kind>``),
+    an existing path, or a repo id from the HF cache/hub.
 
     With ``HF_HUB_OFFLINE=1`` only the local cache is used.
     """
     if spec in SYMBOLIC:
-        target, drafter = demo_pair()
-        return target if spec == DEMO_TARGET else drafter
+        return demo_path(spec)
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -64,7 +74,8 @@ def resolve_path(spec: str, what: str = "model") -> Path:
     if not _REPO_ID.match(spec) or spec.startswith((".", "/", "~")):
         raise CheckpointError(
             f"{what} {spec!r} not found: expected an existing directory, a Hugging Face repo id "
-            f"like 'org/name', or {DEMO_TARGET!r} / {DEMO_DRAFTER!r} (the embedded demo pair)"
+            f"like 'org/name', or {DEMO_TARGET!r} / {DEMO_DRAFTER!r} (the embedded demo; also "
+            f"{', '.join(repr(n) for n in DEMO_DRAFTERS if n != DEMO_DRAFTER)})"
         )
     try:
         from huggingface_hub import snapshot_download
