@@ -6,8 +6,9 @@ the tiny llama and qwen3 targets of conftest: ``check`` says compatible, kind au
 rounds forced to zero, partial and full acceptance equal plain decoding token for token (the head's
 KV cache and last output compared with a from-scratch recomputation after every round), and a batch
 of eight rows accepts different counts in the same step. A head made for another target type is
-refused by name. One short training run on a tiny llama target (its later blocks quiet, so that its
-greedy text is learnable) reaches tau > 1.5 at depth 3 on held-out prompts, offline and online.
+refused by name. Real Llama 3.1 / Qwen3 configs give a head of their sizes and RoPE. One short
+training run on a tiny llama target (its later blocks quiet, so that its greedy text is learnable)
+reaches tau > 1.5 at depth 3 on held-out prompts, offline and online.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.base import DraftTarget, Proposal
 from mlx_speculative.drafters.mtp import qwen, tiny
 from mlx_speculative.drafters.mtp.batch import HeadBatch
+from mlx_speculative.drafters.mtp.qwen3_5_mtp import Model as Head
+from mlx_speculative.drafters.mtp.qwen3_5_mtp import ModelArgs as HeadArgs
 from mlx_speculative.drafters.training import TrainOptions, train
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
@@ -34,6 +37,7 @@ from test_engine_batch import WatchedDrafter, _run_batch
 from test_mtp_qwen import ATOL, PLAN, forced, scratch
 from test_mtp_trained import prompts
 
+FIXTURES = Path(__file__).parent / "fixtures"
 BLOCK = 4  # 3 draft tokens per round: the head applied recursively beyond its depth of 1
 ARCHS = ["llama", "qwen3"]
 
@@ -76,7 +80,8 @@ def test_a_head_for_another_target_type_is_refused(models: Dict[str, Path]) -> N
     # The llama head has the qwen3 target's sizes exactly: only target_model_type tells them apart.
     rc, out, _ = cli(["check", "--model", str(models["qwen3"]), "--draft-model", str(models["llama:head"])])
     assert rc == 1 and "verdict: NOT compatible" in out
-    assert "target model_type: 'qwen3'; this head was trained for a 'llama' target (target_model_type: 'llama'); allowed: llama" in out
+    assert ("target model_type: 'qwen3'; this head was trained for a 'llama' target (target_model_type: 'llama'); "
+            "allowed: llama") in out
     host = make_host({"draft_model": str(models["llama:head"])})
     with pytest.raises(Exception, match=r"target model_type: 'qwen3'; this head was trained for a 'llama' target"):
         host.load(str(models["qwen3"]))
@@ -87,6 +92,24 @@ def test_a_head_for_another_target_type_is_refused(models: Dict[str, Path]) -> N
     verdict = qwen.check(None, config, DraftTarget(config=target, path=None))
     assert not verdict.ok and any(r.startswith("target model_type: 'llama'; a qwen3_5 MTP head needs a target of type "
                                                "qwen3_5, qwen3_5_text") for r in verdict.reasons), verdict.reasons
+
+
+@pytest.mark.parametrize("name", ["eagle3/meta-llama__Llama-3.1-8B-Instruct", "dflash/Qwen__Qwen3-8B"])
+def test_real_target_configs_give_a_head_with_their_sizes_and_rope(name: str) -> None:
+    real = json.loads((FIXTURES / f"{name}.config.json").read_text())
+    config = qwen.plain_head_config(real, BLOCK)
+    text = config["text_config"]
+    assert config["target_model_type"] == real["model_type"] and text["model_type"] == "qwen3_5_text"
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                  "rms_norm_eps", "tie_word_embeddings"):
+        assert text[field] == real[field], field
+    assert text["head_dim"] == real.get("head_dim", 128) and text["rope_parameters"]["rope_theta"] == real["rope_theta"]
+    assert qwen.check(None, config, DraftTarget(config=real, path=None)).ok
+    # The head's layer at a tiny width, with the real RoPE settings (Llama 3.1: llama3 scaling).
+    small = dict(text, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    rope = Head(HeadArgs.from_dict(dict(config, text_config=small))).layers[0].self_attn.rope
+    kind = (real.get("rope_scaling") or {}).get("rope_type", "default")
+    assert type(rope).__name__ == {"llama3": "Llama3RoPE", "default": "RoPE"}[kind]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
