@@ -4,7 +4,7 @@ Families (each registered under ``mlx_speculative.drafters`` in pyproject.toml):
 
 - ``qwen3_5_mtp`` (``qwen.py``): the Qwen3.5 / Qwen3.6 / Qwen3-Next ``mtp.*`` head, inside the
   target's checkpoint or split out by mlx-vlm; one full-attention layer with its own KV cache
-  (``batch.HeadBatch``).
+  (``batch.HeadBatch``). Also a head of that kind trained for a plain target (llama, qwen3, ...).
 - ``gemma4_assistant`` (``gemma.py``): Google's Gemma 4 assistant; no cache of its own, it attends
   over the K/V of the target's last full- and sliding-attention layers (``assistant.AssistantBatch``).
 - ``deepseek_nextn`` (``deepseek.py``): DeepSeek-V3's nextn layer ``model.layers.{num_hidden_layers}``
@@ -33,7 +33,8 @@ def _trainer():  # type: ignore[no-untyped-def]
 qwen_family = DrafterFamily(
     name=qwen.FAMILY,
     kind=KIND,
-    description="Qwen3.5 / Qwen3.6 / Qwen3-Next MTP head (mtp.* in the target's checkpoint, or split out by mlx-vlm)",
+    description="Qwen3.5 / Qwen3.6 / Qwen3-Next MTP head (mtp.* in the target's checkpoint, or split out by mlx-vlm; "
+                "or trained for a plain target)",
     load=qwen.load,
     check=qwen.check,
     detect=qwen.detect,

@@ -11,6 +11,14 @@
 
 A Qwen3.5 checkpoint without ``mtp.*`` tensors that is not the target itself (e.g. a small Qwen3.5
 as a plain draft LM for a large one) is handed to the ``draft_model`` family.
+
+Plain attention targets (mlx-lm's ``llama``, ``qwen3``, ...: any decoder with ``embed_tokens``,
+``norm`` and an lm_head) have no head of their own; ``mlx-spec train-drafter --kind mtp`` trains one
+in the standalone layout (``plain_head_config``): a ``qwen3_5_text`` full-attention layer of the
+target's width, heads, head_dim, MLP size, norm epsilon and RoPE (all dims rotated), and one more
+top-level field, ``target_model_type`` (the target's model_type, e.g. ``"llama"``). Real Qwen
+releases and mlx-vlm's split lack that field: it is optional, and a head without it needs a
+qwen3_5 / qwen3_next target; a head with it needs a target of exactly that type.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from .qwen3_5_mtp import (QWEN3_5_TYPES, QWEN3_NEXT_TYPES, STANDALONE_TYPE, Mode
                           sanitized_names, text_config)
 
 FAMILY = "qwen3_5_mtp"
+TARGET_FIELD = "target_model_type"  # only in heads trained here for another type of target
 SPLIT_HINT = ("split the head out of the original Hugging Face checkpoint with mlx-vlm "
               "(`python -m mlx_vlm.split_mtp --model <original> --output <folder>`, model_type qwen3_5_mtp) and "
               "pass that folder as the draft model, or pass the original checkpoint itself as the draft model")
@@ -44,6 +53,35 @@ def detect(config: Dict[str, Any]) -> bool:
         return True
     text = text_config(config)
     return str(text.get("model_type")) in QWEN3_5_TYPES + QWEN3_NEXT_TYPES and int(text.get("mtp_num_hidden_layers") or 0) >= 1
+
+
+def target_type(config: Dict[str, Any]) -> str:
+    """A target's model_type: its ``text_config``'s (multimodal checkpoints, Qwen3.5) or its own."""
+    return str(text_config(config).get("model_type", ""))
+
+
+def plain_head_config(target: Dict[str, Any], block_size: int) -> Dict[str, Any]:
+    """A new head for a plain attention target (llama, qwen3, ...), in the standalone layout: one
+    full-attention qwen3_5 layer (gated attention, q/k norms) of the target's sizes, RoPE over every
+    dim with the target's theta and scaling, ``target_model_type`` naming what it was trained for."""
+    t = text_config(target)
+    hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+    rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3 style): the full layers'
+        rope = dict(rope["full_attention"])
+    kind = rope.pop("type", None) or rope.pop("rope_type", None) or "default"
+    rope = {"rope_type": kind, **rope, "rope_theta": float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
+            "partial_rotary_factor": float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0)))}
+    text = {"model_type": "qwen3_5_text", "hidden_size": hidden,
+            "intermediate_size": int(t.get("intermediate_size") or 4 * hidden), "num_hidden_layers": 1,
+            "num_attention_heads": heads, "num_key_value_heads": int(t.get("num_key_value_heads") or heads),
+            "head_dim": int(t.get("head_dim") or hidden // heads), "vocab_size": int(t["vocab_size"]),
+            "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)), "rope_parameters": rope,
+            "max_position_embeddings": int(t.get("max_position_embeddings") or 131072), "attention_bias": False,
+            "full_attention_interval": 1, "layer_types": ["full_attention"], "mtp_num_hidden_layers": 1,
+            "tie_word_embeddings": bool(t.get("tie_word_embeddings", target.get("tie_word_embeddings", False)))}
+    return {"block_size": int(block_size), "model_type": STANDALONE_TYPE, TARGET_FIELD: target_type(target),
+            "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
 
 
 def _mtp_names(path: Optional[Path], standalone: bool) -> List[str]:
@@ -88,11 +126,21 @@ def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> 
                      "a larger block applies it recursively)")
     else:
         verdict.notes.append(f"{where}mtp_num_hidden_layers: 1 (one full-attention layer of the {family} kind, its own KV cache)")
-    t_text = text_config(target.config)
-    t_type = str(t_text.get("model_type", ""))
-    allowed = QWEN3_NEXT_TYPES if family == "qwen3_next" else QWEN3_5_TYPES
-    if t_type and t_type not in allowed:
-        verdict.fail(f"target model_type: {t_type!r}; a {family} MTP head needs a target of type {', '.join(allowed)}")
+    t_type = target_type(target.config)
+    trained_for = config.get(TARGET_FIELD)
+    if trained_for:
+        if t_type and t_type != trained_for:
+            verdict.fail(f"target model_type: {t_type!r}; this head was trained for a {trained_for!r} target "
+                         f"({TARGET_FIELD}: {trained_for!r}); allowed: {trained_for} (train one for this target with "
+                         "`mlx-spec train-drafter --kind mtp`)")
+        else:
+            verdict.notes.append(f"{TARGET_FIELD}: {trained_for!r}, the target's model_type")
+    else:
+        allowed = QWEN3_NEXT_TYPES if family == "qwen3_next" else QWEN3_5_TYPES
+        if t_type and t_type not in allowed:
+            verdict.fail(f"target model_type: {t_type!r}; a {family} MTP head needs a target of type {', '.join(allowed)} "
+                         f"(or, trained by `mlx-spec train-drafter --kind mtp` for another type, {TARGET_FIELD} in its "
+                         "config.json naming that type)")
     for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
         d, t = text.get(name), config_value(target.config, name)
         if d is not None and t is not None and d != t:

@@ -5,6 +5,8 @@
   per-expert tensors), its ``mtp.*`` head inside its own shards (``model-0000i-of-0000n.safetensors``
   + ``model.safetensors.index.json``), as the published checkpoints ship it.
 - ``split_qwen_head``: that head split out as mlx-vlm's ``split_mtp`` writes it (``qwen3_5_mtp``).
+- ``write_plain_head``: a random head in that layout for a plain target (llama, qwen3, ...), as
+  ``mlx-spec train-drafter --kind mtp`` writes it for one (``target_model_type``).
 """
 
 from __future__ import annotations
@@ -143,6 +145,23 @@ def split_qwen_head(target_dir: Path, out_dir: Path, block_size: Optional[int] =
               "tie_word_embeddings": bool(text.get("tie_word_embeddings", True))}
     (out_dir / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        if (target_dir / name).exists():
+            shutil.copy(target_dir / name, out_dir / name)
+    return out_dir
+
+
+def write_plain_head(target_dir: Path, out_dir: Path, *, seed: int = 0, block_size: int = 4) -> Path:
+    """A random Qwen3.5-style head for the plain target in ``target_dir`` (``qwen.plain_head_config``),
+    the tensors in mlx-lm's layout, the target's tokenizer files."""
+    from .qwen import plain_head_config
+
+    config = plain_head_config(json.loads((target_dir / "config.json").read_text()), block_size)
+    mx.random.seed(seed)
+    weights = dict(tree_flatten(QwenHead(QwenArgs.from_dict(config)).parameters()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in tm.TOKENIZER_FILES:
         if (target_dir / name).exists():
             shutil.copy(target_dir / name, out_dir / name)
     return out_dir

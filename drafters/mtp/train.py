@@ -1,5 +1,7 @@
 """Training MTP drafters (``mlx-spec train-drafter --kind mtp``): a Qwen3.5 / Qwen3-Next head for a
-qwen3_5 or qwen3_next target, or a Gemma 4 assistant for a gemma4 target (from ``--init``, or new).
+qwen3_5 or qwen3_next target, a Gemma 4 assistant for a gemma4 target (from ``--init``, or new), or a
+Qwen3.5-style head for any other plain mlx-lm decoder (llama, qwen3, ...: ``qwen.plain_head_config``,
+recording ``target_model_type``).
 
 Both objectives unroll the drafter for the block's B-1 draft steps over every position at once, as
 decoding chains it: step 1 reads the target's final hidden state (after its final norm), step s > 1
@@ -98,7 +100,7 @@ class MTPTrainer(FamilyTrainer):
                     raise ValueError(f"--init: {o.init!r} has no MTP head tensors (mtp.*)")
                 hf = not standalone and tg.file_format(tg.headers(path)[names[0]].file) != "mlx"
                 raw = Head.sanitize(tg.read_tensors(path, names), hf_layout=hf)
-                config = self._head_config(text_config(config))
+                config = self._head_config(text_config(config), config.get(qwen.TARGET_FIELD))
             else:
                 raise ValueError(f"--init: {o.init!r} is neither a gemma4_assistant nor a Qwen3.5/Qwen3-Next MTP head")
             if raw is None:
@@ -107,13 +109,19 @@ class MTPTrainer(FamilyTrainer):
                     raw.update(mx.load(str(f)))
         elif t_type.startswith("gemma4"):
             self.style, config = "assistant", new_assistant_config(target, o.hidden_size, o.num_layers)
-        elif t_type in QWEN3_5_TYPES + QWEN3_NEXT_TYPES:
+        elif t_type.startswith("deepseek"):
+            raise ValueError(f"--kind mtp: the target's model_type is {t_type!r}; DeepSeek nextn layers are not trained "
+                             "here (allowed: qwen3_5, qwen3_next, gemma4 and plain decoders such as llama, qwen3)")
+        else:
             if o.hidden_size is not None or o.num_layers is not None:
                 raise ValueError("--hidden-size / --num-layers: a Qwen MTP head has the target's width and one layer")
-            self.style, config = "head", self._head_config(text_config(target.config))
-        else:
-            raise ValueError(f"--kind mtp trains Qwen3.5 / Qwen3-Next heads and Gemma 4 assistants; the target's "
-                             f"model_type is {t_type!r} (DeepSeek nextn layers are not trained here)")
+            if t_type in QWEN3_5_TYPES + QWEN3_NEXT_TYPES:
+                config = self._head_config(text_config(target.config))
+            else:  # a plain decoder: a new qwen3_5-style head that names its target's type
+                for part in (tg.embedding, tg.final_norm, tg.lm_head):
+                    part(target.model)  # what the head reads of the target, or a clear error
+                config = qwen.plain_head_config(target.config, self.block_size)
+            self.style = "head"
         check = (gemma if self.style == "assistant" else qwen).check
         from ..base import DraftTarget
 
@@ -142,10 +150,11 @@ class MTPTrainer(FamilyTrainer):
         self.last = tg.last_layer(target.model)
         return model
 
-    def _head_config(self, text: Dict[str, Any]) -> Dict[str, Any]:
+    def _head_config(self, text: Dict[str, Any], trained_for: Optional[str] = None) -> Dict[str, Any]:
         text = dict(copy.deepcopy(text), mtp_num_hidden_layers=1)
-        return {"block_size": self.block_size, "model_type": "qwen3_5_mtp", "text_config": text,
-                "tie_word_embeddings": bool(text.get("tie_word_embeddings", False))}
+        config = {"block_size": self.block_size, "model_type": "qwen3_5_mtp", "text_config": text,
+                  "tie_word_embeddings": bool(text.get("tie_word_embeddings", False))}
+        return {**config, qwen.TARGET_FIELD: trained_for} if trained_for else config
 
     def capture_layers(self) -> List[int]:
         if self.style == "assistant":
@@ -218,4 +227,6 @@ class MTPTrainer(FamilyTrainer):
             head = "sparse" if self.config.get("use_ordered_embeddings") else "dense"
             return (f"mtp gemma4_assistant, {t['num_hidden_layers']} layer(s) of width {t['hidden_size']}, {head} head, "
                     f"block size {self.block_size}")
-        return f"mtp qwen3_5_mtp head (width {config_value(self.config, 'hidden_size')}), block size {self.block_size}"
+        trained_for = self.config.get(qwen.TARGET_FIELD)
+        return (f"mtp qwen3_5_mtp head (width {config_value(self.config, 'hidden_size')}"
+                f"{f', for a {trained_for} target' if trained_for else ''}), block size {self.block_size}")
