@@ -11,6 +11,7 @@ import pytest
 
 from conftest import PROMPTS
 from mlx_speculative.drafters.dflash import tiny
+from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
 from mlx_speculative.hooks.cli import main
 from mlx_speculative.plugin.bench import real
 
@@ -25,6 +26,14 @@ def dflash(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny.write_checkpoint(tmp_path_factory.mktemp("bench_real") / "dflash", config, seed=66)
 
 
+@pytest.fixture(scope="module")
+def eagle3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random EAGLE-3 checkpoint (SpecForge format) capturing layers 0, 1, 3 of the llama target."""
+    config = json.loads((FIXTURES.parent / "eagle3" / "sgl-project__SpecForge__llama3-8B-eagle3.config.json").read_text())
+    return eagle3_tiny.write_checkpoint(tmp_path_factory.mktemp("bench_real") / "eagle3",
+                                        eagle3_tiny.shrink_config(config, layer_ids=[0, 1, 3]), seed=5)
+
+
 def _demo_prompts(path: Path) -> Path:
     """The demo's prompts.json format."""
     items = [{"file": "x.py", "line": i, "prompt": p, "reference": ""} for i, p in enumerate(PROMPTS[:3])]
@@ -33,10 +42,10 @@ def _demo_prompts(path: Path) -> Path:
 
 
 def test_bench_real_drafters(tmp_path: Path, llama_pair: Dict[str, Path], dflash: Path,
-                             capsys: pytest.CaptureFixture) -> None:
+                             eagle3: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out.json"
     prompts = _demo_prompts(tmp_path / "prompts.json")
-    rc = main(["bench", "--model", str(llama_pair["target"]), "--drafter", f"{dflash}@4", "--drafter",
+    rc = main(["bench", "--model", str(llama_pair["target"]), "--drafter", f"{dflash}@4", "--drafter", f"{eagle3}@3", "--drafter",
                str(llama_pair["drafter"]), "--kind", "ngram", "--prompts-file", str(prompts), "--max-tokens", "16",
                "--cpu", "--json", str(out)])
     assert rc == 0
@@ -50,7 +59,8 @@ def test_bench_real_drafters(tmp_path: Path, llama_pair: Dict[str, Path], dflash
     assert report["prompts"]["count"] == 3 and report["prompts"]["fresh_rule_holds"] is False
     assert report["prompt_lengths"]["bases"] == report["prompts"]["token_lengths"]
     b = ckpts["draft_model"]["default_block"]
-    spec = {"plugin dflash b4 real drafts", f"plugin draft_model b{b} real drafts",
+    assert ckpts["eagle3"]["kind"] == "eagle3" and ckpts["eagle3"]["blocks"] == [3]
+    spec = {"plugin dflash b4 real drafts", "plugin eagle3 b3 real drafts", f"plugin draft_model b{b} real drafts",
             f"plugin ngram b{ckpts['ngram']['blocks'][0]} real drafts", f"mlx_lm.speculative_generate_step b{b}"}
     for regime in ("fresh", "warm"):
         rows = report["results"][regime]
@@ -62,8 +72,8 @@ def test_bench_real_drafters(tmp_path: Path, llama_pair: Dict[str, Path], dflash
             assert row["oracle_tau"] is None
         for name in spec - {f"mlx_lm.speculative_generate_step b{b}"}:
             assert rows[name]["proposals"] == "real"
-        # real acceptance: the random DFlash drafter accepts nothing, the truncated draft model most
-        assert rows["plugin dflash b4 real drafts"]["tau"] == 1.0
+        # real acceptance: the random DFlash and EAGLE-3 drafters accept nothing, the truncated draft model most
+        assert rows["plugin dflash b4 real drafts"]["tau"] == rows["plugin eagle3 b3 real drafts"]["tau"] == 1.0
         assert rows[f"plugin draft_model b{b} real drafts"]["tau"] > 1.5
 
 
