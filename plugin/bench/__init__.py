@@ -34,6 +34,13 @@ def add_command(subparsers: Any) -> None:
     src.add_argument("--model", help="target checkpoint: path or HF repo id")
     src.add_argument("--synthetic-target", help="build a random target in memory instead: llama-8b, llama-1b, tiny")
     src.add_argument("--draft-model", help="draft LM for the draft_model kind and mlx-lm's speculative loop")
+    src.add_argument("--drafter", action="append", default=[], metavar="PATH[@B]",
+                     help="a real drafter checkpoint (repeat the flag for several; one per kind), loaded as "
+                          "mlx-spec generate --draft-model PATH loads it, its kind read from the checkpoint; each runs "
+                          "as 'plugin <kind> b<B>' with its own proposals, at block size B if @B is given, else at "
+                          "every --block-sizes, else at its checkpoint's default block. Needs --model; with it, "
+                          "--kind is auto (only these) or ngram (adds the n-gram drafter), and a draft_model "
+                          "checkpoint here also drives mlx-lm's speculative loop")
     src.add_argument("--kind", default="auto", choices=["auto", "dflash", "eagle3", "draft_model", "ngram"],
                      help="drafter kind(s) to run (auto: dflash when available, and draft_model; eagle3: a synthetic "
                           "EAGLE-3-shape drafter, one layer at the target's width, a 32k draft vocabulary)")
@@ -48,8 +55,16 @@ def add_command(subparsers: Any) -> None:
                           "speculative_generate_step run only the first TAU (mlx-lm at the largest block size)")
     run.add_argument("--adaptive-at", type=_floats, default=[], metavar="TAU[,TAU...]",
                      help="also run these oracle taus with the adaptive block size (at the largest block size)")
-    run.add_argument("--block-sizes", type=_ints, default=[16], metavar="B[,B...]", help="block sizes (default 16)")
-    run.add_argument("--prompt-lengths", type=_ints, default=[128, 512, 1024], metavar="L[,L...]",
+    run.add_argument("--block-sizes", type=_ints, default=None, metavar="B[,B...]",
+                     help="block sizes (default 16; with --drafter: each drafter's own default block)")
+    run.add_argument("--prompts-file", metavar="FILE",
+                     help="real text prompts instead of random tokens (needs --model): a JSON list of strings, a JSON "
+                          "object {\"prompts\": [{\"prompt\": \"...\"}, ...]}, or plain text with one prompt per "
+                          "blank-line-separated paragraph; tokenized by the target's tokenizer, no chat template. "
+                          "Every method decodes every prompt (fresh: the first pass, methods in an order rotated "
+                          "from prompt to prompt; warm: replayed), so the fresh regime's rule below does not hold")
+    run.add_argument("--max-prompts", type=int, default=None, metavar="N", help="use the first N prompts of --prompts-file")
+    run.add_argument("--prompt-lengths", type=_ints, default=None, metavar="L[,L...]",
                      help="base prompt lengths (default 128,512,1024). The fresh regime gives every method its own "
                           "length at or above each base, so that no method meets a key length another ran: a "
                           "method's prompt can be up to (methods x bases - 1) x (max-tokens + 2 x largest block + 9) "
@@ -79,22 +94,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .core import BenchSettings, run_bench
     from .report import format_table, plot, write_json
 
+    if args.prompts_file and args.prompt_lengths is not None:
+        raise ValueError("--prompt-lengths: not used with --prompts-file (the prompts' own token lengths are)")
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise ValueError(f"--max-prompts: got {args.max_prompts}; expected at least 1")
+    if args.prompt_lengths is None:
+        args.prompt_lengths = [] if args.prompts_file else [128, 512, 1024]
+    if args.block_sizes is None:
+        args.block_sizes = [] if args.drafter else [16]
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; expected at least 2")
     for b in args.block_sizes:
         if not 2 <= b <= 128:
             raise ValueError(f"--block-sizes: got {b}; allowed: 2 to 128")
-    if not args.block_sizes:
+    if not args.block_sizes and not args.drafter:
         raise ValueError("--block-sizes: got none; allowed: integers from 2 to 128 separated by commas")
-    if not args.prompt_lengths or min(args.prompt_lengths) < 1:
+    if not args.prompts_file and (not args.prompt_lengths or min(args.prompt_lengths) < 1):
         raise ValueError(f"--prompt-lengths: got {args.prompt_lengths}; allowed: integers >= 1 separated by commas")
     # Checked before anything loads: every TAU runs with every block size (alpha_for_tau's range).
-    for flag, values, cap in (("--oracle-acceptance", args.oracle_acceptance or [], min(args.block_sizes)),
-                              ("--adaptive-at", args.adaptive_at, max(args.block_sizes))):
+    from .real import check, parse_drafter
+
+    fixed = [b for b in [parse_drafter(d).block for d in args.drafter] + args.block_sizes if b]
+    for flag, values, cap in (("--oracle-acceptance", args.oracle_acceptance or [], min(fixed, default=128)),
+                              ("--adaptive-at", args.adaptive_at, max(fixed, default=128))):
         for tau in values:
             if tau is not None and not 1.0 <= tau <= cap:
                 raise ValueError(f"{flag}: got tau {tau:g}; allowed: 1 to the block size ({cap}; --block-sizes "
-                                 f"{','.join(map(str, args.block_sizes))})")
+                                 f"{','.join(map(str, args.block_sizes))}, --drafter @B)")
     taus = args.oracle_acceptance if args.oracle_acceptance is not None else [None]
     if args.plot:  # fail before the run, not after
         try:
@@ -107,12 +133,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompt_lengths=args.prompt_lengths, max_tokens=args.max_tokens, padded=args.padded_cache, bucket=args.bucket,
         kernel=args.kernel, quantize_bits=args.quantize_target,
         mlx_lm_spec=not args.no_mlx_lm_spec, draft_layers=args.draft_layers, dflash_layers=args.dflash_layers,
-        seed=args.seed, cpu=args.cpu,
+        seed=args.seed, cpu=args.cpu, drafters=args.drafter, prompts_file=args.prompts_file,
+        max_prompts=args.max_prompts,
     )
+    check(settings)  # refused combinations, before anything loads
     report = run_bench(settings)
     print(report["target"])
     for kind, desc in report["drafters"].items():
         print(f"drafter {kind}: {desc}")
+    if "prompts" in report:
+        print(f"prompts: {report['prompts']['count']} from {report['prompts']['file']} "
+              f"(token lengths {report['prompts']['token_lengths']})")
+        for regime, text in report["regimes"].items():
+            print(f"{regime}: {text}")
     print(format_table(report))
     if args.json:
         write_json(report, args.json)

@@ -25,7 +25,7 @@ from ...hooks.state import CachePolicy, LoadedTarget
 from .. import attention, cache_policy
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import summarize
-from . import synthetic
+from . import real, synthetic
 
 
 # -- the bench ------------------------------------------------------------------------------------
@@ -50,6 +50,9 @@ class BenchSettings:
     dflash_layers: int = 5
     seed: int = 0
     cpu: bool = False
+    drafters: List[str] = field(default_factory=list)  # real checkpoints, PATH or PATH@B (real.py)
+    prompts_file: Optional[str] = None  # text prompts instead of random tokens (real.py)
+    max_prompts: Optional[int] = None
 
 
 def _progress(msg: str) -> None:
@@ -106,9 +109,11 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
         desc = f"draft LM {s.draft_model}"
     else:
         draft_lm, desc = None, ""
-    if "draft_model" in kinds or s.mlx_lm_spec:
-        if draft_lm is None:
-            raise ValueError("mlx-spec bench: the draft_model kind needs --draft-model PATH (or --synthetic-target)")
+    if draft_lm is None and "draft_model" in kinds:
+        raise ValueError("mlx-spec bench: the draft_model kind needs --draft-model PATH (or --synthetic-target)")
+    if draft_lm is None and s.mlx_lm_spec:
+        print("[bench] no draft LM (--draft-model): skipping mlx-lm's speculative_generate_step", file=sys.stderr)
+    elif "draft_model" in kinds or s.mlx_lm_spec:
         padded = getattr(policy, "shape_stable", False)
         out["draft_model"] = (DraftModelDrafter(draft_lm, policy), draft_lm, desc + (", padded caches" if padded else ""))
     if "dflash" in kinds:
@@ -133,26 +138,29 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
 
 
 def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any], drafters: Dict[str, Any],
-                  policy: Optional[CachePolicy]) -> List[Method]:
+                  policy: Optional[CachePolicy], blocks: Optional[Dict[str, List[int]]] = None) -> List[Method]:
+    """``blocks``: kind -> block sizes of real drafters (``real.load_drafters``); each runs every tau there."""
     vocab = int(config["vocab_size"])
     methods: List[Method] = [MlxLmPlain(target.model), HostMethod(target, "host plain (KVCache)", None)]
     if getattr(policy, "shape_stable", False):
         methods.append(HostMethod(target, "host plain (padded)", policy))
-    spec_kinds = [k for k in ("dflash", "eagle3", "draft_model", "ngram") if k in drafters and (s.kind in ("auto", k))]
+    order = ("dflash", "eagle3", "mtp", "draft_model", "ngram")
+    spec_kinds = [k for k in order if k in drafters and (blocks is not None or s.kind in ("auto", k))]
     for kind in spec_kinds:
         drafter = drafters[kind][0]
-        taus = s.taus if kind != "draft_model" or s.kind == "draft_model" else [t for t in s.taus[:1]]
-        for block in s.block_sizes:
+        taus = s.taus if kind != "draft_model" or s.kind == "draft_model" or blocks else [t for t in s.taus[:1]]
+        sizes = blocks[kind] if blocks is not None else s.block_sizes
+        for block in sizes:
             for tau in taus:
                 tag = f"tau{tau:g}" if tau else "real drafts"
                 methods.append(HostMethod(target, f"plugin {kind} b{block} {tag}", policy, drafter, block, tau,
                                           False, vocab))
         for tau in s.adaptive_taus:
-            block = max(s.block_sizes)
+            block = max(sizes)
             methods.append(HostMethod(target, f"plugin {kind} b{block} tau{tau:g} adaptive", policy, drafter,
                                       block, tau, True, vocab))
     if s.mlx_lm_spec and "draft_model" in drafters:
-        block = max(s.block_sizes)
+        block = max(blocks["draft_model"] if blocks is not None else s.block_sizes)
         methods.append(MlxLmSpec(target.model, drafters["draft_model"][1], block, s.taus[0], vocab))
     return methods
 
@@ -169,15 +177,26 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp)
     elif disp is not None:
         policy = cache_policy.RoutedPolicy(disp)
+    real.check(s)
+    texts = real.read_prompts(s.prompts_file)[:s.max_prompts or None] if s.prompts_file else None
     t_start = time.perf_counter()
     on_progress("loading the target")
     target, config, note = load_target(s)
-    drafters = load_drafters(s, target, config, policy)
+    info: Optional[Dict[str, Dict[str, Any]]] = None
+    if s.drafters:  # real checkpoints: the families route their own models (as under mlx-spec generate)
+        drafters, info = real.load_drafters(s, target, policy)
+        if s.mlx_lm_spec and "draft_model" not in drafters:
+            print("[bench] no draft_model drafter among --drafter: skipping mlx-lm's speculative_generate_step",
+                  file=sys.stderr)
+    else:
+        drafters = load_drafters(s, target, config, policy)
     if disp is not None:  # as the host and the drafter families do with the policy's dispatcher
-        for model in [target.model] + [d[1] for d in drafters.values() if d[1] is not None] + \
-                [d[0].model for k, d in drafters.items() if k == "dflash"]:
+        extra = [] if info is not None else [d[1] for d in drafters.values() if d[1] is not None] + \
+            [d[0].model for k, d in drafters.items() if k == "dflash"]
+        for model in [target.model] + extra:
             host_attention.route(model, disp)
-    methods = build_methods(s, target, config, drafters, policy)
+    methods = build_methods(s, target, config, drafters, policy,
+                            {k: v["blocks"] for k, v in info.items()} if info is not None else None)
     calls: Dict[str, Counter] = {m.name: Counter() for m in methods}
 
     def run(m: Method, *args: Any) -> Run:
@@ -192,12 +211,21 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             calls[m.name].update(Counter(disp.counts) - before)
             disp.enabled = True
     vocab = int(config["vocab_size"])
-    cap = max(s.block_sizes)
+    cap = max([m.block for m in methods if m.block] + s.block_sizes + [2])
     stride = s.max_tokens + 2 * cap + 8
-    lengths = allocate_lengths(s.prompt_lengths, len(methods), stride)
+    n = len(methods)
+    if texts is not None:  # every method decodes every prompt; the order rotates from prompt to prompt
+        tokens = real.tokenize(target.tokenizer, texts, s.prompts_file)
+        lengths = [[len(t)] * n for t in tokens]
+        order = [[(j + p) % n for j in range(n)] for p in range(len(tokens))]
+        prompt = lambda p, mi: tokens[p]  # noqa: E731
+    else:
+        lengths = allocate_lengths(s.prompt_lengths, n, stride)
+        order = [list(range(n)) for _ in lengths]
+        rng = random.Random(s.seed)
+        stream = [rng.randrange(2, vocab - 1) for _ in range(max(max(r) for r in lengths) + stride)]
+        prompt = lambda p, mi: stream[:lengths[p][mi]]  # noqa: E731 - all prompts: prefixes of one stream
     max_len = max(max(r) for r in lengths) + stride
-    rng = random.Random(s.seed)
-    stream = [rng.randrange(2, vocab - 1) for _ in range(max_len)]  # all prompts are prefixes of one stream
     prewarm_s = 0.0
     if padded:
         on_progress(f"pre-warming padded shapes up to {max_len} keys")
@@ -216,32 +244,41 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             prewarm_eagle3(drafters["eagle3"][0], max_len, cap)
         prewarm_s = time.perf_counter() - t
 
-    # warm-up: every method once, on a length shorter than any timed range
-    warm_len, warm_tokens = max(8, min(s.prompt_lengths) // 4), 16
-    if warm_len + warm_tokens + 2 * cap + 2 >= min(min(r) for r in lengths) - 1:
-        raise ValueError(f"--prompt-lengths: the shortest ({min(s.prompt_lengths)}) leaves no room for a warm-up "
-                         f"below it; expected at least {4 * (warm_tokens + 2 * cap + 4)}")
-    warm_prompt = stream[:warm_len]
+    # warm-up: every method once, on a length shorter than any timed range (prompts file: its first
+    # prompt's first 8 tokens, whatever the other lengths)
+    warm_tokens = 16
+    if texts is not None:
+        warm_prompt = tokens[0][:8]
+    else:
+        warm_len = max(8, min(s.prompt_lengths) // 4)
+        if warm_len + warm_tokens + 2 * cap + 2 >= min(min(r) for r in lengths) - 1:
+            raise ValueError(f"--prompt-lengths: the shortest ({min(s.prompt_lengths)}) leaves no room for a warm-up "
+                             f"below it; expected at least {4 * (warm_tokens + 2 * cap + 4)}")
+        warm_prompt = stream[:warm_len]
     warm_ref = reference(target, warm_prompt, warm_tokens, policy)
     for i, m in enumerate(methods):
         on_progress(f"warm-up {i + 1}/{len(methods)} {m.name}")
         run(m, warm_prompt, warm_tokens, warm_ref, s.seed)
 
     refs: Dict[Tuple[int, int], Reference] = {}
-    total = len(s.prompt_lengths) * len(methods)
-    for p in range(len(s.prompt_lengths)):
-        for mi in range(len(methods)):
+    total = len(lengths) * n
+    for p in range(len(lengths)):
+        shared: Dict[int, Reference] = {}  # one reference per distinct prompt length (a prompts file: one per prompt)
+        for mi in range(n):
             if methods[mi].family != "spec":
                 continue  # plain methods need no oracle; their divergence is not measured
-            on_progress(f"references {p * len(methods) + mi + 1}/{total}")
+            on_progress(f"references {p * n + mi + 1}/{total}")
             L = lengths[p][mi]
-            refs[p, mi] = reference(target, stream[:L], s.max_tokens, policy)
+            if L not in shared:
+                shared[L] = reference(target, prompt(p, mi), s.max_tokens, policy)
+            refs[p, mi] = shared[L]
 
     runs: List[Run] = []
     done = 0
     for regime in ("fresh", "warm"):
-        for p in range(len(s.prompt_lengths)):
-            for mi, m in enumerate(methods):
+        for p in range(len(lengths)):
+            for mi in order[p]:
+                m = methods[mi]
                 done += 1
                 L = lengths[p][mi]
                 on_progress(f"{regime} {done}/{2 * total} {m.name} prompt {L}")
@@ -249,7 +286,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
                 mx.reset_peak_memory()
                 ref = refs.get((p, mi))
                 before = Counter(calls[m.name])
-                r = run(m, stream[:L], s.max_tokens, ref, s.seed + 1000 * p + mi)
+                r = run(m, prompt(p, mi), s.max_tokens, ref, s.seed + 1000 * p + mi)
                 r.attention = dict(calls[m.name] - before) if disp is not None else None
                 r.peak_memory_gb = mx.get_peak_memory() / 1e9
                 r.regime = regime
@@ -269,11 +306,20 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         costs["draft_ms_kernel_off"] = off["draft_ms"]
     costs["attention"] = "kernel" if disp is not None else "mlx"
     on_progress("done\n")
-    info = {"kernel": "on" if disp is not None else "off", "mode": s.kernel,
+    info_att = {"kernel": "on" if disp is not None else "off", "mode": s.kernel,
             "dispatcher": disp.report() if disp is not None else None,
             "calls_by_method": {name: dict(c) for name, c in calls.items()} if disp is not None else None}
-    return summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start,
-                     costs, info)
+    report = summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start,
+                       costs, info_att)
+    if info is not None:
+        report["drafter_checkpoints"] = info
+    if texts is not None:
+        report["prompt_lengths"]["bases"] = [len(t) for t in tokens]
+        report["regimes"] = {"fresh": real.FRESH_NOTE, "warm": real.WARM_NOTE}
+        report["prompts"] = {"file": s.prompts_file, "count": len(tokens), "token_lengths": [len(t) for t in tokens],
+                             "tokenized": "the target's tokenizer, no chat template", "fresh_rule_holds": False,
+                             "method_order": [[methods[i].name for i in row] for row in order]}
+    return report
 
 
 def kernel_costs(s: BenchSettings, target: LoadedTarget, drafters: Dict[str, Any], methods: List[Method],
@@ -288,6 +334,7 @@ def kernel_costs(s: BenchSettings, target: LoadedTarget, drafters: Dict[str, Any
     draft_ms: Dict[str, Dict[int, float]] = {}
     for kind in sorted({m.kind for m in methods if m.family == "spec" and m.kind in drafters}):
         drafter, draft_lm, _ = drafters[kind]
+        blocks = sorted({m.block for m in methods if m.family == "spec" and m.kind == kind and m.block})
         if kind == "dflash":
             draft_ms[kind] = {b: kernels.dflash_block_ms(drafter, key_length, b, iters) for b in blocks}
         elif kind == "eagle3":

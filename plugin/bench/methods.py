@@ -57,7 +57,9 @@ class Method:
 
     def describe(self) -> Dict[str, Any]:
         return {"name": self.name, "family": self.family, "kind": self.kind, "oracle_tau": self.tau,
-                "block": self.block, "adaptive": self.adaptive}
+                "block": self.block, "adaptive": self.adaptive,
+                # where the measured tau comes from: the drafter's own proposals, or the oracle's
+                "proposals": None if self.family != "spec" else ("oracle" if self.tau else "real")}
 
 
 def _sync() -> None:
