@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import io
 import json
+import math
 import platform
 import sys
 import textwrap
@@ -142,21 +143,45 @@ def compare(runs: Sequence[Tuple[List[int], Any]], plain: Sequence[List[int]]) -
 
 # -- bits per byte, parse share -------------------------------------------------------------------
 
+def _byte_level_alphabet() -> Dict[str, int]:
+    """Byte-level BPE's character for each byte: printable Latin-1 bytes stand for themselves, the
+    other bytes take the characters from U+0100 on, in byte order (GPT-2's scheme, used by ``tokenizers``)."""
+    keep = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(rest)}}
+
+
+def _byte_spans(target: LoadedTarget, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+    """Token ids of ``text`` and each token's [start, end) in its UTF-8 bytes.
+
+    Byte-level BPE (the demo's tokenizer): each token's bytes from its vocabulary string, exact.
+    Other tokenizers: the tokenizer's character offsets, converted to bytes."""
+    hf = target.tokenizer._tokenizer  # the transformers fast tokenizer
+    enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    byte_of = _byte_level_alphabet()
+    pieces = hf.convert_ids_to_tokens(ids)
+    lengths = [len(p) if all(c in byte_of for c in p) else -1 for p in pieces]
+    if -1 not in lengths and sum(lengths) == len(text.encode("utf-8")):
+        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        return ids, [(e - n, e) for e, n in zip(ends, lengths)]
+    return ids, [(len(text[:a].encode("utf-8")), len(text[:b].encode("utf-8"))) for a, b in enc["offset_mapping"]]
+
+
 def bits_per_byte(target: LoadedTarget, items: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """``BPB_RULE``: -log2 p over the scored tokens / their bytes, summed over all prompts."""
-    hf = target.tokenizer._tokenizer  # the transformers fast tokenizer (character offsets)
     bits, nbytes, ntokens = 0.0, 0, 0
-    for item in items:
-        prompt, text = item["prompt"], item["prompt"] + item["reference"]
-        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-        first = next(j for j, (_, end) in enumerate(offsets) if end > len(prompt))
+    for item in [it for it in items if it["reference"]]:
+        text = item["prompt"] + item["reference"]
+        boundary, total = len(item["prompt"].encode("utf-8")), len(text.encode("utf-8"))
+        ids, spans = _byte_spans(target, text)
+        first = next(j for j, (_, end) in enumerate(spans) if end > boundary)
         first = max(first, 1)  # the first token has no context to be scored in (prompts are never empty)
         logits = target.model(mx.array(ids[:-1])[None]).astype(mx.float32)  # [1, T-1, V]
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = mx.take_along_axis(logp[0, first - 1:], mx.array(ids[first:])[:, None], axis=-1)  # [n, 1]
-        bits += float(-mx.sum(picked).item()) / float(mx.log(mx.array(2.0)).item())
-        nbytes += len(text[min(offsets[first][0], len(prompt)):].encode("utf-8"))
+        bits += float(-mx.sum(picked).item()) / math.log(2.0)
+        nbytes += total - min(spans[first][0], boundary)
         ntokens += len(ids) - first
     return {"bits_per_byte": round(bits / nbytes, 4) if nbytes else None, "bits": round(bits, 2),
             "bytes": nbytes, "tokens_scored": ntokens, "rule": BPB_RULE}
@@ -217,7 +242,12 @@ def run(a: argparse.Namespace) -> Dict[str, Any]:
             notes.append(f"{kind}: {drafter_dir} has no checkpoint; skipped")
             print(f"[demo] {notes[-1]}", file=sys.stderr)
             continue
-        spec = attach(target, kind, drafter_dir, blocks[kind])
+        try:
+            spec = attach(target, kind, drafter_dir, blocks[kind])
+        except Exception as e:  # noqa: BLE001 - one bad checkpoint leaves the other kinds' results
+            notes.append(f"{kind}: {drafter_dir} did not load ({type(e).__name__}: {e}); skipped")
+            print(f"[demo] {notes[-1]}", file=sys.stderr)
+            continue
         block = spec.attachments[hookimpls.NAME].block_size
         print(f"[demo] {kind} (block {block}): greedy", file=sys.stderr)
         t = time.perf_counter()
