@@ -18,8 +18,15 @@ case "$1" in
     pin=(); if [ -f demo/manifest.json ]; then pin=(--pin demo/manifest.json); fi
     rc=0
     python3 -m mlx_speculative.demo.build --work "$WORK" --out /tmp/demo-out "${pin[@]}" --max-time "${2:-540}" || rc=$?
-    if [ "$rc" = 0 ]; then mkdir -p "$OUT/demo" && cp -r /tmp/demo-out/. "$OUT/demo/"; fi
+    if [ "$rc" = 0 ]; then tar -C /tmp/demo-out -cf "$OUT/demo.tar" .; fi
     exit "$rc" ;;
+  bench)  # the finished demo on this GPU: mlx-spec bench with its real drafters, then the acceptance script in bf16
+    D=/tmp/demo-out
+    python3 -m mlx_speculative.hooks.cli bench --model $D/target --drafter $D/dflash@16 --drafter $D/eagle3@8 \
+      --drafter $D/mtp@4 --drafter $D/draft_model@4 --kind ngram --prompts-file $D/prompts.json --max-prompts 8 \
+      --max-tokens 128 --json "$OUT/h200-demo-bench.json" 2>&1 | tail -30
+    timeout 200 python3 bench/demo_acceptance.py --demo-dir $D --prompts 32 --max-tokens 128 --dtype native \
+      --sampled-prompts 0 --json "$OUT/h200-demo-acceptance-bf16.json" 2>&1 | tail -14 ;;
   save)
     python3 - "$WORK" "$OUT/demo-work" <<'PY'
 import json, shutil, sys
@@ -39,5 +46,5 @@ for f in work.rglob("*"):
 print(sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) / 2**20, "MB saved")
 PY
     ;;
-  *) echo "unknown: $1 (build [SECONDS] | save)"; exit 2 ;;
+  *) echo "unknown: $1 (build [SECONDS] | bench | save)"; exit 2 ;;
 esac

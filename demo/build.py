@@ -34,16 +34,16 @@ PROMPTS = 32
 # Per kind: train-drafter options beyond the shared ones (below). Blocks: DFlash 16, the EAGLE-3 chain 7
 # deep, the MTP head 3 deep, the draft LM's tau estimate at 4 (as the demo decodes them).
 DRAFTER_ARGS: Dict[str, List[str]] = {
-    "dflash": ["--block-size", "16", "--num-layers", "2", "--loss-decay-gamma", "7", "--steps", "3000",
-               "--batch-size", "32", "--lr", "2e-3"],
-    "eagle3": ["--block-size", "8", "--draft-vocab-size", "1024", "--steps", "2000", "--batch-size", "32",
-               "--lr", "1e-3"],
-    "mtp": ["--block-size", "4", "--steps", "2000", "--batch-size", "32", "--lr", "1e-3"],
-    "draft_model": ["--block-size", "4", "--num-layers", "2", "--hidden-size", "128", "--steps", "2000",
-                    "--batch-size", "32", "--lr", "2e-3"],
+    "dflash": ["--block-size", "16", "--num-layers", "3", "--target-layers", "0,1,2,3", "--loss-decay-gamma", "7",
+               "--steps", "3000", "--batch-size", "32", "--lr", "1.5e-3"],
+    "eagle3": ["--block-size", "8", "--draft-vocab-size", "1024", "--steps", "1200", "--batch-size", "32",
+               "--lr", "1e-3", "--sequences", "8192"],
+    "mtp": ["--block-size", "4", "--steps", "1200", "--batch-size", "32", "--lr", "1e-3", "--sequences", "8192"],
+    "draft_model": ["--block-size", "4", "--num-layers", "2", "--hidden-size", "128", "--steps", "1200",
+                    "--batch-size", "32", "--lr", "2e-3", "--sequences", "8192"],
 }
 SHARED_ARGS = ["--seq-len", "256", "--prompt-tokens", "64", "--sequences", "16384", "--heldout-sequences", "32",
-               "--gen-batch", "1024", "--eval-every", "0", "--checkpoint-every", "250", "--log-every", "100",
+               "--gen-batch", "2048", "--eval-every", "0", "--checkpoint-every", "250", "--log-every", "100",
                "--dtype", "bfloat16", "--seed", "0"]
 TINY_TARGET = pretrain.TargetOptions(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, intermediate_size=128, seq_len=64, batch_size=8,
@@ -131,9 +131,13 @@ def stage_drafter(args: argparse.Namespace, work: Path, kind: str, deadline: flo
     left = deadline - time.perf_counter()
     if left < 20:
         return None
+    extra = list(DRAFTER_ARGS[kind])
+    if args.tiny and "--target-layers" in extra:  # the tiny target has 2 layers: the family's default spread
+        i = extra.index("--target-layers")
+        del extra[i:i + 2]
     cmd = [sys.executable, "-m", "mlx_speculative.hooks.cli", "train-drafter", "--target", str(work / "target"),
            "--kind", kind, "--data", str(work / "corpus" / "train.txt"), "--heldout",
-           str(work / "corpus" / "heldout.txt"), "--out", str(out), *SHARED_ARGS, *DRAFTER_ARGS[kind],
+           str(work / "corpus" / "heldout.txt"), "--out", str(out), *SHARED_ARGS, *extra,
            *(TINY_DRAFTER + (["--draft-vocab-size", "256"] if kind == "eagle3" else []) if args.tiny else []),
            "--max-time", f"{left:.0f}"]
     if state.exists():

@@ -15,7 +15,8 @@ from .host import GenerationParams, Host
 from .manager import make_plugin_manager
 from .state import SamplingParams
 
-DEFAULT_PROMPT = "the model token draft verify accept commit the model token draft"
+# The demo target writes Python (it learnt the standard library's source): a function to continue.
+DEFAULT_PROMPT = 'import os\n\n\ndef walk_files(root):\n    """Yield the path of every file under root."""\n'
 
 
 MODEL_HELP = "target: path, HF repo id, or 'demo' (default: the config's, else the demo pair)"

@@ -60,13 +60,14 @@ def test_generate_streams_text_and_one_stats_line(llama_pair: Dict[str, Path]) -
     assert len(stats) == 1 and "speculative ngram" in stats[0] and "tau" in stats[0]
 
 
-def test_generate_demo_default(tmp_path: Path) -> None:
-    proc = mlx_spec("generate", "--max-tokens", "8", "--json", env={"MLX_SPEC_CACHE": str(tmp_path)})
+def test_generate_demo_default() -> None:
+    """No model: the embedded demo with its DFlash drafter, whose output equals the demo's plain decoding."""
+    proc = mlx_spec("generate", "--max-tokens", "48", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert "making the tiny random demo pair" in proc.stderr
-    assert json.loads(proc.stdout)["speculative"]["kind"] == "draft_model"
-    again = mlx_spec("generate", "--max-tokens", "8", "--json", env={"MLX_SPEC_CACHE": str(tmp_path)})
-    assert "making" not in again.stderr and json.loads(again.stdout)["tokens"] == json.loads(proc.stdout)["tokens"]
+    out = json.loads(proc.stdout)
+    assert out["speculative"]["kind"] == "dflash" and out["speculative"]["rounds"] > 0
+    plain = json.loads(mlx_spec("generate", "--max-tokens", "48", "--json", "--no-speculative").stdout)
+    assert plain["tokens"] == out["tokens"]
 
 
 def test_config_file_and_env_precedence(llama_pair: Dict[str, Path], tmp_path: Path) -> None:

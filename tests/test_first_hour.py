@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import struct
 from importlib.metadata import version
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, List
 
 import mlx.core as mx
 import pytest
@@ -26,19 +25,6 @@ from test_cli import mlx_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH_FIXTURE = ROOT / "tests" / "fixtures" / "dflash" / "z-lab__Qwen3-4B-DFlash-b16.config.json"
-
-
-@pytest.fixture(scope="module")
-def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One demo pair for this module's in-process runs (MLX_SPEC_CACHE restored after)."""
-    cache = tmp_path_factory.mktemp("demo-cache")
-    old = os.environ.get("MLX_SPEC_CACHE")
-    os.environ["MLX_SPEC_CACHE"] = str(cache)
-    yield cache
-    if old is None:
-        os.environ.pop("MLX_SPEC_CACHE", None)
-    else:
-        os.environ["MLX_SPEC_CACHE"] = old
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -55,38 +41,39 @@ def error_line(err: str) -> str:
 
 # -- 1. the demo pair by name -------------------------------------------------------------------
 
-def test_demo_names_and_first_run_message(tmp_path: Path) -> None:
-    env = {"MLX_SPEC_CACHE": str(tmp_path)}
-    proc = mlx_spec("generate", "--model", "demo", "--draft-model", "demo-drafter", "--max-tokens", "12", "--json",
-                    env=env)
+def test_demo_names_and_the_default(tmp_path: Path) -> None:
+    proc = mlx_spec("generate", "--model", "demo", "--draft-model", "demo-drafter", "--max-tokens", "24", "--json")
     assert proc.returncode == 0, proc.stderr
-    making = [line for line in proc.stderr.splitlines() if "making the tiny random demo pair" in line]
-    assert len(making) == 1 and "target 'demo'" in making[0] and "drafter 'demo-drafter'" in making[0]
-    assert str(tmp_path / "demo-v2" / "target") in making[0] and str(tmp_path / "demo-v2" / "drafter") in making[0]
     out = json.loads(proc.stdout)
-    assert out["speculative"]["kind"] == "draft_model" and out["speculative"]["accepted_tokens"] > 0
+    assert out["speculative"]["kind"] == "dflash" and out["speculative"]["rounds"] > 0
+    assert "\n" in out["text"]  # the demo target writes Python, line by line
     # No model at all: the same pair, and the message names both.
-    again = mlx_spec("generate", "--max-tokens", "12", "--json", env=env)
-    assert "making" not in again.stderr
+    again = mlx_spec("generate", "--max-tokens", "24", "--json")
     assert "target 'demo', drafter 'demo-drafter'" in again.stderr
     assert json.loads(again.stdout)["tokens"] == out["tokens"]
 
 
-def test_demo_names_resolve_in_one_place(demo_cache: Path) -> None:
+def test_demo_names_resolve_in_one_place() -> None:
+    from mlx_speculative import demo
+
     target, drafter = loading.demo_pair()
-    assert loading.resolve_path("demo") == target == demo_cache / "demo-v2" / "target"
-    assert loading.resolve_path("demo-drafter", "draft model") == drafter
-    assert registry.resolve("demo-drafter").kind == "draft_model"
+    assert loading.resolve_path("demo") == target == demo.target_dir()
+    assert loading.resolve_path("demo-drafter", "draft model") == drafter == demo.drafter_dir("dflash")
+    assert registry.resolve("demo-drafter").kind == "dflash"
+    for name, kind in (("demo-eagle3", "eagle3"), ("demo-mtp", "mtp"), ("demo-draft-model", "draft_model")):
+        assert loading.resolve_path(name, "draft model") == demo.drafter_dir(kind)
+        assert registry.resolve(name).kind == kind
 
 
-def test_yaml_and_check_take_the_demo_names(demo_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_yaml_and_check_take_the_demo_names(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = tmp_path / "host.yaml"
     cfg.write_text("model: demo\nspeculative:\n  draft_model: demo-drafter\n")
     rc, out, err = run(capsys, "generate", "--config", str(cfg), "--max-tokens", "8", "--json")
     assert rc == 0, err
-    assert json.loads(out)["speculative"]["kind"] == "draft_model"
-    rc, out, err = run(capsys, "check", "--model", "demo", "--draft-model", "demo-drafter")
-    assert rc == 0 and "verdict: compatible" in out, out + err
+    assert json.loads(out)["speculative"]["kind"] == "dflash"
+    for name in ("demo-drafter", "demo-eagle3", "demo-mtp", "demo-draft-model"):
+        rc, out, err = run(capsys, "check", "--model", "demo", "--draft-model", name)
+        assert rc == 0 and "verdict: compatible" in out, out + err
 
 
 # -- 2. YAML paths relative to the YAML file -------------------------------------------------------
@@ -165,7 +152,7 @@ def test_env_ngram_override_runs_ngram(llama_pair: Dict[str, Path], tmp_path: Pa
 
 # -- flags that reach the logits processors ----------------------------------------------------
 
-def test_generate_penalty_and_bias_flags_apply_and_stay_lossless(demo_cache: Path, capsys: pytest.CaptureFixture) -> None:
+def test_generate_penalty_and_bias_flags_apply_and_stay_lossless(capsys: pytest.CaptureFixture) -> None:
     def tokens(*extra: str) -> List[int]:
         rc, out, err = run(capsys, "generate", "--model", "demo", "--max-tokens", "24", "--json", *extra)
         assert rc == 0, err
@@ -177,8 +164,8 @@ def test_generate_penalty_and_bias_flags_apply_and_stay_lossless(demo_cache: Pat
     assert tokens("--draft-model", "demo-drafter", "--repetition-penalty", "3", "--repetition-context-size", "8") \
         == penalised
     assert set(tokens("--logit-bias", '{"300": 100}', "--no-speculative")) == {300}
-    rc, _, err = run(capsys, "generate", "--model", "demo", "--logit-bias", '{"999": 1}')
-    assert rc == 2 and "--logit-bias: got '{\"999\": 1}'; allowed: token ids from 0 to 383" in error_line(err)
+    rc, _, err = run(capsys, "generate", "--model", "demo", "--logit-bias", '{"2048": 1}')
+    assert rc == 2 and "--logit-bias: got '{\"2048\": 1}'; allowed: token ids from 0 to 2047" in error_line(err)
 
 
 # -- 5. check reads every header ----------------------------------------------------------------

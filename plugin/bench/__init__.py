@@ -119,8 +119,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               ("--adaptive-at", args.adaptive_at, max(fixed, default=128))):
         for tau in values:
             if tau is not None and not 1.0 <= tau <= cap:
-                raise ValueError(f"{flag}: got tau {tau:g}; allowed: 1 to the block size ({cap}; --block-sizes "
-                                 f"{','.join(map(str, args.block_sizes))}, --drafter @B)")
+                given = [f"--block-sizes {','.join(map(str, args.block_sizes))}"] if args.block_sizes else []
+                given += [f"--drafter {d}" for d in args.drafter if parse_drafter(d).block]
+                raise ValueError(f"{flag}: got tau {tau:g}; allowed: 1 to the block size ({cap}; {', '.join(given)})")
     taus = args.oracle_acceptance if args.oracle_acceptance is not None else [None]
     if args.plot:  # fail before the run, not after
         try:

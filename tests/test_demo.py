@@ -1,0 +1,97 @@
+"""The embedded demo as shipped (demo/): its checkpoints have the real layouts (the field and tensor
+names of the published checkpoints in tests/fixtures), load through the normal registry, fit the size
+bound, and every drafter decodes held-out prompts exactly as plain decoding does."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_speculative import demo
+from mlx_speculative.demo import build
+from mlx_speculative.drafters import registry
+from mlx_speculative.drafters.mtp.qwen import expected_names
+from mlx_speculative.drafters.mtp.qwen3_5_mtp import ModelArgs as HeadArgs
+from mlx_speculative.hooks.cli import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(kind: str) -> dict:
+    return json.loads((demo.drafter_dir(kind) / "config.json").read_text())
+
+
+def _names(kind: str) -> set:
+    return set(mx.load(str(demo.drafter_dir(kind) / "model.safetensors")))
+
+
+def test_the_demo_is_complete_and_within_its_size_bound() -> None:
+    manifest = json.loads((demo.HERE / "manifest.json").read_text())
+    files = [f for d in ("target", *demo.KINDS) for f in (demo.HERE / d).glob("*.safetensors")]
+    assert len(files) == 5 and sum(f.stat().st_size for f in files) <= build.MAX_BYTES
+    assert manifest["corpus"]["python"].startswith(demo.corpus.PYTHON + ".") and manifest["corpus"]["hash"]
+    assert len(json.loads((demo.HERE / "prompts.json").read_text())["prompts"]) == build.PROMPTS
+    held = {f for f, _ in manifest["corpus"]["heldout"]}
+    assert held and not held & {f for f, _ in manifest["corpus"]["train"]}
+    assert {p["file"] for p in json.loads((demo.HERE / "prompts.json").read_text())["prompts"]} <= held
+
+
+def test_dflash_has_z_labs_layout() -> None:
+    config, real = _config("dflash"), json.loads((FIXTURES / "dflash" / "z-lab__Qwen3-8B-DFlash-b16.config.json").read_text())
+    assert set(config) == set(real) - {"auto_map", "transformers_version"}
+    assert set(config["dflash_config"]) == set(real["dflash_config"]) and config["block_size"] == 16
+    per_layer = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                 "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                 "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"}
+    n = config["num_hidden_layers"]
+    assert _names("dflash") == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{p}" for i in range(n) for p in per_layer}
+
+
+def test_eagle3_has_specforges_layout() -> None:
+    config = _config("eagle3")
+    real = json.loads((FIXTURES / "eagle3" / "sgl-project__SpecForge__llama3-8B-eagle3.config.json").read_text())
+    assert config["architectures"] == real["architectures"] == ["LlamaForCausalLMEagle3"]
+    # Beyond SpecForge's file: LlamaConfig fields it leaves at their defaults, and its eagle_config (layer ids).
+    assert set(config) - set(real) <= {"eagle_config", "head_dim", "attention_bias", "rope_scaling", "rope_theta"}
+    assert set(real) - set(config) <= {"initializer_range", "pad_token_id", "transformers_version", "use_cache"}
+    names = _names("eagle3")
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight"} <= names and "embed_tokens.weight" not in names
+
+
+def test_mtp_has_the_split_head_layout() -> None:
+    config = _config("mtp")
+    assert config["model_type"] == "qwen3_5_mtp" and config["target_model_type"] == "llama"
+    assert _names("mtp") == set(expected_names(HeadArgs(config["text_config"])))
+
+
+@pytest.mark.parametrize("name,kind", [("demo-drafter", "dflash"), ("demo-eagle3", "eagle3"), ("demo-mtp", "mtp"),
+                                       ("demo-draft-model", "draft_model")])
+def test_every_drafter_resolves_and_is_compatible(name: str, kind: str, capsys: pytest.CaptureFixture) -> None:
+    assert registry.resolve(name).kind == kind
+    assert main(["check", "--model", "demo", "--draft-model", name]) == 0
+    assert "verdict: compatible" in capsys.readouterr().out
+
+
+def test_every_drafter_decodes_held_out_prompts_exactly(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("demo_acceptance", ROOT / "bench" / "demo_acceptance.py")
+    script = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(script)
+    out = tmp_path / "acceptance.json"
+    assert script.main(["--demo-dir", str(demo.HERE), "--prompts", "2", "--max-tokens", "24", "--sampled-prompts", "1",
+                        "--cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    kinds = report["kinds"]
+    assert set(kinds) == {"dflash", "eagle3", "mtp", "draft_model", "ngram"}, report["notes"]
+    for kind, r in kinds.items():
+        assert r["exact"]["identical"] == r["exact"]["of"] == 2, (kind, r["exact"])
+        assert r["greedy"]["rounds"] > 0
+    assert {kind: r["block"] for kind, r in kinds.items() if kind != "ngram"} == {
+        "dflash": 16, "eagle3": 8, "mtp": 4, "draft_model": 4}
