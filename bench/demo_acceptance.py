@@ -53,10 +53,11 @@ from mlx_speculative.plugin.settings import SpeculativeSettings
 
 KINDS = ("dflash", "eagle3", "mtp", "draft_model", "ngram")
 DEFAULT_BLOCKS: Dict[str, Optional[int]] = {"dflash": 16, "eagle3": 8, "mtp": None, "draft_model": 4, "ngram": 8}
-PARSE_RULE = ("the greedy completion cut after its last newline (none: fails) parses when the prompt followed by it "
-              "runs through Python's tokenize.generate_tokens without an exception: the prompt carries its own "
-              "context (open blocks, brackets, strings), so only the completion can fail it; an unterminated string "
-              "or bracket at the cut (TokenError) and an inconsistent dedent (IndentationError) count as failures")
+PARSE_RULE = ("the greedy completion's complete logical lines (up to the last NEWLINE token past the prompt; none: "
+              "fails) parse when the prompt followed by them runs through Python's tokenize.generate_tokens without an "
+              "exception; the prompt, cut from inside a file, is read inside one `if 1:` block per 4-space level of "
+              "its first line's indentation (the blocks it was cut from) and carries its own open brackets and "
+              "strings; an inconsistent dedent (IndentationError) or any other tokenize error in those lines fails")
 STANDALONE_RULE = ("for comparison: the cut completion alone, textwrap.dedent-ed, through tokenize.generate_tokens "
                    "(its first lines may then close blocks the prompt opened: IndentationError counts as failure)")
 BPB_RULE = ("prompt + reference tokenized together (the tokenization the model was trained on); scored: every "
@@ -197,12 +198,35 @@ def _tokenizes(text: str) -> Optional[str]:
     return None
 
 
+def _outer_blocks(prompt: str) -> str:
+    """`if 1:` openers for the blocks a prompt cut from inside a file sits in (4-space levels, PEP 8)."""
+    first = next((line for line in prompt.splitlines() if line.strip()), "")
+    depth = (len(first) - len(first.lstrip(" "))) // 4
+    return "".join(" " * (4 * i) + "if 1:\n" for i in range(depth))
+
+
 def parses(prompt: str, completion: str) -> Tuple[Optional[str], Optional[str]]:
     """(``PARSE_RULE``'s error, ``STANDALONE_RULE``'s error); None: it parses."""
     cut = completion[: completion.rfind("\n") + 1]
-    if not cut:
-        return "no complete line", "no complete line"
-    return _tokenizes(prompt + cut), _tokenizes(textwrap.dedent(cut))
+    alone = _tokenizes(textwrap.dedent(cut)) if cut else "no complete line"
+    context = _outer_blocks(prompt) + prompt
+    text = context + completion
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    ends: List[int] = []  # offsets just past each NEWLINE token (a complete logical line) after the prompt
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            offset = starts[tok.end[0] - 1] + tok.end[1]
+            if tok.type == tokenize.NEWLINE and tok.string and offset > len(context):  # not EOF's implicit one
+                ends.append(offset)
+    except tokenize.TokenError:
+        pass  # EOF inside a bracket or a string: the last logical line is unfinished, cut before it
+    except SyntaxError as e:  # IndentationError included: a line the completion wrote
+        return f"{type(e).__name__}: {e}", alone
+    if not ends:
+        return "no complete logical line", alone
+    return _tokenizes(text[:ends[-1]]), alone
 
 
 # -- the run --------------------------------------------------------------------------------------

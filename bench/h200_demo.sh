@@ -2,9 +2,11 @@
 # Issue 15: the embedded demo made from scratch on the GPU machine (demo/build.py), resumable across calls.
 # Run from the repo root with MLX-CUDA staged (../shared/gpu/prepare-mlx-cuda.sh). Usage:
 #   bash bench/h200_demo.sh build [SECONDS]   # run again until it installs; state in /tmp/demo-work
-#   bash bench/h200_demo.sh save              # the state a new machine needs, to $OUT/demo-work (no sequences,
-#                                             # no optimiser state): carry it back as .demo-work
-# The finished demo goes to $OUT/demo (copy it into the repo's demo/).
+#   bash bench/h200_demo.sh bench             # mlx-spec bench with the real drafters + the acceptance script (bf16)
+#   bash bench/h200_demo.sh save              # finished stages' state to $OUT/demo-work.tgz (a new machine can
+#                                             # continue from it: unpack it as .demo-work and carry that)
+# The finished demo comes back as $OUT/demo.tar (unpack it into the repo's demo/). The device tool returns few
+# files per call, hence the archives.
 set -euo pipefail
 OUT=${OUT:-h200-out}
 mkdir -p "$OUT"
@@ -20,15 +22,16 @@ case "$1" in
     python3 -m mlx_speculative.demo.build --work "$WORK" --out /tmp/demo-out "${pin[@]}" --max-time "${2:-540}" || rc=$?
     if [ "$rc" = 0 ]; then tar -C /tmp/demo-out -cf "$OUT/demo.tar" .; fi
     exit "$rc" ;;
-  bench)  # the finished demo on this GPU: mlx-spec bench with its real drafters, then the acceptance script in bf16
-    D=/tmp/demo-out
+  bench)  # the demo on this GPU: mlx-spec bench with its real drafters, then the acceptance script in bf16
+    D=/tmp/demo-out; [ -d "$D/target" ] || D=demo  # a build on this machine, else the shipped demo
     python3 -m mlx_speculative.hooks.cli bench --model $D/target --drafter $D/dflash@16 --drafter $D/eagle3@8 \
       --drafter $D/mtp@4 --drafter $D/draft_model@4 --kind ngram --prompts-file $D/prompts.json --max-prompts 8 \
       --max-tokens 128 --json "$OUT/h200-demo-bench.json" 2>&1 | tail -30
     timeout 200 python3 bench/demo_acceptance.py --demo-dir $D --prompts 32 --max-tokens 128 --dtype native \
       --sampled-prompts 0 --json "$OUT/h200-demo-acceptance-bf16.json" 2>&1 | tail -14 ;;
   save)
-    python3 - "$WORK" "$OUT/demo-work" <<'PY'
+    rm -rf /tmp/demo-save
+    python3 - "$WORK" /tmp/demo-save <<'PY'
 import json, shutil, sys
 from pathlib import Path
 work, dest = Path(sys.argv[1]), Path(sys.argv[2])
@@ -45,6 +48,6 @@ for f in work.rglob("*"):
     shutil.copy(f, dest / rel)
 print(sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) / 2**20, "MB saved")
 PY
-    ;;
+    tar -C /tmp/demo-save -czf "$OUT/demo-work.tgz" . ;;
   *) echo "unknown: $1 (build [SECONDS] | bench | save)"; exit 2 ;;
 esac

@@ -24,7 +24,7 @@ from mlx_speculative.hooks.host import GenerationParams, Host
 from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.specs import hookimpl
 from mlx_speculative.hooks.state import HostConfig, StepOutput
-from mlx_speculative.hooks.tiny_models import ensure_demo_pair
+from mlx_speculative.hooks.tiny_models import ensure_random_pair
 
 
 class NeverIdle:
@@ -43,7 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args(argv)
-    model = args.model or str(ensure_demo_pair()[0])
+    model = args.model or str(ensure_random_pair()[0])
     pipelined = Host(HostConfig(), pm=make_plugin_manager(False))
     unpipelined = Host(HostConfig(), pm=make_plugin_manager(False, [NeverIdle()]))
     target = pipelined.load(model)

@@ -141,6 +141,13 @@ random head: the Qwen3.5 mtp layer with its own K/V, the Gemma 4 E2B assistant r
 Qwen3.5-27B shape 36.3 / 41.9 / 37.4 tok/s = 1.16x / 1.12x / 1.59x over mlx-lm's generate_step (31.3 / 37.3 /
 23.5), tau 3.45 / 3.40 / 3.49; Gemma 4 E2B shape 105.1 / 100.8 / 102.8 tok/s = 1.55x / 1.54x / 1.50x (67.7 /
 65.5 / 68.7), same tau.
+Embedded demo (issue 15), demo/cpu-acceptance.json: the shipped demo (a 2.89M llama trained on Python 3.12.3's
+standard library, its DFlash, EAGLE-3, MTP-head and draft-LM drafters; README "The embedded demo") on the 32 held-out
+prompts x 128 new tokens, CPU, float32, greedy, fixed blocks (`python bench/demo_acceptance.py --demo-dir demo
+--prompts 32 --max-tokens 128 --sampled-prompts 8 --cpu --keep-texts --json bench/results/demo/cpu-acceptance.json`):
+tau DFlash b16 1.56, EAGLE-3 b8 1.73, MTP head b4 1.78, draft LM b4 1.59, ngram b8 1.70, every output equal to plain
+decoding; at temperature 0.7 (8 prompts) 1.48 / 1.51 / 1.84 / 1.55 / 1.58. Not yet run on the H200 (no device time
+left after the build): `bash bench/h200_demo.sh bench` runs `mlx-spec bench` on it with the real drafters.
 cpu-tiny.json: the CPU (2 cores, tiny fp32 models) verifies B positions at ~B times the cost of one, so
 speculative decoding loses there by design (see its bound column). At tau 1 the adaptive controller pauses
 after two rounds, but with 64 new tokens those two 16-wide rounds (each ~20 plain steps) dominate. The file

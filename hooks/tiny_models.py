@@ -1,4 +1,4 @@
-"""Tiny real mlx-lm checkpoints with random weights, made locally (tests, the demo, benchmarks).
+"""Tiny real mlx-lm checkpoints with random weights, made locally (tests, benchmarks).
 
 Each checkpoint is what ``mlx_lm.load`` reads: config.json, model.safetensors and a byte-level
 BPE tokenizer trained here with ``tokenizers``. Nothing is downloaded.
@@ -172,22 +172,20 @@ def make_truncated_drafter(target_dir: Path, out_dir: Path, num_layers: int) -> 
     return out_dir
 
 
-def demo_dir() -> Path:
+def random_pair_dir() -> Path:
     root = os.environ.get("MLX_SPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mlx-speculative")
-    return Path(root) / "demo-v2"
+    return Path(root) / "random-pair"
 
 
-def ensure_demo_pair(announce=print) -> tuple[Path, Path]:
-    """The embedded demo pair: a tiny random llama target and a 2-layer drafter cut from it.
-
-    Made on first use and cached (``$MLX_SPEC_CACHE`` or ~/.cache/mlx-speculative). Its names
-    (``demo``, ``demo-drafter``) and their resolution live in hooks/loading.py.
+def ensure_random_pair(announce=print) -> tuple[Path, Path]:
+    """A tiny random llama target and a 2-layer drafter cut from it (benchmarks of the host's own
+    costs); made on first use and cached (``$MLX_SPEC_CACHE`` or ~/.cache/mlx-speculative). The
+    embedded demo (demo/) is a trained pair; this one's text is gibberish.
     """
-    root = demo_dir()
+    root = random_pair_dir()
     target, drafter = root / "target", root / "drafter"
     if not (target / "model.safetensors").exists() or not (drafter / "model.safetensors").exists():
-        announce(f"[mlx-spec] making the tiny random demo pair (once; random weights, the text is gibberish): "
-                 f"target 'demo' in {target}, drafter 'demo-drafter' in {drafter}")
+        announce(f"[mlx-spec] making a tiny random pair (once; random weights): target {target}, drafter {drafter}")
         tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         make_checkpoint(

@@ -81,9 +81,13 @@ def test_parse_rule_and_exactness_check() -> None:
     # the prompt's open docstring is its context: the completion closing it parses, alone it does not
     joint, alone = m.parses('def f():\n    """Doc\n', '    more.\n    """\n    return 1\n')
     assert joint is None and alone is not None
-    assert m.parses("x = [\n", "1, 2,\n")[0].startswith("TokenError")  # a bracket still open at the cut
+    assert m.parses("x = [\n", "1, 2,\n")[0] == "no complete logical line"  # the bracket is still open
+    assert m.parses("x = [\n", "1, 2]\ny = (\n")[0] is None  # cut after the last complete logical line
     assert m.parses("if a:\n    if b:\n        c\n", "      d\n")[0].startswith("IndentationError")
-    assert m.parses("x = 1\n", "no newline")[0] == "no complete line"
+    # a prompt cut from inside two blocks: dedenting to those blocks' levels is fine, to no level is not
+    assert m.parses("        x = 1\n", "    y = 2\nz = 3\n")[0] is None
+    assert m.parses("        x = 1\n", "      y = 2\n")[0].startswith("IndentationError")
+    assert m.parses("x = 1\n", "no newline")[0] == "no complete logical line"
     runs = [([1, 2, 3], None), ([1, 2, 4], None), ([1, 2], None)]
     assert m.compare(runs, [[1, 2, 3]] * 3) == {"identical": 1, "of": 3, "mismatches": [
         {"prompt": 1, "first_differing_position": 2}, {"prompt": 2, "first_differing_position": 2}]}

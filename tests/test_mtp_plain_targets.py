@@ -19,22 +19,18 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any, Dict, List
 
-import mlx.core as mx
 import pytest
 
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
 from mlx_speculative.drafters import registry
-from mlx_speculative.drafters.base import DraftTarget, Proposal
+from mlx_speculative.drafters.base import DraftTarget
 from mlx_speculative.drafters.mtp import qwen, tiny
-from mlx_speculative.drafters.mtp.batch import HeadBatch
 from mlx_speculative.drafters.mtp.qwen3_5_mtp import Model as Head
 from mlx_speculative.drafters.mtp.qwen3_5_mtp import ModelArgs as HeadArgs
 from mlx_speculative.drafters.training import TrainOptions, train
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
-from mlx_speculative.hooks.kv_view import committed_kv
-from test_engine_batch import WatchedDrafter, _run_batch
-from test_mtp_qwen import ATOL, PLAN, forced, scratch
+from test_mtp_qwen import batch_of_eight_is_exact, forced_rounds_are_exact
 from test_mtp_trained import prompts
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -118,48 +114,12 @@ def test_forced_acceptance_is_exact_and_the_head_cache_is_recomputed(
 ) -> None:
     host = make_host({"draft_model": str(models[arch + ":head"]), "block_size": BLOCK})
     target = host.load(str(models[arch]))
-    drafter = target.attachments["speculative"].drafter
-    prompt = encode(target, PROMPTS[5])
-    ref = greedy_reference(target.model, prompt, 60)
-    plan, seen = iter(PLAN), {"rounds": 0}
-    original = HeadBatch.propose
-
-    def propose(self: HeadBatch, rows: List[Any], max_drafts: List[int]) -> List[Proposal]:
-        (state,) = rows
-        want = scratch(target, drafter, state.tokens)
-        view = committed_kv(self.cache[0])
-        assert view.keys.shape == want["keys"].shape and mx.allclose(view.keys, want["keys"], atol=ATOL).item()
-        assert mx.allclose(view.values, want["values"], atol=ATOL).item()
-        assert mx.allclose(self.seeds[0], want["seed"], atol=ATOL).item()
-        got = original(self, rows, max_drafts)[0]
-        assert mx.argmax(drafter.logits(want["seed"]), axis=-1).item() == got.tokens[0].item()  # the first draft
-        seen["rounds"] += 1
-        g = state.generated
-        return [Proposal(forced(next(plan, "full"), ref[g:g + len(got.tokens)]))]
-
-    monkeypatch.setattr(HeadBatch, "propose", propose)
-    result = host.generate(target, prompt, no_stop(60))
-    assert result.tokens == ref
-    stats = result.report["speculative"]
-    assert stats.fallback is None and seen["rounds"] == stats.rounds >= len(PLAN)
-    assert stats.rounds_by_acceptance["zero"] >= 3 and stats.rounds_by_acceptance["partial"] >= 3
-    assert stats.rounds_by_acceptance["full"] >= 3
+    forced_rounds_are_exact(host, target, encode(target, PROMPTS[5]), monkeypatch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_batch_of_eight_accepts_different_counts_in_one_step(arch: str, models: Dict[str, Path]) -> None:
-    host = make_host({"draft_model": str(models[arch + ":head"]), "block_size": BLOCK})
-    target = host.load(str(models[arch]))
-    requests = [(encode(target, PROMPTS[i * 2 + 1]), 14 + 5 * i) for i in range(8)]
-    refs = [greedy_reference(target.model, p, n) for p, n in requests]
-    att = target.attachments["speculative"]
-    log: Dict[str, List[Any]] = {"forwards": [], "accepted": []}
-    att.drafter = WatchedDrafter(att.drafter, log, {tuple(p): r for (p, _), r in zip(requests, refs)})
-    assert _run_batch(host, target, requests) == refs
-    assert max(len(a) for a in log["accepted"]) >= 4
-    assert any(len(set(a)) > 1 for a in log["accepted"])
-    flat = [x for a in log["accepted"] for x in a]
-    assert 0 in flat and max(flat) == BLOCK - 1 and any(0 < x < BLOCK - 1 for x in flat)
+    batch_of_eight_is_exact(str(models[arch]), str(models[arch + ":head"]))
 
 
 HELD, TOKENS, SEQUENCES = 8, 64, 32

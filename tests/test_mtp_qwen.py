@@ -106,16 +106,11 @@ def forced(case: str, truth: List[int], vocab: int = 384) -> List[int]:
     return drafts
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "split"])
-def test_forced_acceptance_is_exact_and_the_head_cache_is_recomputed(
-    name: str, models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    target_dir = models["qwen3_5" if name == "split" else name]
-    host = make_host({"draft_model": str(models[name]), "block_size": BLOCK})
-    target = host.load(str(target_dir))
+def forced_rounds_are_exact(host: Any, target: Any, prompt: List[int], monkeypatch: pytest.MonkeyPatch,
+                            check_context: bool = False) -> None:
+    """Zero, partial and full acceptance forced (PLAN) through a head's own proposals; before every round
+    the head's KV cache and seed equal a from-scratch recomputation; the output equals plain decoding."""
     drafter = target.attachments["speculative"].drafter
-    assert (drafter.kind, drafter.default_block_size) == ("mtp", 3 if name == "split" else 2)
-    prompt = encode(target, PROMPT)
     ref = greedy_reference(target.model, prompt, 60)
     plan, seen = iter(PLAN), {"rounds": 0}
     original = HeadBatch.propose
@@ -123,7 +118,8 @@ def test_forced_acceptance_is_exact_and_the_head_cache_is_recomputed(
     def propose(self: HeadBatch, rows: List[Any], max_drafts: List[int]) -> List[Proposal]:
         (state,) = rows
         want = scratch(target, drafter, state.tokens)
-        assert self.context == [len(state.tokens) - 1]
+        if check_context:
+            assert self.context == [len(state.tokens) - 1]
         view = committed_kv(self.cache[0])
         assert view.keys.shape == want["keys"].shape and mx.allclose(view.keys, want["keys"], atol=ATOL).item()
         assert mx.allclose(view.values, want["values"], atol=ATOL).item()
@@ -143,10 +139,23 @@ def test_forced_acceptance_is_exact_and_the_head_cache_is_recomputed(
     assert stats.rounds_by_acceptance["full"] >= 3
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
-def test_a_batch_of_eight_accepts_different_counts_in_one_step(name: str, models: Dict[str, Path]) -> None:
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "split"])
+def test_forced_acceptance_is_exact_and_the_head_cache_is_recomputed(
+    name: str, models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target_dir = models["qwen3_5" if name == "split" else name]
     host = make_host({"draft_model": str(models[name]), "block_size": BLOCK})
-    target = host.load(str(models[name]))
+    target = host.load(str(target_dir))
+    drafter = target.attachments["speculative"].drafter
+    assert (drafter.kind, drafter.default_block_size) == ("mtp", 3 if name == "split" else 2)
+    forced_rounds_are_exact(host, target, encode(target, PROMPT), monkeypatch, check_context=True)
+
+
+def batch_of_eight_is_exact(target_dir: str, head_dir: str) -> Dict[str, List[Any]]:
+    """8 rows of different prompts and lengths decode as plain decoding does, accepting different counts in
+    one step (zero, partial and full among them); returns the watched drafter's log."""
+    host = make_host({"draft_model": head_dir, "block_size": BLOCK})
+    target = host.load(target_dir)
     requests = [(encode(target, PROMPTS[i * 2 + 1]), 14 + 5 * i) for i in range(8)]
     refs = [greedy_reference(target.model, p, n) for p, n in requests]
     att = target.attachments["speculative"]
@@ -157,6 +166,12 @@ def test_a_batch_of_eight_accepts_different_counts_in_one_step(name: str, models
     assert any(len(set(a)) > 1 for a in log["accepted"])
     flat = [x for a in log["accepted"] for x in a]
     assert 0 in flat and max(flat) == BLOCK - 1 and any(0 < x < BLOCK - 1 for x in flat)
+    return log
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_a_batch_of_eight_accepts_different_counts_in_one_step(name: str, models: Dict[str, Path]) -> None:
+    log = batch_of_eight_is_exact(str(models[name]), str(models[name]))
     # One head forward per draft step for every row: prepare's (the first draft), then one per deeper draft
     # (one in all once the depth controller stops recursing for every row).
     assert all(f in (1, k) for f, k, b in log["forwards"][1:]) and any(f == k and b > 1 for f, k, b in log["forwards"])
