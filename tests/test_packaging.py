@@ -21,6 +21,8 @@ def test_pyproject_lists_every_subpackage() -> None:
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((package, *rel)))
+    # and the demo's checkpoint folders: data, no code (demo/build.py makes them)
+    found |= {f"mlx_speculative.demo.{d.name}" for d in (ROOT / "demo").iterdir() if (d / "config.json").is_file()}
     assert set(config["packages"]) == found
     assert not any(p.split(".")[0] in TOP for p in config["packages"]), "nothing installs as top-level hooks/plugin/drafters"
 
