@@ -7,9 +7,10 @@ request through the same scheduler (``hooks.scheduler``) the server runs many th
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import pluggy
@@ -18,11 +19,13 @@ from mlx_lm.sample_utils import make_sampler
 from . import attention, loading, recurrent, taps
 from .batch import DecodeBatch, forward
 from .manager import make_plugin_manager
+from .specs import Description
 from .state import (CachePolicy, DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams,
                     keyed_sampler)
 from .step import BatchDecoder, PlainRun
 
 DEFAULT_PREFILL_STEP = 2048
+_log = logging.getLogger("mlx_speculative.server")
 
 
 @dataclass
@@ -202,3 +205,32 @@ class Host:
             prompt_seconds=first_at - start, generation_seconds=end - first_at,
             report=holder[0].report if holder else {},
         )
+
+
+# Start-up of a long-running host (mlx-spec serve) ---------------------------------------------------
+
+def load_with_plugins(config: HostConfig, model: str, pm: Optional[Any] = None) -> Tuple[Host, LoadedTarget, Optional[str]]:
+    """Load the target with the plugins (``pm``: default, the entry points); if a plugin cannot
+    even start, serve plain decoding.
+
+    The config is non-strict, so a drafter that fails to load or is incompatible already gives
+    a warning and plain decoding; this also covers settings the plugin refuses.
+    """
+    host = Host(config, pm=pm)
+    try:
+        return host, host.load(model), None
+    except Exception as e:  # noqa: BLE001
+        reason = f"{type(e).__name__}: {e}"
+    plain = Host(config, pm=make_plugin_manager(load_entry_points=False))
+    target = plain.load(model)  # a problem with the model itself raises again here: fatal
+    _log.warning("the plugins could not start (%s); serving %s with plain decoding", reason, model)
+    return plain, target, reason
+
+
+def describe(host: Host, target: LoadedTarget, startup_error: Optional[str]) -> List[Description]:
+    """What the plugins attached (``host_describe``); a plugin that could not start is reported too."""
+    found = [d for d in host.pm.hook.host_describe(target=target) if d is not None]
+    if startup_error is not None:
+        found.append(Description("speculative", False, [f"speculative decoding is off: {startup_error}"],
+                                 {"error": startup_error}))
+    return found

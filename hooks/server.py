@@ -6,7 +6,7 @@ host YAML, MLX_VLM_* variables, CLI flags) applies exactly as there. What reques
 (parameters, chat templates, stop words, response shapes) is mlx-lm's, through
 ``hooks.openai_compat`` (requests) and ``hooks.openai_output`` (responses), the two modules coupled
 to mlx-lm's server. This module is the HTTP side:
-routes, authentication, streaming, disconnects, and start-up.
+routes, authentication, streaming, disconnects, and start-up (loading with the plugins: hooks/host.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ from . import openai_output as reply
 from . import prompt_cache as pc
 from .config import load_host_config, model_or_demo
 from .engine import Engine, Finished, Job
-from .host import Host
-from .manager import make_plugin_manager
+from .host import Host, describe, load_with_plugins
 from .metrics import HostCounters, render
 from .server_settings import ServerSettings, check_port, request_defaults, serve_overrides, server_settings
-from .specs import Description
 from .state import HostConfig, LoadedTarget
 
 log = logging.getLogger("mlx_speculative.server")
@@ -305,33 +303,6 @@ def _text_parts(parts: Tuple[str, str, list], finish: Optional[str] = None) -> T
 
 # Start-up -----------------------------------------------------------------------------------------
 
-def load_target(config: HostConfig, model: str, pm: Optional[Any] = None) -> Tuple[Host, LoadedTarget, Optional[str]]:
-    """Load the target with the plugins (``pm``: default, the entry points); if a plugin cannot
-    even start, serve plain decoding.
-
-    The config is non-strict, so a drafter that fails to load or is incompatible already gives
-    a warning and plain decoding; this also covers settings the plugin refuses.
-    """
-    host = Host(config, pm=pm)
-    try:
-        return host, host.load(model), None
-    except Exception as e:  # noqa: BLE001
-        reason = f"{type(e).__name__}: {e}"
-    plain = Host(config, pm=make_plugin_manager(load_entry_points=False))
-    target = plain.load(model)  # a problem with the model itself raises again here: fatal
-    log.warning("the plugins could not start (%s); serving %s with plain decoding", reason, model)
-    return plain, target, reason
-
-
-def describe(host: Host, target: LoadedTarget, startup_error: Optional[str]) -> List[Description]:
-    """What the plugins attached (``host_describe``); a plugin that could not start is reported too."""
-    found = [d for d in host.pm.hook.host_describe(target=target) if d is not None]
-    if startup_error is not None:
-        found.append(Description("speculative", False, [f"speculative decoding is off: {startup_error}"],
-                                 {"error": startup_error}))
-    return found
-
-
 def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
                  target: Optional[LoadedTarget] = None) -> Server:
     """Load the target on the engine's thread and bind the HTTP server (``pm``: the plugins; default:
@@ -344,7 +315,7 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: O
             host = Host(config, pm=pm)
             host.apply_policy(target, host.pm.hook.host_cache_policy(target=target))
             return host, target
-        host, loaded, error = load_target(config, model, pm)
+        host, loaded, error = load_with_plugins(config, model, pm)
         box["error"] = error
         return host, loaded
 
