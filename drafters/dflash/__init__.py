@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from mlx_lm.models.cache import KVCache
 
 from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget
+from ..checkpoint import load_into, read_tensors
 from ..compat import check_tokenizer, config_value
 from ...hooks import attention, loading
 from .batch import DFlashBatch
@@ -188,33 +188,17 @@ def _check_fc(path: Path, config: Dict[str, Any], args: ModelArgs, verdict: Comp
 
 # -- loading ----------------------------------------------------------------------------------
 
-def _read_weights(path: Path) -> Dict[str, mx.array]:
-    weights: Dict[str, mx.array] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    return weights
-
-
 def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, options: Dict[str, Any]) -> Drafter:
     if path is None:
         raise DrafterError("dflash drafters need a checkpoint (speculative.draft_model / --draft-model)")
     args = ModelArgs.from_dict(config)
     model = Model(args)
-    weights = model.sanitize(_read_weights(path))
+    weights = model.sanitize(read_tensors(path))
     fc = weights.get("fc.weight")
     problem = _fc_problem(fc.shape, args) if fc is not None and "quantization" not in config else None
     if problem:
         raise DrafterError(f"draft model {str(path)!r}: {problem}")
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise DrafterError(f"draft model {str(path)!r}: its tensors do not match a DFlash drafter of this config: {e}") from e
-    mx.eval(model.parameters())
-    model.eval()
+    load_into(model, weights, config, path, "a DFlash drafter of this config")
     if target.model is None:
         raise DrafterError("dflash drafters borrow the target's embedding and lm_head: load the target first")
     embed, head = target_embedding_and_head(target.model)

@@ -19,7 +19,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...hooks import loading
 from ..base import DraftTarget
 from ..compat import config_value
 from ..training.spec import Batch, FamilyTrainer, TrainOptions, TrainTarget
@@ -124,18 +123,15 @@ class DFlashTrainer(FamilyTrainer):
         return int(self.args.block_size) if self.args is not None else DEFAULT_BLOCK_SIZE
 
     def build(self, target: TrainTarget) -> nn.Module:
-        from . import _read_weights, check, detect, target_embedding_and_head
+        from ..checkpoint import read_tensors
+        from . import check, detect, target_embedding_and_head
 
         o = self.options
         vocab = int(config_value(target.config, "vocab_size"))
         if o.init is not None:
-            path = loading.resolve_path(o.init, "--init drafter")
-            config = loading.read_config(path, "--init drafter")
-            if not detect(config):
-                raise ValueError(f"--init: {o.init!r} is not a DFlash drafter (no dflash_config, DFlashDraftModel or target_layer_ids)")
-            if "quantization" in config:
-                raise ValueError(f"--init: {o.init!r} is quantized; training needs float weights")
-            raw = _read_weights(path)
+            path, config = self.init_checkpoint(detect, "is not a DFlash drafter (no dflash_config, DFlashDraftModel "
+                                                        "or target_layer_ids)")
+            raw = read_tensors(path)
             self.prefix = "model." if any(k.startswith("model.") for k in raw) else ""
         else:
             layers = o.target_layers or default_layer_ids(target.num_layers, o.num_layers or DEFAULT_LAYERS)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -23,14 +22,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ...hooks import loading
+from ..checkpoint import copy_tokenizer
 from ..compat import config_value
 from ..training.spec import Batch, FamilyTrainer, TrainOptions, TrainTarget
 from . import DEFAULT_BLOCK_SIZE
 
 DEFAULT_LAYERS = 2
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
-                   "chat_template.json")
 
 
 def dense_parameters(model: nn.Module) -> Dict[str, mx.array]:
@@ -179,12 +176,7 @@ class DraftModelTrainer(FamilyTrainer):
         weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
         mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
         (out_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-        written = ["config.json", "model.safetensors"]
-        for f in TOKENIZER_FILES:
-            if (target.path / f).is_file():
-                shutil.copy(target.path / f, out_dir / f)
-                written.append(f)
-        return written
+        return ["config.json", "model.safetensors", *copy_tokenizer(target.path, out_dir)]
 
     def describe(self) -> str:
         t = _text(self.config)

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..base import DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget
+from ..checkpoint import load_into, read_tensors
 from .batch import Eagle3Batch
 from .check import check, target_layers
 from .model import DEFAULT_BLOCK_SIZE, Model, ModelArgs, canonical_name, config_layout
@@ -71,13 +71,6 @@ def detect(config: Dict[str, Any]) -> bool:
     return config_layout(config) is not None and kind in (None, "eagle3")
 
 
-def read_weights(path: Path) -> Dict[str, mx.array]:
-    weights: Dict[str, mx.array] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    return weights
-
-
 def draft_targets(raw: Dict[str, mx.array], args: ModelArgs) -> mx.array:
     """[draft_vocab] target ids of the draft ids: arange + d2t (identity without d2t)."""
     base = mx.arange(args.draft_vocab_size, dtype=mx.int64)
@@ -88,21 +81,11 @@ def draft_targets(raw: Dict[str, mx.array], args: ModelArgs) -> mx.array:
 def build(path: Path, config: Dict[str, Any]) -> Tuple[Model, Dict[str, mx.array]]:
     """(Model with the checkpoint's weights, the raw tensors) from a checkpoint folder."""
     args = ModelArgs.from_dict(config)
-    raw = read_weights(path)
+    raw = read_tensors(path)
     own = any(canonical_name(k) == "embed_tokens.weight" for k in raw)
     model = Model(args, own_embedding=own)
     weights = model.sanitize(raw)
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise DrafterError(f"draft model {str(path)!r}: its tensors do not match an EAGLE-3 drafter of this config "
-                           f"(layout {args.layout}): {e}") from e
-    mx.eval(model.parameters())
-    model.eval()
+    load_into(model, weights, config, path, f"an EAGLE-3 drafter of this config (layout {args.layout})")
     return model, raw
 
 

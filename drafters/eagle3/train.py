@@ -21,7 +21,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...hooks import loading
 from ..base import DraftTarget
 from ..compat import config_value
 from ..training.spec import Batch, FamilyTrainer, TrainOptions, TrainTarget
@@ -125,12 +124,8 @@ class Eagle3Trainer(FamilyTrainer):
         o = self.options
         vocab = int(config_value(target.config, "vocab_size"))
         if o.init is not None:
-            path = loading.resolve_path(o.init, "--init drafter")
-            config = loading.read_config(path, "--init drafter")
-            if not detect(config):
-                raise ValueError(f"--init: {o.init!r} is not an EAGLE-3 drafter (none of the EAGLE, SpecForge, speculators layouts)")
-            if "quantization" in config:
-                raise ValueError(f"--init: {o.init!r} is quantized; training needs float weights")
+            path, config = self.init_checkpoint(detect, "is not an EAGLE-3 drafter (none of the EAGLE, SpecForge, "
+                                                        "speculators layouts)")
             model, raw = build_model(path, config)
             args = model.args
             d2t = raw.get("d2t")

@@ -13,10 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import mlx.core as mx
-import mlx.nn as nn
 
 from ..base import Compatibility, Drafter, DrafterError, DraftTarget
+from ..checkpoint import load_into, read_tensors
 from ..compat import check_tokenizer, config_value
 from . import target as tg
 from .assistant import AssistantDrafter, target_kv_layers
@@ -114,20 +113,7 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
         raise DrafterError("a Gemma 4 assistant reads the target's K/V and hidden states: load the target first")
     args = ModelArgs.from_dict(config)
     model = Model(args)
-    raw: Dict[str, mx.array] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        raw.update(mx.load(str(f)))
-    weights = model.sanitize(raw)
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"),
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise DrafterError(f"draft model {str(path)!r}: its tensors do not match a gemma4_assistant of this config: {e}") from e
-    mx.eval(model.parameters())
-    model.eval()
+    load_into(model, model.sanitize(read_tensors(path)), config, path, "a gemma4_assistant of this config")
     ta = _target_args(target.config)
     kv = target_kv_layers(ta.layer_types, ta.num_kv_shared_layers)
     kv = {kind: kv[kind] for kind in set(model.layer_types)}

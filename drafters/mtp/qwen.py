@@ -26,11 +26,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..base import Compatibility, Drafter, DrafterError, DraftTarget
+from ..checkpoint import load_into
 from ..compat import check_tokenizer, config_value
 from . import target as tg
 from .batch import HeadDrafter
@@ -186,16 +185,7 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     hf = not standalone and tg.file_format(next(iter({tg.headers(path)[n].file for n in names}))) != "mlx"
     weights = Model.sanitize(raw, hf_layout=hf)
     model = Model(args)
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"),
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise DrafterError(f"draft model {str(path)!r}: its MTP tensors do not match a {layer_family(args.text)} head: {e}") from e
-    mx.eval(model.parameters())
-    model.eval()
+    load_into(model, weights, config, path, f"a {layer_family(args.text)} MTP head")
     head = tg.lm_head(target.model)
     block = int(args.block_size) if standalone and args.block_size else args.depth + 1
     return HeadDrafter(FAMILY, model, tg.embedding(target.model), head, tg.final_norm(target.model),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -34,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ...hooks import loading
+from ..checkpoint import copy_tokenizer, read_tensors
 from ..compat import config_value
 from ..training.spec import Batch, FamilyTrainer, TrainOptions, TrainTarget
 from . import gemma, objectives, qwen
@@ -47,8 +46,6 @@ from .qwen3_5_mtp import ModelArgs as HeadArgs
 from .qwen3_5_mtp import text_config
 
 DEFAULT_BLOCK_SIZE = 4  # 3 draft steps
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 def new_assistant_config(target: TrainTarget, hidden: Optional[int], layers: Optional[int]) -> Dict[str, Any]:
@@ -86,10 +83,7 @@ class MTPTrainer(FamilyTrainer):
         t_type = str(text_config(target.config).get("model_type", target.config.get("model_type", "")))
         raw: Optional[Dict[str, mx.array]] = None
         if o.init is not None:
-            path = loading.resolve_path(o.init, "--init drafter")
-            config = loading.read_config(path, "--init drafter")
-            if "quantization" in config:
-                raise ValueError(f"--init: {o.init!r} is quantized; training needs float weights")
+            path, config = self.init_checkpoint()
             if gemma.detect(config):
                 self.style = "assistant"
             elif qwen.detect(config):
@@ -104,9 +98,7 @@ class MTPTrainer(FamilyTrainer):
             else:
                 raise ValueError(f"--init: {o.init!r} is neither a gemma4_assistant nor a Qwen3.5/Qwen3-Next MTP head")
             if raw is None:
-                raw = {}
-                for f in sorted(path.glob("*.safetensors")):
-                    raw.update(mx.load(str(f)))
+                raw = read_tensors(path)
         elif t_type.startswith("gemma4"):
             self.style, config = "assistant", new_assistant_config(target, o.hidden_size, o.num_layers)
         elif t_type.startswith("deepseek"):
@@ -214,12 +206,7 @@ class MTPTrainer(FamilyTrainer):
             meta = "mlx"
         mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": meta})
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        written = ["config.json", "model.safetensors"]
-        for f in TOKENIZER_FILES:
-            if (target.path / f).is_file():
-                shutil.copy(target.path / f, out_dir / f)
-                written.append(f)
-        return written
+        return ["config.json", "model.safetensors", *copy_tokenizer(target.path, out_dir)]
 
     def describe(self) -> str:
         if self.style == "assistant":

@@ -17,6 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...hooks import loading
+
 
 EVAL_LOGITS = 1 << 26  # logits (elements) one evaluation forward may make
 
@@ -121,6 +123,18 @@ class FamilyTrainer(abc.ABC):
     @property
     def block_size(self) -> int:
         return int(self.options.block_size or self.default_block_size)
+
+    def init_checkpoint(self, detect: Optional[Any] = None, not_this: str = "") -> Tuple[Path, Dict[str, Any]]:
+        """(folder, config.json) of ``--init``: a float checkpoint, of this family when ``detect`` is given
+        (``not_this`` completes the refusal: "--init: 'x' <not_this>")."""
+        o = self.options
+        path = loading.resolve_path(o.init, "--init drafter")
+        config = loading.read_config(path, "--init drafter")
+        if detect is not None and not detect(config):
+            raise ValueError(f"--init: {o.init!r} {not_this}")
+        if "quantization" in config:
+            raise ValueError(f"--init: {o.init!r} is quantized; training needs float weights")
+        return path, config
 
     @abc.abstractmethod
     def build(self, target: TrainTarget) -> nn.Module:
