@@ -2,6 +2,8 @@
 # Issue 15: the embedded demo made from scratch on the GPU machine (demo/build.py), resumable across calls.
 # Run from the repo root with MLX-CUDA staged (../shared/gpu/prepare-mlx-cuda.sh). Usage:
 #   bash bench/h200_demo.sh build [SECONDS]   # run again until it installs; state in /tmp/demo-work
+#   bash bench/h200_demo.sh drafters [SECONDS] # the same, keeping the shipped target (demo/target and its seconds in
+#                                             # demo/manifest.json): every drafter trained again
 #   bash bench/h200_demo.sh bench             # mlx-spec bench with the real drafters + the acceptance script (bf16)
 #   bash bench/h200_demo.sh save              # finished stages' state to $OUT/demo-work.tgz (a new machine can
 #                                             # continue from it: unpack it as .demo-work and carry that)
@@ -16,11 +18,24 @@ export PYTHONPATH="$SITE:/tmp/site2" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 WORK=/tmp/demo-work
 if [ -d .demo-work ] && [ ! -d "$WORK" ]; then cp -r .demo-work "$WORK"; fi
 case "$1" in
-  build)
+  drafters|build)
+    if [ "$1" = drafters ] && [ ! -f "$WORK/target-info.json" ]; then
+      python3 - "$WORK" <<'PY'
+import json, shutil, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+work.mkdir(parents=True, exist_ok=True)
+shipped = json.loads(Path("demo/manifest.json").read_text())
+shutil.copytree("demo/target", work / "target")
+(work / "target-info.json").write_text(json.dumps(shipped["target"], indent=1))
+(work / "times.json").write_text(json.dumps({"target": shipped["seconds"]["target"]}, indent=1))
+PY
+    fi
     pin=(); if [ -f demo/manifest.json ]; then pin=(--pin demo/manifest.json); fi
     rc=0
     python3 -m mlx_speculative.demo.build --work "$WORK" --out /tmp/demo-out "${pin[@]}" --max-time "${2:-540}" || rc=$?
     if [ "$rc" = 0 ]; then tar -C /tmp/demo-out -cf "$OUT/demo.tar" .; fi
+    (cd "$WORK" && tar -czf "$OUT/demo-logs.tgz" times.json $(ls -d */training/log.jsonl 2>/dev/null)) || true
     exit "$rc" ;;
   bench)  # the demo on this GPU: mlx-spec bench with its real drafters, then the acceptance script in bf16
     D=/tmp/demo-out; [ -d "$D/target" ] || D=demo  # a build on this machine, else the shipped demo
@@ -49,5 +64,5 @@ for f in work.rglob("*"):
 print(sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) / 2**20, "MB saved")
 PY
     tar -C /tmp/demo-save -czf "$OUT/demo-work.tgz" . ;;
-  *) echo "unknown: $1 (build [SECONDS] | bench | save)"; exit 2 ;;
+  *) echo "unknown: $1 (build [SECONDS] | drafters [SECONDS] | bench | save)"; exit 2 ;;
 esac

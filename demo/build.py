@@ -35,12 +35,13 @@ PROMPTS = 32
 # deep, the MTP head 3 deep, the draft LM's tau estimate at 4 (as the demo decodes them).
 DRAFTER_ARGS: Dict[str, List[str]] = {
     "dflash": ["--block-size", "16", "--num-layers", "3", "--target-layers", "0,1,2,3", "--loss-decay-gamma", "7",
-               "--steps", "3000", "--batch-size", "32", "--lr", "1.5e-3"],
-    "eagle3": ["--block-size", "8", "--draft-vocab-size", "1024", "--steps", "1200", "--batch-size", "32",
-               "--lr", "1e-3", "--sequences", "8192"],
-    "mtp": ["--block-size", "4", "--steps", "1200", "--batch-size", "32", "--lr", "1e-3", "--sequences", "8192"],
-    "draft_model": ["--block-size", "4", "--num-layers", "2", "--hidden-size", "128", "--steps", "1200",
-                    "--batch-size", "32", "--lr", "2e-3", "--sequences", "8192"],
+               "--steps", "10000", "--batch-size", "32", "--lr", "1.5e-3", "--sequences", "32768",
+               "--eval-every", "2500"],
+    "eagle3": ["--block-size", "8", "--draft-vocab-size", "1024", "--steps", "3000", "--batch-size", "32",
+               "--lr", "1e-3"],
+    "mtp": ["--block-size", "4", "--steps", "3000", "--batch-size", "32", "--lr", "1e-3"],
+    "draft_model": ["--block-size", "4", "--num-layers", "2", "--hidden-size", "128", "--steps", "3000",
+                    "--batch-size", "32", "--lr", "2e-3"],
 }
 SHARED_ARGS = ["--seq-len", "256", "--prompt-tokens", "64", "--sequences", "16384", "--heldout-sequences", "32",
                "--gen-batch", "2048", "--eval-every", "0", "--checkpoint-every", "250", "--log-every", "100",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
 
     out = tmp_path / "bench.json"
     rc = main(["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "draft_model", "--oracle-acceptance", "3",
-               "--block-sizes", "4", "--prompt-lengths", "64,100", "--max-tokens", "12", "--json", str(out)])
+               "--block-sizes", "4", "--prompt-lengths", "64,300", "--max-tokens", "12", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     for regime in ("fresh", "warm"):
@@ -44,18 +45,62 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert set(spec["ms_per_round"]) == {"draft", "verify", "commit", "host_overhead"}
         assert rows["mlx_lm.generate_step"]["speedup_vs_mlx_lm_plain"] == 1.0
     assert report["versions"]["mlx"] and report["machine"]["backend"] == "cpu"
-    costs = report["kernel_costs"]  # bare forwards: the target over 1 and 4 positions, the draft LM's block
-    assert set(costs["target_forward_ms"]) == {"1", "4"} and costs["cache"] == "KVCache"
-    bare = costs["target_forward_ms"]["4"] + costs["draft_ms"]["draft_model"]["4"]
+    costs = report["kernel_costs"]  # bare forwards at each prompt's key length: the target over 1, 4, 16, 32 positions
+    keys = costs["run_key_lengths"]  # mid-decode: 64..151 and 300..387 keys + 6, rounded up to 256
+    assert keys == [256, 512] and costs["extra_key_lengths"] == []  # the CPU: no extra lengths by default
+    assert set(costs["by_key_length"]) == {str(L) for L in keys} and costs["key_length"] in keys
+    for c in costs["by_key_length"].values():
+        assert set(c["target_forward_ms"]) == {"1", "4", "16", "32"} and set(c["draft_ms"]["draft_model"]) == {"4"}
+    assert costs["target_forward_ms"] == costs["by_key_length"][str(costs["key_length"])]["target_forward_ms"]
+    assert costs["cache"] == "KVCache"
     for regime in ("fresh", "warm"):
         rows = report["results"][regime]
         spec = rows["plugin draft_model b4 tau3"]
-        assert spec["bare_round_ms"] == pytest.approx(bare, abs=1e-3)
-        step_ms = 1000.0 / rows["mlx_lm.generate_step"]["tok_s"]
-        assert spec["kernel_bound_vs_mlx_lm_plain"] == pytest.approx(spec["tau"] * step_ms / bare, rel=1e-2)
-        verify = costs["target_forward_ms"]["4"]
-        assert spec["verify_ceiling_vs_mlx_lm_plain"] == pytest.approx(spec["tau"] * step_ms / verify, rel=1e-2)
+        plain = rows["mlx_lm.generate_step"]["tok_s_per_prompt"]
+        prompt_keys = spec["bare_key_length_per_prompt"]
+        assert prompt_keys == [256, 512] and len(plain) == 2
+        bare, bounds, ceilings, shares = [], [], [], []
+        for i, L in enumerate(prompt_keys):  # per prompt: its key length's bare round, its own tau and plain speed
+            c = costs["by_key_length"][str(L)]
+            verify = c["target_forward_ms"]["4"]
+            bare.append(verify + c["draft_ms"]["draft_model"]["4"])
+            tau, step_ms = spec["tau_per_prompt"][i], 1000.0 / plain[i]
+            bounds.append(tau * step_ms / bare[i])
+            ceilings.append(tau * step_ms / verify)
+            shares.append(spec["tok_s_per_prompt"][i] * bare[i] / (1000.0 * tau))
+        assert spec["bare_round_ms"] == pytest.approx(statistics.median(bare), abs=1e-3)
+        assert spec["kernel_bound_per_prompt"] == pytest.approx(bounds, rel=1e-2)
+        assert spec["kernel_bound_vs_mlx_lm_plain"] == pytest.approx(statistics.median(bounds), rel=1e-2)
+        assert spec["verify_ceiling_vs_mlx_lm_plain"] == pytest.approx(statistics.median(ceilings), rel=1e-2)
+        assert spec["kernel_bound_share_per_prompt"] == pytest.approx(shares, rel=1e-2)
+        assert spec["kernel_bound_share"] == pytest.approx(statistics.median(spec["kernel_bound_share_per_prompt"]), abs=1e-4)
+        # the share is the speed-up over the bound, prompt by prompt
+        speedups = [x / y for x, y in zip(spec["tok_s_per_prompt"], plain)]
+        assert [s / b for s, b in zip(speedups, bounds)] == pytest.approx(shares, rel=1e-2)
+        assert not {"ideal_bound", "share_of_ideal"} & set(spec)
         assert "kernel_bound_vs_mlx_lm_plain" not in rows["mlx_lm.speculative_generate_step b4 tau3"]
+
+
+def test_bench_cost_keys(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--cost-keys``: the bare forwards also at the given key lengths (as given, not rounded); bad values refused."""
+    from mlx_speculative.hooks.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "draft_model", "--oracle-acceptance", "3",
+                 "--block-sizes", "4", "--prompt-lengths", "64", "--max-tokens", "8", "--no-mlx-lm-spec",
+                 "--cost-keys", "300", "--json", str(out)]) == 0
+    costs = json.loads(out.read_text())["kernel_costs"]
+    assert costs["extra_key_lengths"] == [300] and costs["run_key_lengths"] == [256]
+    assert set(costs["by_key_length"]) == {"256", "300"} and costs["key_length"] == 256
+    assert set(costs["by_key_length"]["300"]["target_forward_ms"]) == {"1", "4", "16", "32"}
+    assert "   300 keys: target by positions 1:" in capsys.readouterr().out
+    from mlx_speculative.plugin.bench import _cost_keys
+
+    assert _cost_keys(None) is None and _cost_keys("none") == [] and _cost_keys("8192, 16384") == [8192, 16384]
+    for bad in ("0", "abc", "300,-1"):
+        assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--cost-keys", bad]) != 0, bad
+        err = capsys.readouterr().err
+        assert f"--cost-keys: got {bad!r}; expected the key lengths" in err and "allowed: positive integers" in err
 
 
 def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> None:
@@ -79,7 +124,9 @@ def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> N
         for name in ("mlx_lm.generate_step", "mlx_lm.speculative_generate_step b4 tau3"):
             assert set(rows[name]["attention_calls"]) == {"mlx: off"}, rows[name]["attention_calls"]
     costs = report["kernel_costs"]
-    assert costs["attention"] == "kernel" and set(costs["target_forward_ms_kernel_off"]) == {"1", "4"}
+    assert costs["attention"] == "kernel" and set(costs["target_forward_ms_kernel_off"]) == {"1", "4", "16", "32"}
+    for c in costs["by_key_length"].values():
+        assert set(c["target_forward_ms_kernel_off"]) == {"1", "4", "16", "32"} and set(c["draft_ms_kernel_off"]) == {"draft_model"}
     capsys.readouterr()
     assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kernel", "on", "--prompt-lengths", "64"]) != 0
     assert "--kernel on: the attention kernel needs MLX built with CUDA" in capsys.readouterr().err

@@ -95,3 +95,23 @@ def test_every_drafter_decodes_held_out_prompts_exactly(tmp_path: Path) -> None:
         assert r["greedy"]["rounds"] > 0
     assert {kind: r["block"] for kind, r in kinds.items() if kind != "ngram"} == {
         "dflash": 16, "eagle3": 8, "mtp": 4, "draft_model": 4}
+
+
+def test_target_confidence_script(tmp_path: Path) -> None:
+    """bench/demo_confidence.py: the greedy path's top-1 probability, checked against the target directly."""
+    spec = importlib.util.spec_from_file_location("demo_confidence", ROOT / "bench" / "demo_confidence.py")
+    script = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(script)
+    out = tmp_path / "confidence.json"
+    assert script.main(["--demo-dir", str(demo.HERE), "--prompts", "1", "--max-tokens", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["greedy_steps"] == 1
+    # one step: the top-1 probability of the prompt's last position, which greedy decoding takes
+    target = script.da.load_target(demo.HERE, "float32")
+    prompt = json.loads((demo.HERE / "prompts.json").read_text())["prompts"][0]["prompt"]
+    ids = script.encode_prompt(target.tokenizer, prompt, chat=False)
+    probs = mx.softmax(target.model(mx.array([ids]))[0, -1].astype(mx.float32), axis=-1)
+    assert report["mean_top1_probability"] == pytest.approx(float(probs.max()), abs=1e-4)
+    top2 = mx.sort(probs)[-2:]
+    assert report["share_top2_within_0.1"] == float(top2[1] - top2[0] < 0.1)

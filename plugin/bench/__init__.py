@@ -28,6 +28,19 @@ def _ints(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"got {text!r}; expected integers separated by commas (e.g. 128,512,1024)") from None
 
 
+def _cost_keys(text: Optional[str]) -> Optional[List[int]]:
+    """``--cost-keys``: None (the backend's default), [] for 'none', else positive key lengths."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return []
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--cost-keys: got {text!r}; expected the key lengths of the bare forward costs; allowed: "
+                         "positive integers separated by commas (e.g. 8192,16384), or 'none'")
+    return [int(p) for p in parts]
+
+
 def add_command(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="benchmark plain vs speculative decoding (mlx-lm and this plugin)")
     src = p.add_argument_group("models")
@@ -79,6 +92,10 @@ def add_command(subparsers: Any) -> None:
                           "(plugin/attention.py; auto: on where MLX runs on CUDA; on elsewhere is an error). "
                           "The JSON's attention section and rows record which path each call took; "
                           "kernel_costs then also time the bare forwards with MLX's attention")
+    run.add_argument("--cost-keys", default=None, metavar="L[,L...]|none",
+                     help="also time the bare forwards (kernel_costs in the JSON) at these key lengths, besides each "
+                          "prompt's key length at mid-decode (prompt + max-tokens/2, rounded up to 256), e.g. 8192,16384 (default: 8192,16384 on CUDA, none elsewhere; "
+                          "'none': none)")
     src.add_argument("--quantize-target", type=int, default=None, choices=[4, 8], metavar="BITS",
                      help="quantize the target's weights after loading (4 or 8 bits, group size 64)")
     run.add_argument("--no-mlx-lm-spec", action="store_true", help="skip mlx-lm's speculative_generate_step")
@@ -104,6 +121,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.block_sizes = [] if args.drafter else [16]
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; expected at least 2")
+    extra_keys = _cost_keys(args.cost_keys)
     for b in args.block_sizes:
         if not 2 <= b <= 128:
             raise ValueError(f"--block-sizes: got {b}; allowed: 2 to 128")
@@ -135,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kernel=args.kernel, quantize_bits=args.quantize_target,
         mlx_lm_spec=not args.no_mlx_lm_spec, draft_layers=args.draft_layers, dflash_layers=args.dflash_layers,
         seed=args.seed, cpu=args.cpu, drafters=args.drafter, prompts_file=args.prompts_file,
-        max_prompts=args.max_prompts,
+        max_prompts=args.max_prompts, cost_keys=extra_keys,
     )
     check(settings)  # refused combinations, before anything loads
     report = run_bench(settings)

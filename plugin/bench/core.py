@@ -25,7 +25,7 @@ from ...hooks.state import CachePolicy, LoadedTarget
 from .. import attention, cache_policy
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import summarize
-from . import real, synthetic
+from . import kernels, real, synthetic
 
 
 # -- the bench ------------------------------------------------------------------------------------
@@ -53,6 +53,7 @@ class BenchSettings:
     drafters: List[str] = field(default_factory=list)  # real checkpoints, PATH or PATH@B (real.py)
     prompts_file: Optional[str] = None  # text prompts instead of random tokens (real.py)
     max_prompts: Optional[int] = None
+    cost_keys: Optional[List[int]] = None  # extra key lengths of the bare forward costs; None: 8192,16384 on CUDA
 
 
 def _progress(msg: str) -> None:
@@ -294,16 +295,18 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
                 runs.append(r)
                 tau = f" tau {1 + r.spec['accepted_tokens'] / r.spec['rounds']:.2f}" if r.spec and r.spec["rounds"] else ""
                 print(f"[run] {regime} L={L} {m.name}: {r.tok_s:.1f} tok/s{tau}", flush=True)
-    on_progress("bare forward costs (kernel bound)")
-    timed_lens = sorted(L for row in lengths for L in row)
-    key_length = timed_lens[len(timed_lens) // 2] + s.max_tokens // 2
-    costs = kernel_costs(s, target, drafters, methods, key_length, padded)
+    run_keys = kernels.prompt_key_lengths(lengths, s.max_tokens)
+    extra_keys = s.cost_keys if s.cost_keys is not None else \
+        (kernels.EXTRA_KEYS_CUDA if cache_policy.backend() == "cuda" else [])
+    bucket = s.bucket if padded else None
+    costs = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress)
     if disp is not None:  # the same bare forwards on MLX's attention: the kernel's share of a forward
         disp.enabled = False
-        off = kernel_costs(s, target, drafters, methods, key_length, padded)
+        off = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress)
         disp.enabled = True
-        costs["target_forward_ms_kernel_off"] = off["target_forward_ms"]
-        costs["draft_ms_kernel_off"] = off["draft_ms"]
+        for mine, theirs in [(costs, off)] + [(costs["by_key_length"][L], c) for L, c in off["by_key_length"].items()]:
+            mine["target_forward_ms_kernel_off"] = theirs["target_forward_ms"]
+            mine["draft_ms_kernel_off"] = theirs["draft_ms"]
     costs["attention"] = "kernel" if disp is not None else "mlx"
     on_progress("done\n")
     info_att = {"kernel": "on" if disp is not None else "off", "mode": s.kernel,
@@ -320,30 +323,4 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
                              "tokenized": "the target's tokenizer, no chat template", "fresh_rule_holds": False,
                              "method_order": [[methods[i].name for i in row] for row in order]}
     return report
-
-
-def kernel_costs(s: BenchSettings, target: LoadedTarget, drafters: Dict[str, Any], methods: List[Method],
-                 key_length: int, padded: bool, iters: int = 10) -> Dict[str, Any]:
-    """Bare, warm, synchronised forward costs after ``key_length`` positions (plugin/bench/kernels.py):
-    the target over 1 position and over each block, and each drafter's block."""
-    from . import kernels
-
-    bucket = s.bucket if padded else None
-    blocks = sorted({m.block for m in methods if m.family == "spec" and m.block})
-    target_ms = kernels.target_forward_ms(target.model, key_length, [1] + blocks, iters, bucket)
-    draft_ms: Dict[str, Dict[int, float]] = {}
-    for kind in sorted({m.kind for m in methods if m.family == "spec" and m.kind in drafters}):
-        drafter, draft_lm, _ = drafters[kind]
-        blocks = sorted({m.block for m in methods if m.family == "spec" and m.kind == kind and m.block})
-        if kind == "dflash":
-            draft_ms[kind] = {b: kernels.dflash_block_ms(drafter, key_length, b, iters) for b in blocks}
-        elif kind == "eagle3":
-            draft_ms[kind] = {b: kernels.eagle3_chain_ms(drafter, key_length, b, iters) for b in blocks}
-        elif kind == "draft_model" and draft_lm is not None:
-            draft_ms[kind] = {b: kernels.draft_lm_ms(draft_lm, key_length, b, iters, bucket) for b in blocks}
-    return {"key_length": key_length, "cache": "padded" if padded else "KVCache", "iters": iters,
-            "target_forward_ms": {str(w): v["ms"] for w, v in target_ms.items()},
-            "target_graph_build_ms": {str(w): v["build_ms"] for w, v in target_ms.items()},
-            "draft_ms": {k: {str(b): ms for b, ms in v.items()} for k, v in draft_ms.items()}}
-
 

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from .. import cache_policy
+from . import kernels
 from .methods import Method, Run
 
 
@@ -33,6 +34,7 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
         return statistics.median(xs) if xs else 0.0
 
     results: Dict[str, Any] = {}
+    keys = kernels.prompt_key_lengths(lengths, s.max_tokens)  # [prompts], as kernel_costs timed them
     for regime in ("fresh", "warm"):
         rows: Dict[str, Any] = {}
         for m in methods:
@@ -68,6 +70,8 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
                         merged_pos = [a + b for a, b in zip(merged_pos + [0] * (len(pos) - len(merged_pos)), pos + [0] * (len(merged_pos) - len(pos)))] if merged_pos else list(pos)
                         drafted += r.drafted
                 row["per_position_acceptance"] = _per_position({"accepted_per_position": merged_pos}, drafted)
+                row["tau_per_prompt"] = [round(1 + r.spec["accepted_tokens"] / r.spec["rounds"], 3)
+                                         if r.spec and r.spec["rounds"] else None for r in rs]
                 secs = [x.get("seconds") or {} for x in specs]
                 if rounds and all(secs):
                     ms = {k: round(1000 * sum(x[k] for x in secs) / rounds, 3) for k in ("draft", "verify", "commit")}
@@ -75,33 +79,18 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
                     ms["host_overhead"] = round(1000 * wall / rounds - sum(ms.values()), 3)
                     row["ms_per_round"] = ms
             rows[m.name] = row
-        # speed-ups and the ideal bound
+        # speed-ups, and the kernel bound prompt by prompt (each prompt's own key length and plain speed)
         base = rows[methods[0].name]["tok_s"]
         project_plain = max((r["tok_s"] for r in rows.values() if r["family"] == "plain" and r["name"].startswith("host")), default=0.0)
         best_plain = max((r["tok_s"] for r in rows.values() if r["family"] == "plain"), default=0.0)
+        hosts = [r["tok_s_per_prompt"] for r in rows.values() if r["family"] == "plain" and r["name"].startswith("host")]
+        plain = _Plain(rows[methods[0].name]["tok_s_per_prompt"], [max(x) for x in zip(*hosts)] if hosts else [])
         for r in rows.values():
             r["speedup_vs_mlx_lm_plain"] = round(r["tok_s"] / base, 3) if base else None
             r["speedup_vs_best_project_plain"] = round(r["tok_s"] / project_plain, 3) if project_plain else None
             r["speedup_vs_best_plain"] = round(r["tok_s"] / best_plain, 3) if best_plain else None
-            if r.get("adaptive"):
-                continue  # per-round bounds say nothing about a run that is mostly plain steps
-            if "ms_per_round" in r and project_plain:
-                t_step = 1000.0 / project_plain
-                t_round = r["ms_per_round"]["draft"] + r["ms_per_round"]["verify"]
-                ideal = r["tau"] * t_step / t_round if t_round else 0.0
-                r["ideal_bound"] = round(ideal, 3)
-                r["share_of_ideal"] = round(r["speedup_vs_best_project_plain"] / ideal, 3) if ideal else None
-            bare = _bare_costs_ms(costs, r)
-            if bare and r.get("tau") and base and project_plain:
-                # No machinery at all: tau tokens for one bare draft + one bare verify; the ceiling
-                # counts the verify alone (a drafter that costs nothing).
-                draft, verify = bare
-                bare = draft + verify
-                r["bare_round_ms"] = round(bare, 3)
-                r["kernel_bound_vs_mlx_lm_plain"] = round(r["tau"] * (1000.0 / base) / bare, 3)
-                r["kernel_bound_vs_best_project_plain"] = round(r["tau"] * (1000.0 / project_plain) / bare, 3)
-                r["verify_ceiling_vs_mlx_lm_plain"] = round(r["tau"] * (1000.0 / base) / verify, 3)
-                r["verify_ceiling_vs_best_project_plain"] = round(r["tau"] * (1000.0 / project_plain) / verify, 3)
+            if not r.get("adaptive"):  # per-round bounds say nothing about a run that is mostly plain steps
+                r.update(_kernel_bounds(costs, r, keys, plain))
         results[regime] = rows
 
     def version(name: str) -> str:
@@ -132,40 +121,86 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
     }
 
 
-def _bare_costs_ms(costs: Optional[Dict[str, Any]], row: Dict[str, Any]) -> Optional[Tuple[float, float]]:
-    """(bare draft, bare verify) milliseconds of a plugin row's block, when both were timed."""
+@dataclasses.dataclass
+class _Plain:
+    mlx_lm: List[float]  # tok/s per prompt of mlx-lm's generate_step
+    project: List[float]  # the best of this host's plain methods, per prompt
+
+
+def _kernel_bounds(costs: Optional[Dict[str, Any]], row: Dict[str, Any], keys: List[int], plain: _Plain) -> Dict[str, Any]:
+    """A fixed-block plugin row against bare rounds, prompt by prompt at each prompt's key length (``keys``):
+    the bound tau * T(plain step) / (bare draft + bare verify), the ceiling with a drafter that costs
+    nothing, and the share tok/s * bare / tau. Medians over the prompts; nothing when costs are missing."""
     if not costs or row.get("family") != "spec" or not row.get("block") or row["name"].startswith("mlx_lm"):
-        return None
-    verify = costs["target_forward_ms"].get(str(row["block"]))
-    draft = costs["draft_ms"].get(row.get("kind"), {}).get(str(row["block"]))
-    return (draft, verify) if verify is not None and draft is not None else None
+        return {}
+    b = str(row["block"])
+    per: Dict[str, List[Optional[float]]] = {k: [] for k in ("bare", "bound", "bound_p", "ceil", "ceil_p", "share")}
+    for i, (L, tok_s, tau) in enumerate(zip(keys, row["tok_s_per_prompt"], row.get("tau_per_prompt") or [])):
+        c = costs.get("by_key_length", {}).get(str(L), {})
+        verify = c.get("target_forward_ms", {}).get(b)
+        draft = c.get("draft_ms", {}).get(row.get("kind"), {}).get(b)
+        step = 1000.0 / plain.mlx_lm[i] if plain.mlx_lm[i] else None
+        step_p = 1000.0 / plain.project[i] if i < len(plain.project) and plain.project[i] else None
+        ok = verify is not None and draft is not None and tau and step
+        bare = draft + verify if ok else None
+        per["bare"].append(bare)
+        per["bound"].append(round(tau * step / bare, 3) if ok else None)
+        per["bound_p"].append(round(tau * step_p / bare, 3) if ok and step_p else None)
+        per["ceil"].append(round(tau * step / verify, 3) if ok else None)
+        per["ceil_p"].append(round(tau * step_p / verify, 3) if ok and step_p else None)
+        # tau tokens per bare round is what no machinery reaches; a round overlapping the drafter with
+        # building the verify is the only way past it
+        per["share"].append(round(tok_s * bare / (1000.0 * tau), 4) if ok else None)
+
+    def med(k: str, digits: int = 3) -> Optional[float]:
+        xs = [x for x in per[k] if x is not None]
+        return round(statistics.median(xs), digits) if xs else None
+
+    if med("bare") is None:
+        return {}
+    return {"bare_key_length_per_prompt": keys, "bare_round_ms": med("bare"),
+            "kernel_bound_vs_mlx_lm_plain": med("bound"), "kernel_bound_vs_best_project_plain": med("bound_p"),
+            "verify_ceiling_vs_mlx_lm_plain": med("ceil"), "verify_ceiling_vs_best_project_plain": med("ceil_p"),
+            "kernel_bound_share": med("share", 4), "kernel_bound_per_prompt": per["bound"],
+            "kernel_bound_share_per_prompt": per["share"]}
+
+
+def _costs_line(c: Dict[str, Any], suffix: str = "") -> str:
+    """One key length's bare forwards: target by positions; drafters by block (ms)."""
+    fwd = ", ".join(f"{w}: {ms:.2f}" for w, ms in c["target_forward_ms" + suffix].items())
+    drafts = "; ".join(f"{k} " + ", ".join(f"b{b}: {ms:.2f}" for b, ms in v.items()) for k, v in c["draft_ms" + suffix].items())
+    return f"target by positions {fwd}" + (f"; {drafts}" if drafts else "")
 
 
 def format_table(report: Dict[str, Any]) -> str:
     lines = []
     for regime, rows in report["results"].items():
         lines.append(f"{regime} shapes:")
-        lines.append(f"  {'method':<44} {'tok/s':>8} {'x mlx-lm':>8} {'x proj':>7} {'tau':>6} {'ideal%':>7} {'bound':>6} {'same':>5}  ms/round d/v/c/host")
+        lines.append(f"  {'method':<44} {'tok/s':>8} {'x mlx-lm':>8} {'x proj':>7} {'tau':>6} {'bound%':>7} {'bound':>6} {'same':>5}  ms/round d/v/c/host")
         for name, r in rows.items():
             ms = r.get("ms_per_round")
             split = "/".join(f"{ms[k]:.1f}" for k in ("draft", "verify", "commit", "host_overhead")) if ms else ""
-            share = f"{100 * r['share_of_ideal']:.0f}" if r.get("share_of_ideal") else ""
+            share = f"{100 * r['kernel_bound_share']:.0f}" if r.get("kernel_bound_share") else ""
             tau = f"{r['tau']:.2f}" if r.get("tau") is not None else ""
             bound = f"{r['kernel_bound_vs_mlx_lm_plain']:.2f}" if r.get("kernel_bound_vs_mlx_lm_plain") else ""
             lines.append(f"  {name:<44} {r['tok_s']:>8.1f} {r['speedup_vs_mlx_lm_plain']:>8.2f} "
                          f"{r['speedup_vs_best_project_plain'] or 0:>7.2f} {tau:>6} {share:>7} {bound:>6} {'' if r['identical_share'] is None else format(r['identical_share'], '.0%'):>5}  {split}")
     costs = report.get("kernel_costs")
     if costs:
-        fwd = ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["target_forward_ms"].items())
-        drafts = "; ".join(f"{k} " + ", ".join(f"b{b}: {ms:.2f}" for b, ms in v.items()) for k, v in costs["draft_ms"].items())
-        lines.append(f"bare forwards after {costs['key_length']} keys ({costs['cache']}, attention "
-                     f"{costs.get('attention', 'mlx')}), ms: target by positions {fwd}; drafters {drafts}")
-        if costs.get("target_forward_ms_kernel_off"):
-            off = ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["target_forward_ms_kernel_off"].items())
-            lines.append(f"  the same with MLX's attention: target by positions {off}")
-        lines.append("bound: tau * T(mlx-lm plain step) / (bare draft + bare verify), the speed-up over mlx-lm "
-                     "with no machinery at all (each forward timed alone and synchronised; a round overlaps the "
-                     "drafter's kernels with building the verify, so it can beat this)")
+        by_key = costs.get("by_key_length") or {str(costs["key_length"]): costs}  # older reports: one key length
+        extra = ", ".join(map(str, costs.get("extra_key_lengths") or [])) or "none"
+        lines.append(f"bare forwards, ms ({costs['cache']}, attention {costs.get('attention', 'mlx')}; the prompts' "
+                     f"key lengths at mid-decode, rounded up to 256, and --cost-keys {extra}):")
+        for L in sorted(by_key, key=int):
+            lines.append(f"  {L:>6} keys: {_costs_line(by_key[L])}")
+            if by_key[L].get("target_forward_ms_kernel_off"):
+                lines.append(f"  {'':>6} MLX's attention: {_costs_line(by_key[L], '_kernel_off')}")
+        lines.append("bound: tau * T(mlx-lm plain step) / (bare draft + bare verify) at each prompt's key length, median "
+                     "over prompts: the speed-up over mlx-lm with no machinery at all (each forward timed alone and "
+                     "synchronised)")
+        lines.append("bound%: tok/s * (bare draft + bare verify) / tau, the share of tau tokens per bare round reached "
+                     "(median over prompts): under 100 is time the machinery costs; over 100 only where a round "
+                     "overlaps the drafter's kernels with building the verify")
     return "\n".join(lines)
 
 
