@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 import mlx.core as mx
 import pytest
@@ -28,6 +29,14 @@ def _config(kind: str) -> dict:
 
 def _names(kind: str) -> set:
     return set(mx.load(str(demo.drafter_dir(kind) / "model.safetensors")))
+
+
+def _bench_script(name: str) -> ModuleType:  # a script of bench/, loaded by path
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(script)
+    return script
 
 
 def test_the_demo_is_complete_and_within_its_size_bound() -> None:
@@ -80,10 +89,7 @@ def test_every_drafter_resolves_and_is_compatible(name: str, kind: str, capsys: 
 
 
 def test_every_drafter_decodes_held_out_prompts_exactly(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("demo_acceptance", ROOT / "bench" / "demo_acceptance.py")
-    script = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(script)
+    script = _bench_script("demo_acceptance")
     out = tmp_path / "acceptance.json"
     assert script.main(["--demo-dir", str(demo.HERE), "--prompts", "2", "--max-tokens", "24", "--sampled-prompts", "1",
                         "--cpu", "--json", str(out)]) == 0
@@ -99,10 +105,7 @@ def test_every_drafter_decodes_held_out_prompts_exactly(tmp_path: Path) -> None:
 
 def test_target_confidence_script(tmp_path: Path) -> None:
     """bench/demo_confidence.py: the greedy path's top-1 probability, checked against the target directly."""
-    spec = importlib.util.spec_from_file_location("demo_confidence", ROOT / "bench" / "demo_confidence.py")
-    script = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(script)
+    script = _bench_script("demo_confidence")
     out = tmp_path / "confidence.json"
     assert script.main(["--demo-dir", str(demo.HERE), "--prompts", "1", "--max-tokens", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
