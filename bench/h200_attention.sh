@@ -14,6 +14,10 @@
 #                                                    #   kernel on / off, run 1; then runs 2 and 3 (median of 3)
 #   bash bench/h200_attention.sh e2e on 1 512,2048   # other prompt lengths (if a call would run out of time)
 #   bash bench/h200_attention.sh e2e-4bit on         # the bench with the 4-bit target (prompts near 2048,8192), then off
+#   bash bench/h200_attention.sh e2e-kvcache on 1    # the bench with mlx-lm's KVCache instead of the padded caches
+#                                                    #   (is the padded cache still needed with the kernel?)
+#   bash bench/h200_attention.sh profile             # the DFlash block's parts against what its bytes cost to read
+#                                                    #   (bench/dflash_block_profile.py, KVCache and padded context)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json; copy them to
 # bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
 set -euo pipefail
@@ -46,5 +50,13 @@ case "$what" in
     k=$1; lengths=${2:-2048,8192}
     py "${BENCH[@]}" --prompt-lengths "$lengths" --quantize-target 4 --kernel "$k" \
       --json "$OUT/h200-attention-e2e-4bit-${lengths//,/-}-kernel-$k.json" | tail -30 ;;
-  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS])"; exit 2 ;;
+  e2e-kvcache)  # e2e-kvcache on|off RUN [LENGTHS]
+    k=$1; run=$2; lengths=${3:-512,2048,8192,16384}
+    py "${BENCH[@]}" --prompt-lengths "$lengths" --kernel "$k" --padded-cache off \
+      --json "$OUT/h200-attention-e2e-kvcache-${lengths//,/-}-kernel-$k-$run.json" | tail -30 ;;
+  profile)
+    py bench/dflash_block_profile.py --keys 4096,16384 --json "$OUT/h200-dflash-block-profile-kvcache.json" | tail -30
+    py bench/dflash_block_profile.py --keys 4096,16384 --padded --kernel on --json "$OUT/h200-dflash-block-profile-padded-kernel.json" | tail -30
+    py bench/dflash_block_profile.py --keys 4096,16384 --padded --json "$OUT/h200-dflash-block-profile-padded.json" | tail -30 ;;
+  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile)"; exit 2 ;;
 esac

@@ -83,3 +83,15 @@ def test_attention_forwards(tmp_path: Path) -> None:
     assert rows["on"]["dflash_calls_padded_context"]["kernel"] > 0
     assert "kernel" not in rows["off"]["dflash_calls_padded_context"]
     assert set(rows["on"]["target_forward_ms"]) == {"1", "4"}
+
+
+def test_dflash_block_profile(tmp_path: Path) -> None:
+    """bench/dflash_block_profile.py: the parts are timed, the bytes add up to the drafter, head and K/V."""
+    report = run("dflash_block_profile", ["--synthetic-target", "tiny", "--cpu", "--keys", "40", "--block", "4",
+                                          "--iters", "1", "--copy-mib", "4", "--chain", "4"], tmp_path / "p.json")
+    (r,) = report["results"]
+    assert r["keys"] == 40 and min(r["append_ms"], r["head_ms"], r["block_ms"]) > 0
+    assert r["bytes"]["context_kv"] > 0 and r["bytes"]["drafter"] > r["bytes"]["context_kv"]
+    total = sum(r["bytes"].values())
+    assert r["read_bound_ms"] == pytest.approx(total / (report["copy_gb_s"] * 1e9) * 1e3, rel=0.02)
+    assert r["read_share"] == pytest.approx(r["read_bound_ms"] / r["block_ms"], rel=0.02)
