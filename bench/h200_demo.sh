@@ -4,6 +4,9 @@
 #   bash bench/h200_demo.sh build [SECONDS]   # run again until it installs; state in /tmp/demo-work
 #   bash bench/h200_demo.sh drafters [SECONDS] # the same, keeping the shipped target (demo/target and its seconds in
 #                                             # demo/manifest.json): every drafter trained again
+#   bash bench/h200_demo.sh sweep [VARIANT...]   # target variants' bits per byte on a validation split of the
+#                                             # training files (bench/demo_target_sweep.py; default: 1000,
+#                                             # 2000, 4000 steps), to choose the target the build makes
 #   bash bench/h200_demo.sh bench             # mlx-spec bench with the real drafters + the acceptance script (bf16)
 #   bash bench/h200_demo.sh save              # finished stages' state to $OUT/demo-work.tgz (a new machine can
 #                                             # continue from it: unpack it as .demo-work and carry that)
@@ -37,6 +40,11 @@ PY
     if [ "$rc" = 0 ]; then tar -C /tmp/demo-out -cf "$OUT/demo.tar" .; fi
     (cd "$WORK" && tar -czf "$OUT/demo-logs.tgz" times.json $(ls -d */training/log.jsonl 2>/dev/null)) || true
     exit "$rc" ;;
+  sweep)
+    shift; variants=("$@"); [ ${#variants[@]} -gt 0 ] || variants=(steps=1000 steps=2000 steps=4000)
+    args=(); for v in "${variants[@]}"; do args+=(--variant "$v"); done
+    python3 bench/demo_target_sweep.py --pin demo/manifest.json "${args[@]}" --max-time 480 \
+      --json "$OUT/h200-demo-target-sweep.json" 2>&1 | grep -v "^target step" | tail -20 ;;
   bench)  # the demo on this GPU: mlx-spec bench with its real drafters, then the acceptance script in bf16
     D=/tmp/demo-out; [ -d "$D/target" ] || D=demo  # a build on this machine, else the shipped demo
     python3 -m mlx_speculative.hooks.cli bench --model $D/target --drafter $D/dflash@16 --drafter $D/eagle3@8 \
@@ -64,5 +72,5 @@ for f in work.rglob("*"):
 print(sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) / 2**20, "MB saved")
 PY
     tar -C /tmp/demo-save -czf "$OUT/demo-work.tgz" . ;;
-  *) echo "unknown: $1 (build [SECONDS] | drafters [SECONDS] | bench | save)"; exit 2 ;;
+  *) echo "unknown: $1 (build [SECONDS] | drafters [SECONDS] | sweep [VARIANT...] | bench | save)"; exit 2 ;;
 esac

@@ -95,3 +95,18 @@ def test_dflash_block_profile(tmp_path: Path) -> None:
     total = sum(r["bytes"].values())
     assert r["read_bound_ms"] == pytest.approx(total / (report["copy_gb_s"] * 1e9) * 1e3, rel=0.02)
     assert r["read_share"] == pytest.approx(r["read_bound_ms"] / r["block_ms"], rel=0.02)
+
+
+def test_demo_target_sweep(tmp_path: Path) -> None:
+    """bench/demo_target_sweep.py: a tiny variant trains on the training files less the validation split and
+    reports bits per byte on both splits; --variant refuses what TargetOptions does not have."""
+    report = run("demo_target_sweep", ["--tiny", "--cpu", "--validation-every", "8", "--work", str(tmp_path / "w"),
+                                       "--variant", "steps=3"], tmp_path / "s.json")
+    (row,) = report["results"]
+    assert row["options"]["steps"] == 3 and report["files"]["validation"] == report["files"]["train"] // 7
+    assert 0 < row["validation_bits_per_byte"] < 20 and 0 < row["heldout_bits_per_byte"] < 20
+    sweep = script("demo_target_sweep")
+    with pytest.raises(SystemExit, match="expected key=value with a key among"):
+        sweep.variant("stepz=3", sweep.pretrain.TargetOptions())
+    with pytest.raises(SystemExit, match="steps got 'x'; expected a int"):
+        sweep.variant("steps=x", sweep.pretrain.TargetOptions())
