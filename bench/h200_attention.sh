@@ -32,7 +32,7 @@ py -c "import mlx.core as mx; assert mx.cuda.is_available(), 'MLX-CUDA is not st
 FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16384 --widths 1,2,4,8,16,32
           --block 16 --dflash-layers 5 --iters 10 --kernel both)
 BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
-       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec)
+       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired)
 what=${1:-}; shift || true
 case "$what" in
   check)

@@ -130,3 +130,29 @@ def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> N
     capsys.readouterr()
     assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kernel", "on", "--prompt-lengths", "64"]) != 0
     assert "--kernel on: the attention kernel needs MLX built with CUDA" in capsys.readouterr().err
+
+
+def test_bench_paired_regime(tmp_path: Path) -> None:
+    """--paired: a third regime in which every method decodes the same prompt per base, so ratios between
+    methods compare like with like; the fresh regime's lengths stay disjoint."""
+    from mlx_speculative.hooks.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "draft_model", "--oracle-acceptance", "3",
+                 "--adaptive-at", "1", "--block-sizes", "4", "--prompt-lengths", "64,100", "--max-tokens", "8",
+                 "--no-mlx-lm-spec", "--cost-keys", "none", "--paired", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == ["fresh", "warm", "paired"] and "paired" in report["regimes"]
+    paired, fresh = report["results"]["paired"], report["results"]["fresh"]
+    lens = {name: r["prompt_lens"] for name, r in paired.items()}
+    assert len({tuple(v) for v in lens.values()}) == 1, lens  # the same prompt for every method
+    assert list(lens.values())[0] == report["prompt_lengths"]["paired"]
+    assert len({tuple(r["prompt_lens"]) for r in fresh.values()}) == len(fresh)  # fresh: each its own lengths
+    for name, r in paired.items():
+        if r["family"] == "spec":
+            assert r["identical_share"] == 1.0, name
+    no_pairs = tmp_path / "plain.json"
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "draft_model", "--oracle-acceptance", "3",
+                 "--block-sizes", "4", "--prompt-lengths", "64", "--max-tokens", "8", "--no-mlx-lm-spec",
+                 "--cost-keys", "none", "--json", str(no_pairs)]) == 0
+    assert list(json.loads(no_pairs.read_text())["results"]) == ["fresh", "warm"]

@@ -98,6 +98,10 @@ def add_command(subparsers: Any) -> None:
                           "'none': none)")
     src.add_argument("--quantize-target", type=int, default=None, choices=[4, 8], metavar="BITS",
                      help="quantize the target's weights after loading (4 or 8 bits, group size 64)")
+    run.add_argument("--paired", action="store_true",
+                     help="a third regime, paired: every method on the same prompt (the base length), after the "
+                          "fresh and warm ones, the order rotating from prompt to prompt: ratios between methods "
+                          "compare like with like")
     run.add_argument("--no-mlx-lm-spec", action="store_true", help="skip mlx-lm's speculative_generate_step")
     run.add_argument("--cpu", action="store_true", help="run on the CPU")
     run.add_argument("--seed", type=int, default=0)
@@ -153,7 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kernel=args.kernel, quantize_bits=args.quantize_target,
         mlx_lm_spec=not args.no_mlx_lm_spec, draft_layers=args.draft_layers, dflash_layers=args.dflash_layers,
         seed=args.seed, cpu=args.cpu, drafters=args.drafter, prompts_file=args.prompts_file,
-        max_prompts=args.max_prompts, cost_keys=extra_keys,
+        max_prompts=args.max_prompts, cost_keys=extra_keys, paired=args.paired,
     )
     check(settings)  # refused combinations, before anything loads
     report = run_bench(settings)

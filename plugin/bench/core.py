@@ -54,6 +54,7 @@ class BenchSettings:
     prompts_file: Optional[str] = None  # text prompts instead of random tokens (real.py)
     max_prompts: Optional[int] = None
     cost_keys: Optional[List[int]] = None  # extra key lengths of the bare forward costs; None: 8192,16384 on CUDA
+    paired: bool = False  # a third regime: every method on the same prompt per base
 
 
 def _progress(msg: str) -> None:
@@ -273,21 +274,27 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             if L not in shared:
                 shared[L] = reference(target, prompt(p, mi), s.max_tokens, policy)
             refs[p, mi] = shared[L]
+    # paired: method mi' of prompt p decodes the prompt of the method with the shortest length there
+    first = [min(range(n), key=lambda mi: lengths[p][mi]) for p in range(len(lengths))]
+    regimes = ["fresh", "warm"] + (["paired"] if s.paired else [])
 
     runs: List[Run] = []
     done = 0
-    for regime in ("fresh", "warm"):
+    for regime in regimes:
         for p in range(len(lengths)):
-            for mi in order[p]:
+            for mi in (order[p] if regime != "paired" else [(j + p) % n for j in range(n)]):
                 m = methods[mi]
+                src = first[p] if regime == "paired" else mi  # whose prompt (and reference) this run takes
                 done += 1
-                L = lengths[p][mi]
-                on_progress(f"{regime} {done}/{2 * total} {m.name} prompt {L}")
+                L = lengths[p][src]
+                on_progress(f"{regime} {done}/{len(regimes) * total} {m.name} prompt {L}")
                 mx.clear_cache()
                 mx.reset_peak_memory()
-                ref = refs.get((p, mi))
+                ref = refs.get((p, src)) if m.family == "spec" else None
+                if m.family == "spec" and ref is None:  # the shortest prompt was a plain method's
+                    ref = refs[p, src] = reference(target, prompt(p, src), s.max_tokens, policy)
                 before = Counter(calls[m.name])
-                r = run(m, prompt(p, mi), s.max_tokens, ref, s.seed + 1000 * p + mi)
+                r = run(m, prompt(p, src), s.max_tokens, ref, s.seed + 1000 * p + mi)
                 r.attention = dict(calls[m.name] - before) if disp is not None else None
                 r.peak_memory_gb = mx.get_peak_memory() / 1e9
                 r.regime = regime
@@ -314,11 +321,13 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             "calls_by_method": {name: dict(c) for name, c in calls.items()} if disp is not None else None}
     report = summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start,
                        costs, info_att)
+    if s.paired:
+        report["prompt_lengths"]["paired"] = [lengths[p][first[p]] for p in range(len(lengths))]
     if info is not None:
         report["drafter_checkpoints"] = info
     if texts is not None:
         report["prompt_lengths"]["bases"] = [len(t) for t in tokens]
-        report["regimes"] = {"fresh": real.FRESH_NOTE, "warm": real.WARM_NOTE}
+        report["regimes"].update({"fresh": real.FRESH_NOTE, "warm": real.WARM_NOTE})
         report["prompts"] = {"file": s.prompts_file, "count": len(tokens), "token_lengths": [len(t) for t in tokens],
                              "tokenized": "the target's tokenizer, no chat template", "fresh_rule_holds": False,
                              "method_order": [[methods[i].name for i in row] for row in order]}

@@ -16,6 +16,11 @@ from . import kernels
 from .methods import Method, Run
 
 
+REGIMES = {"fresh": "key lengths never run before in this process", "warm": "the same lengths replayed",
+           "paired": "every method on the same prompt per base (the shortest of its fresh lengths), after the fresh "
+                     "and warm regimes, the order rotating from prompt to prompt: ratios compare like with like"}
+
+
 def _per_position(spec: Dict[str, Any], drafted: List[int]) -> List[float]:
     acc = spec.get("accepted_per_position") or []
     out = []
@@ -35,7 +40,8 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
 
     results: Dict[str, Any] = {}
     keys = kernels.prompt_key_lengths(lengths, s.max_tokens)  # [prompts], as kernel_costs timed them
-    for regime in ("fresh", "warm"):
+    present = [g for g in REGIMES if any(r.regime == g for r in runs)]
+    for regime in present:
         rows: Dict[str, Any] = {}
         for m in methods:
             rs = [r for r in runs if r.method == m.name and r.regime == regime]
@@ -114,7 +120,7 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
         "padded_cache": {"on": padded, "bucket": s.bucket, "prewarm_seconds": round(prewarm_s, 2)},
         "attention": attention or {"kernel": "off"},
         "prompt_lengths": {"bases": s.prompt_lengths, "per_method": {m.name: [lengths[p][i] for p in range(len(lengths))] for i, m in enumerate(methods)}},
-        "regimes": {"fresh": "key lengths never run before in this process", "warm": "the same lengths replayed"},
+        "regimes": {g: REGIMES[g] for g in present},
         "kernel_costs": costs,
         "results": results,
         "wall_seconds": round(wall_s, 1),
