@@ -4,10 +4,8 @@ bound, and every drafter decodes held-out prompts exactly as plain decoding does
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import mlx.core as mx
 import pytest
@@ -18,9 +16,9 @@ from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.mtp.qwen import expected_names
 from mlx_speculative.drafters.mtp.qwen3_5_mtp import ModelArgs as HeadArgs
 from mlx_speculative.hooks.cli import main
+from test_bench_scripts import script  # bench/ scripts, loaded by path
 
 FIXTURES = Path(__file__).parent / "fixtures"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(kind: str) -> dict:
@@ -29,14 +27,6 @@ def _config(kind: str) -> dict:
 
 def _names(kind: str) -> set:
     return set(mx.load(str(demo.drafter_dir(kind) / "model.safetensors")))
-
-
-def _bench_script(name: str) -> ModuleType:  # a script of bench/, loaded by path
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    script = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(script)
-    return script
 
 
 def test_the_demo_is_complete_and_within_its_size_bound() -> None:
@@ -89,9 +79,9 @@ def test_every_drafter_resolves_and_is_compatible(name: str, kind: str, capsys: 
 
 
 def test_every_drafter_decodes_held_out_prompts_exactly(tmp_path: Path) -> None:
-    script = _bench_script("demo_acceptance")
+    acceptance = script("demo_acceptance")
     out = tmp_path / "acceptance.json"
-    assert script.main(["--demo-dir", str(demo.HERE), "--prompts", "2", "--max-tokens", "24", "--sampled-prompts", "1",
+    assert acceptance.main(["--demo-dir", str(demo.HERE), "--prompts", "2", "--max-tokens", "24", "--sampled-prompts", "1",
                         "--cpu", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     kinds = report["kinds"]
@@ -105,15 +95,15 @@ def test_every_drafter_decodes_held_out_prompts_exactly(tmp_path: Path) -> None:
 
 def test_target_confidence_script(tmp_path: Path) -> None:
     """bench/demo_confidence.py: the greedy path's top-1 probability, checked against the target directly."""
-    script = _bench_script("demo_confidence")
+    confidence = script("demo_confidence")
     out = tmp_path / "confidence.json"
-    assert script.main(["--demo-dir", str(demo.HERE), "--prompts", "1", "--max-tokens", "1", "--json", str(out)]) == 0
+    assert confidence.main(["--demo-dir", str(demo.HERE), "--prompts", "1", "--max-tokens", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["greedy_steps"] == 1
     # one step: the top-1 probability of the prompt's last position, which greedy decoding takes
-    target = script.da.load_target(demo.HERE, "float32")
+    target = confidence.da.load_target(demo.HERE, "float32")
     prompt = json.loads((demo.HERE / "prompts.json").read_text())["prompts"][0]["prompt"]
-    ids = script.encode_prompt(target.tokenizer, prompt, chat=False)
+    ids = confidence.encode_prompt(target.tokenizer, prompt, chat=False)
     probs = mx.softmax(target.model(mx.array([ids]))[0, -1].astype(mx.float32), axis=-1)
     assert report["mean_top1_probability"] == pytest.approx(float(probs.max()), abs=1e-4)
     top2 = mx.sort(probs)[-2:]
