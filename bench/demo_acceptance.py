@@ -53,11 +53,13 @@ from mlx_speculative.plugin.settings import SpeculativeSettings
 
 KINDS = ("dflash", "eagle3", "mtp", "draft_model", "ngram")
 DEFAULT_BLOCKS: Dict[str, Optional[int]] = {"dflash": 16, "eagle3": 8, "mtp": None, "draft_model": 4, "ngram": 8}
-PARSE_RULE = ("the greedy completion's complete logical lines (up to the last NEWLINE token past the prompt; none: "
-              "fails) parse when the prompt followed by them runs through Python's tokenize.generate_tokens without an "
-              "exception; the prompt, cut from inside a file, is read inside one `if 1:` block per 4-space level of "
-              "its first line's indentation (the blocks it was cut from) and carries its own open brackets and "
-              "strings; an inconsistent dedent (IndentationError) or any other tokenize error in those lines fails")
+PARSE_RULE = ("the prompt read after its preamble (prompts.json: the blocks, brackets and triple-quoted string its "
+              "file has open at the prompt's first line, as tokenize leaves them there), followed by the greedy "
+              "completion's complete lines (up to its last newline; none: fails), runs through Python's "
+              "tokenize.generate_tokens with no error token, every closing bracket matching the last open one, and "
+              "no exception but end of input inside a bracket or a triple-quoted string (the completion stops at "
+              "--max-tokens wherever it is); an inconsistent dedent (IndentationError) fails. Prompts without a "
+              "preamble are read inside one `if 1:` block per 4-space level of their first line's indentation")
 STANDALONE_RULE = ("for comparison: the cut completion alone, textwrap.dedent-ed, through tokenize.generate_tokens "
                    "(its first lines may then close blocks the prompt opened: IndentationError counts as failure)")
 BPB_RULE = ("prompt + reference tokenized together (the tokenization the model was trained on); scored: every "
@@ -205,28 +207,37 @@ def _outer_blocks(prompt: str) -> str:
     return "".join(" " * (4 * i) + "if 1:\n" for i in range(depth))
 
 
-def parses(prompt: str, completion: str) -> Tuple[Optional[str], Optional[str]]:
+def _prefix_error(text: str, skip: int = 0) -> Optional[str]:
+    """None when ``text`` is a prefix of tokenizable Python (PARSE_RULE), else what is wrong with it (lines
+    counted after the first ``skip``: the preamble's)."""
+    opened: List[str] = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.ERRORTOKEN and tok.string.strip():  # Python < 3.12 yields these
+                return f"error token {tok.string!r} at line {tok.start[0] - skip}"
+            if tok.type == tokenize.OP and tok.string in "([{":
+                opened.append(tok.string)
+            elif tok.type == tokenize.OP and tok.string in ")]}":
+                if not opened or "([{"[")]}".index(tok.string)] != opened.pop():
+                    return f"unmatched {tok.string!r} at line {tok.start[0] - skip}"
+    except tokenize.TokenError as e:
+        message = str(e.args[0])
+        if message.startswith("EOF in multi-line") or "unterminated triple-quoted" in message:
+            return None  # cut inside a bracket or a triple-quoted string
+        return f"TokenError: {message}"
+    except SyntaxError as e:  # IndentationError included
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def parses(prompt: str, completion: str, preamble: Optional[str] = None) -> Tuple[Optional[str], Optional[str]]:
     """(``PARSE_RULE``'s error, ``STANDALONE_RULE``'s error); None: it parses."""
     cut = completion[: completion.rfind("\n") + 1]
     alone = _tokenizes(textwrap.dedent(cut)) if cut else "no complete line"
-    context = _outer_blocks(prompt) + prompt
-    text = context + completion
-    starts = [0]
-    for line in text.splitlines(keepends=True):
-        starts.append(starts[-1] + len(line))
-    ends: List[int] = []  # offsets just past each NEWLINE token (a complete logical line) after the prompt
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-            offset = starts[tok.end[0] - 1] + tok.end[1]
-            if tok.type == tokenize.NEWLINE and tok.string and offset > len(context):  # not EOF's implicit one
-                ends.append(offset)
-    except tokenize.TokenError:
-        pass  # EOF inside a bracket or a string: the last logical line is unfinished, cut before it
-    except SyntaxError as e:  # IndentationError included: a line the completion wrote
-        return f"{type(e).__name__}: {e}", alone
-    if not ends:
-        return "no complete logical line", alone
-    return _tokenizes(text[:ends[-1]]), alone
+    if not cut:
+        return "no complete line", alone
+    head = _outer_blocks(prompt) if preamble is None else preamble
+    return _prefix_error(head + prompt + cut, head.count("\n")), alone
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -293,8 +304,12 @@ def run(a: argparse.Namespace) -> Dict[str, Any]:
                                  "tau_over_ngram": round(tau / base, 4) if base else None}
 
     texts = [target.tokenizer.decode(tok) for tok in plain]
-    verdicts = [parses(it["prompt"], text) for it, text in zip(items, texts)]
+    verdicts = [parses(it["prompt"], text, it.get("preamble")) for it, text in zip(items, texts)]
+    # the rule's reach: each reference cut to its completion's length in characters (true text: should pass)
+    reach = [parses(it["prompt"], it["reference"][:len(text)], it.get("preamble"))[0]
+             for it, text in zip(items, texts) if it.get("reference")]
     parse = {"rule": PARSE_RULE, "share": round(sum(v[0] is None for v in verdicts) / len(verdicts), 4),
+             "references_share": round(sum(e is None for e in reach) / len(reach), 4) if reach else None,
              "standalone_rule": STANDALONE_RULE,
              "standalone_share": round(sum(v[1] is None for v in verdicts) / len(verdicts), 4),
              "failures": [{"prompt": i, "file": items[i].get("file"), "error": v[0]}

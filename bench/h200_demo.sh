@@ -8,6 +8,8 @@
 #                                             # training files (bench/demo_target_sweep.py; default: 1000,
 #                                             # 2000, 4000 steps), to choose the target the build makes
 #   bash bench/h200_demo.sh bench             # mlx-spec bench with the real drafters + the acceptance script (bf16)
+#   bash bench/h200_demo.sh prompts           # prompts.json made again from the pinned corpus (with the parse rule's
+#                                             # preambles) to $OUT/prompts.json
 #   bash bench/h200_demo.sh save              # finished stages' state to $OUT/demo-work.tgz (a new machine can
 #                                             # continue from it: unpack it as .demo-work and carry that)
 # The finished demo comes back as $OUT/demo.tar (unpack it into the repo's demo/). The device tool returns few
@@ -52,6 +54,8 @@ PY
       --max-tokens 128 --json "$OUT/h200-demo-bench.json" 2>&1 | tail -30
     timeout 200 python3 bench/demo_acceptance.py --demo-dir $D --prompts 32 --max-tokens 128 --dtype native \
       --sampled-prompts 0 --json "$OUT/h200-demo-acceptance-bf16.json" 2>&1 | tail -14 ;;
+  prompts)
+    python3 -m mlx_speculative.demo.build --pin demo/manifest.json --prompts "$OUT/prompts.json" ;;
   save)
     rm -rf /tmp/demo-save
     python3 - "$WORK" /tmp/demo-save <<'PY'
@@ -72,5 +76,5 @@ for f in work.rglob("*"):
 print(sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) / 2**20, "MB saved")
 PY
     tar -C /tmp/demo-save -czf "$OUT/demo-work.tgz" . ;;
-  *) echo "unknown: $1 (build [SECONDS] | drafters [SECONDS] | sweep [VARIANT...] | bench | save)"; exit 2 ;;
+  *) echo "unknown: $1 (build [SECONDS] | drafters [SECONDS] | sweep [VARIANT...] | bench | prompts | save)"; exit 2 ;;
 esac

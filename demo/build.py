@@ -85,14 +85,29 @@ def stage_corpus(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.txt").write_text("\n".join(corpus.read(root, found["train"])))
     (out / "heldout.txt").write_text("\n".join(corpus.read(root, found["heldout"])))
-    prompts = {"python": found["python"], "rule": f"{PROMPTS} prompts from the held-out files: whole lines up to a line "
-               f"boundary (about {corpus.PROMPT_CHARS} characters), the file's next {corpus.REFERENCE_CHARS} characters as "
-               "the reference", "prompts": corpus.prompts(root, found["heldout"], PROMPTS)}
-    (out / "prompts.json").write_text(json.dumps(prompts, indent=1))
+    (out / "prompts.json").write_text(json.dumps(prompts_json(root, found), indent=1))
     manifest_file.write_text(json.dumps(found, indent=1))
     log(f"corpus: {len(found['train'])} training files, {len(found['heldout'])} held out, Python {found['python']}, "
         f"hash {found['hash'][:16]}")
     return found
+
+
+def prompts_json(root: Path, found: Dict[str, Any]) -> Dict[str, Any]:
+    return {"python": found["python"], "rule": f"{PROMPTS} prompts from the held-out files: whole lines up to a line "
+            f"boundary (about {corpus.PROMPT_CHARS} characters), the file's next {corpus.REFERENCE_CHARS} characters as "
+            "the reference, the preamble that puts tokenize in the file's state at the prompt's first line",
+            "prompts": corpus.prompts(root, found["heldout"], PROMPTS)}
+
+
+def write_prompts(args: argparse.Namespace) -> None:
+    """--prompts FILE: the pinned corpus's prompts alone, made again by the same rule and seed."""
+    if not args.pin:
+        raise SystemExit("--prompts: give --pin MANIFEST too (the prompts come from its corpus)")
+    root = Path(args.stdlib) if args.stdlib else corpus.stdlib_dir()
+    found = corpus.collect(root)
+    corpus.check_pin(found, json.loads(Path(args.pin).read_text())["corpus"])
+    Path(args.prompts).write_text(json.dumps(prompts_json(root, found), indent=1))
+    log(f"prompts: {args.prompts}")
 
 
 def stage_target(args: argparse.Namespace, work: Path, found: Dict[str, Any], deadline: float) -> Optional[Dict[str, Any]]:
@@ -180,14 +195,20 @@ def install(args: argparse.Namespace, work: Path, found: Dict[str, Any], target:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlx_speculative.demo.build", description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", required=True, help="state of every stage (resumable)")
-    p.add_argument("--out", required=True, help="where the finished demo goes (e.g. the repo's demo/)")
+    p.add_argument("--work", help="state of every stage (resumable; required unless --prompts)")
+    p.add_argument("--out", help="where the finished demo goes (e.g. the repo's demo/; required unless --prompts)")
     p.add_argument("--pin", help="a manifest.json whose corpus (Python version, files, hashes) must match")
     p.add_argument("--stdlib", help="the standard library to read (default: this Python's)")
     p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds (run again to resume)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes and steps (tests)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU")
+    p.add_argument("--prompts", metavar="FILE", help="only write the pinned corpus's prompts.json to FILE")
     args = p.parse_args(argv)
+    if args.prompts:
+        write_prompts(args)
+        return 0
+    if not (args.work and args.out):
+        raise SystemExit("--work and --out are required (or --prompts FILE with --pin)")
     if args.cpu:
         mx.set_default_device(mx.cpu)
     work = Path(args.work)

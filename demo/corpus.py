@@ -9,10 +9,13 @@ would read other text, so ``--pin`` refuses it with the files that differ.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import random
+import re
 import sys
 import sysconfig
+import tokenize
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -25,6 +28,7 @@ RULE = (f"*.py under the stdlib, sorted by relative path, without {', '.join(SKI
         f"i % {HELDOUT_EVERY} == 7 held out")
 PROMPT_CHARS = 600  # about the last 600 characters before a line boundary: whole lines
 REFERENCE_CHARS = 1000
+TRIPLE_QUOTE = re.compile(r"[A-Za-z]{0,2}(\"\"\"|''')")  # with its prefix: r, b, f, rb...
 
 
 def stdlib_dir() -> Path:
@@ -83,9 +87,48 @@ def read(root: Path, files: List[List[str]]) -> List[str]:
     return [(root / rel).read_text(encoding="utf-8") for rel, _ in files]
 
 
+def preamble(before: str) -> str:
+    """Source after which Python's tokenize stands where it stands at the end of ``before`` (a file's text up
+    to a line boundary): an ``if 1:`` line per open block at that block's indentation, then the brackets and
+    triple-quoted string an unfinished statement left open. A prompt cut from inside a file reads after it
+    as it reads in the file (the demo's parse rule)."""
+    lines = before.count("\n")
+    indents: List[str] = [""]
+    brackets: List[str] = []
+    reached: Tuple[int, int] = (1, 0)
+    quote = ""
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(before).readline):
+            if tok.start[0] > lines:
+                break  # end of input: its NEWLINE and DEDENTs close nothing the file closed
+            reached = tok.end
+            if tok.type == tokenize.INDENT:
+                indents.append(tok.string)
+            elif tok.type == tokenize.DEDENT:
+                indents.pop()
+            elif tok.type == tokenize.OP and tok.string in "([{":
+                brackets.append(tok.string)
+            elif tok.type == tokenize.OP and tok.string in ")]}" and brackets:
+                brackets.pop()
+    except tokenize.TokenError as e:
+        if "string" in str(e.args[0]):  # the first triple quote after the last whole token opened it
+            offset = sum(len(line) for line in before.splitlines(keepends=True)[:reached[0] - 1]) + reached[1]
+            found = TRIPLE_QUOTE.search(before, offset)
+            if found is None:
+                raise ValueError(f"preamble: {e.args[0]} but no triple quote after line {reached[0]}") from None
+            quote = found.group(0)
+    out = "".join(indent + "if 1:\n" for indent in indents[:-1])
+    if brackets or quote:
+        out += indents[-1] + "_ = " + "".join(brackets) + quote + "\n"
+    elif indents[-1]:
+        out += indents[-1] + "pass\n"  # puts the innermost level on tokenize's stack (the prompt may go deeper)
+    return out
+
+
 def prompts(root: Path, heldout: List[List[str]], count: int, seed: int = 0) -> List[Dict[str, Any]]:
     """``count`` prompts from the held-out files: whole lines (about PROMPT_CHARS) ending at a line
-    boundary inside the file, and the file's next REFERENCE_CHARS characters as the reference."""
+    boundary inside the file, the file's next REFERENCE_CHARS characters as the reference, and the
+    preamble that puts tokenize in the file's state at the prompt's first line."""
     rng = random.Random(seed)
     texts = read(root, heldout)
     usable = [i for i, t in enumerate(texts) if len(t) > PROMPT_CHARS + REFERENCE_CHARS + 200]
@@ -99,5 +142,5 @@ def prompts(root: Path, heldout: List[List[str]], count: int, seed: int = 0) -> 
         start = text.find("\n", cut - PROMPT_CHARS) + 1
         line = text.count("\n", 0, cut) + 1
         out.append({"file": heldout[i][0], "line": line, "prompt": text[start:cut],
-                    "reference": text[cut:cut + REFERENCE_CHARS]})
+                    "reference": text[cut:cut + REFERENCE_CHARS], "preamble": preamble(text[:start])})
     return out

@@ -16,7 +16,8 @@ from .manager import make_plugin_manager
 from .state import SamplingParams
 
 # The demo target writes Python (it learnt the standard library's source): a function to continue.
-DEFAULT_PROMPT = 'import os\n\n\ndef walk_files(root):\n    """Yield the path of every file under root."""\n'
+DEFAULT_PROMPT = ('import argparse\n\n\ndef parse_args(argv):\n    """Parse the command line."""\n'
+                  '    parser = argparse.ArgumentParser(description=__doc__)')  # no newline: BPE merges it with the indent
 
 
 MODEL_HELP = "target: path, HF repo id, or 'demo' (default: the config's, else the demo pair)"

@@ -108,3 +108,32 @@ def test_target_confidence_script(tmp_path: Path) -> None:
     assert report["mean_top1_probability"] == pytest.approx(float(probs.max()), abs=1e-4)
     top2 = mx.sort(probs)[-2:]
     assert report["share_top2_within_0.1"] == float(top2[1] - top2[0] < 0.1)
+
+
+def test_the_prompts_references_pass_the_parse_rule() -> None:
+    """prompts.json carries each prompt's preamble (its file's open blocks, brackets and strings at the
+    prompt's first line), so the file's own continuation passes the parse rule at every cut length."""
+    acceptance = script("demo_acceptance")
+    items = json.loads((demo.HERE / "prompts.json").read_text())["prompts"]
+    assert len(items) == build.PROMPTS and all("preamble" in it for it in items)
+    for it in items:
+        for n in (80, 200, 400, 1000):
+            assert acceptance.parses(it["prompt"], it["reference"][:n], it["preamble"])[0] in (None, "no complete line"), (it["file"], n)
+    # without the preambles the same references fail where a prompt starts inside a bracket or a docstring
+    assert sum(acceptance.parses(it["prompt"], it["reference"][:400])[0] is not None for it in items) >= 3
+
+
+def test_parity_script(tmp_path: Path) -> None:
+    """bench/demo_parity.py: decoding from the training core's held-out prompts gives its sequences back."""
+    parity = script("demo_parity")
+    out = tmp_path / "parity.json"
+    assert parity.main(["--demo-dir", str(demo.HERE), "--prompts", "1", "--seq-len", "96", "--kinds", "dflash,mtp",
+                        "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["kinds"]) == {"dflash", "mtp"}
+    for r in report["kinds"].values():
+        assert r["same"] == r["of"] == 1
+        assert r["offline"]["rounds"] > 0 and r["decoding"]["rounds"] > 0
+        # a short sequence: the tails differ (offline stops a block before the end), the rates agree
+        assert abs(r["offline"]["acceptance_rate"] - r["decoding"]["acceptance_rate"]) < 0.1, r
+    assert report["heldout_prompt_tokens"]["prompts"] == build.PROMPTS

@@ -81,13 +81,44 @@ def test_parse_rule_and_exactness_check() -> None:
     # the prompt's open docstring is its context: the completion closing it parses, alone it does not
     joint, alone = m.parses('def f():\n    """Doc\n', '    more.\n    """\n    return 1\n')
     assert joint is None and alone is not None
-    assert m.parses("x = [\n", "1, 2,\n")[0] == "no complete logical line"  # the bracket is still open
-    assert m.parses("x = [\n", "1, 2]\ny = (\n")[0] is None  # cut after the last complete logical line
+    assert m.parses("x = [\n", "1, 2,\n")[0] is None  # cut inside a bracket: a prefix of Python
+    assert m.parses("x = [\n", "1, 2)\n")[0] == "unmatched ')' at line 2"
+    assert m.parses("x = 1\n", "y = 2)\n")[0] == "unmatched ')' at line 2"
     assert m.parses("if a:\n    if b:\n        c\n", "      d\n")[0].startswith("IndentationError")
-    # a prompt cut from inside two blocks: dedenting to those blocks' levels is fine, to no level is not
+    # without a preamble, a prompt cut from inside two blocks: dedenting to those blocks' levels is fine
     assert m.parses("        x = 1\n", "    y = 2\nz = 3\n")[0] is None
     assert m.parses("        x = 1\n", "      y = 2\n")[0].startswith("IndentationError")
-    assert m.parses("x = 1\n", "no newline")[0] == "no complete logical line"
+    assert m.parses("x = 1\n", "no newline")[0] == "no complete line"
+    # the preamble carries the file's state: a prompt starting inside a call and a docstring
+    assert m.parses("    b)\n", "c = 1\n", preamble="_ = (\n")[0] is None
+    assert m.parses("    b)\n", "c = 1\n")[0] == "unmatched ')' at line 1"
+    assert m.parses('    end of doc.\n    """\n', "    x = 1\n", preamble='if 1:\n    _ = """\n')[0] is None
     runs = [([1, 2, 3], None), ([1, 2, 4], None), ([1, 2], None)]
     assert m.compare(runs, [[1, 2, 3]] * 3) == {"identical": 1, "of": 3, "mismatches": [
         {"prompt": 1, "first_differing_position": 2}, {"prompt": 2, "first_differing_position": 2}]}
+
+
+def test_the_parse_rule_passes_python_cut_anywhere() -> None:
+    """The rule's reach: real source cut at any line boundary, read after corpus.preamble of the text
+    before the cut, is judged a Python prefix (the references of the demo's prompts rely on it)."""
+    from mlx_speculative.demo import corpus
+
+    m = script()
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    cuts = 0
+    for name in ("textwrap.py", "dataclasses.py", "json/decoder.py", "argparse.py"):
+        text = (lib / name).read_text()
+        starts = [i + 1 for i, c in enumerate(text) if c == "\n"][:-1]
+        for start in starts[:: max(1, len(starts) // 40)]:
+            end = text.rfind("\n", start, start + 800) + 1
+            if end > start:
+                assert m.parses(text[start:end], "\n", corpus.preamble(text[:start]))[0] is None, (name, start)
+                cuts += 1
+    assert cuts > 100
+    # and the rule can fail: a stray dedent and a mismatched bracket after the same preambles
+    text = (lib / "textwrap.py").read_text()
+    start = text.index("    def _munge_whitespace")
+    line = text[start:text.index("\n", start) + 1]
+    assert m.parses(line, "        x = (]\n", corpus.preamble(text[:start]))[0] == "unmatched ']' at line 2"
+    assert m.parses(line, "  y\n", corpus.preamble(text[:start]))[0].startswith("IndentationError")
+

@@ -1,0 +1,107 @@
+"""The demo's drafters where they trained: the training core's offline tau against decoding's tau on the
+same greedy sequences, next to the held-out prompts' figures (issue 15).
+
+    python bench/demo_parity.py --demo-dir demo --prompts 16 --json bench/results/demo/cpu-parity.json
+
+The sequences are made as train-drafter makes its held-out ones: a prompt of --prompt-tokens tokens
+(here the first tokens of each held-out prompt with its reference) continued greedily by the target to
+--seq-len tokens. For each kind, ``offline`` is drafters/training/loop.evaluate on them (the figure the
+build's logs report), ``decoding`` is the host's round loop from the same prompts for the rest of the
+sequence at the same fixed block (its tokens must be the sequence's: ``same``). tests/test_train_drafter.py
+checks the two agree on tiny models; this shows it on the shipped demo, and how far its prompts
+(prompts.json: whole lines, ~190 tokens) are from the 64-token prompts the drafters trained on. CPU, float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import demo_acceptance as da  # noqa: E402
+
+from mlx_speculative.drafters.training import data as tdata  # noqa: E402
+from mlx_speculative.drafters.training import loop  # noqa: E402
+from mlx_speculative.drafters.training.spec import TrainOptions  # noqa: E402
+from mlx_speculative.hooks import taps  # noqa: E402
+from mlx_speculative.hooks.host import Host  # noqa: E402
+from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
+from mlx_speculative.hooks.state import HostConfig  # noqa: E402
+from mlx_speculative.plugin import hookimpls  # noqa: E402
+
+BLOCKS = {"dflash": 16, "eagle3": 8, "mtp": 4, "draft_model": 4}
+
+
+def offline(kind: str, demo: Path, block: int, sequences: np.ndarray, prompt_tokens: int, work: Path) -> Dict[str, Any]:
+    o = TrainOptions(target=str(demo / "target"), kind=kind, out=str(work / kind), init=str(demo / kind), steps=1,
+                     batch_size=8, seq_len=sequences.shape[1], prompt_tokens=prompt_tokens,
+                     heldout_sequences=len(sequences), dtype="float32", block_size=block)
+    trainer = loop.check_options(o, True)(o)
+    target = loop.load_target(o.target)
+    target.model.set_dtype(mx.float32)
+    model = trainer.build(target)
+    data = tdata.Data(sequences[:1], sequences, prompt_tokens - 1, {"prompt_tokens": prompt_tokens})
+    trainer.data_ready(data.train, data.first)
+    taps.install_taps(target.model, trainer.capture_layers())
+    ev = loop.evaluate(trainer, model, target, data, o)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in ev.items()}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--demo-dir", default="demo")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=64, help="as the build's train-drafter runs (64)")
+    p.add_argument("--seq-len", type=int, default=256, help="as the build's train-drafter runs (256)")
+    p.add_argument("--kinds", default=",".join(BLOCKS))
+    p.add_argument("--work", default="/tmp/demo-parity")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    mx.set_default_device(mx.cpu)
+    t0 = time.perf_counter()
+    demo = Path(a.demo_dir)
+    every = json.loads((demo / "prompts.json").read_text())["prompts"]
+    items = every[: a.prompts]
+    target = da.load_target(demo, "float32")
+    tok = target.tokenizer
+    prompt_lens = [len(da.encode_prompt(tok, it["prompt"], chat=False)) for it in every]
+    firsts = [tok.encode(it["prompt"] + it["reference"], add_special_tokens=False)[: a.prompt_tokens] for it in items]
+    if any(len(f) < a.prompt_tokens for f in firsts):
+        raise SystemExit(f"--prompt-tokens {a.prompt_tokens}: a prompt with its reference is shorter")
+    sequences = tdata.continue_prompts(target.model, np.array(firsts, np.int32), a.seq_len, 0.0, 0, 64, lambda s: None)
+    host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False, plugins=[hookimpls]))
+    kinds: Dict[str, Any] = {}
+    for kind in [k for k in BLOCKS if k in a.kinds.split(",")]:
+        if not (demo / kind / "config.json").exists():
+            continue
+        print(f"[parity] {kind}", file=sys.stderr)
+        block = BLOCKS[kind]
+        off = offline(kind, demo, block, sequences, a.prompt_tokens, Path(a.work))
+        runs = da.decode(host, da.attach(target, kind, demo / kind, block), [list(map(int, f)) for f in firsts],
+                         a.seq_len - a.prompt_tokens, len(firsts))
+        same = sum(list(map(int, sequences[i, a.prompt_tokens:])) == tokens for i, (tokens, _) in enumerate(runs))
+        kinds[kind] = {"block": block, "offline": off, "decoding": da.summarize(kind, runs), "same": same,
+                       "of": len(runs)}
+        print(f"{kind:<12} b{block:<3} offline tau {off['tau']:.2f}  decoding tau {kinds[kind]['decoding']['tau']:.2f}"
+              f"  same {same}/{len(runs)}")
+    report = {"command": "python bench/demo_parity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "sequences": {"count": len(firsts), "prompt_tokens": a.prompt_tokens, "seq_len": a.seq_len,
+                            "rule": "each held-out prompt's first --prompt-tokens tokens (prompt + reference), "
+                                    "continued greedily by the target"},
+              "heldout_prompt_tokens": {"prompts": len(every), "min": min(prompt_lens), "mean": round(float(np.mean(prompt_lens)), 1),
+                                        "max": max(prompt_lens)},
+              "kinds": kinds, "machine": da.machine(), "wall_seconds": round(time.perf_counter() - t0, 1)}
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
