@@ -222,7 +222,7 @@ def _prefix_error(text: str, skip: int = 0) -> Optional[str]:
                     return f"unmatched {tok.string!r} at line {tok.start[0] - skip}"
     except tokenize.TokenError as e:
         message = str(e.args[0])
-        if message.startswith("EOF in multi-line") or "unterminated triple-quoted" in message:
+        if "EOF in multi-line" in message or "unterminated triple-quoted" in message:  # 3.12: "unexpected EOF ..."
             return None  # cut inside a bracket or a triple-quoted string
         return f"TokenError: {message}"
     except SyntaxError as e:  # IndentationError included
