@@ -3,8 +3,9 @@
     python bench/demo_target_sweep.py --pin demo/manifest.json --json out.json \
         --variant steps=1000 --variant steps=2000 --variant steps=4000
 
-The demo's target (demo/pretrain.py) memorises its 2.6M training tokens at the build's 4,000 steps (25
-epochs); a target surer of its choices on unseen code is what the drafters' acceptance needs. Each
+The demo's target (demo/pretrain.py) memorised its 2.6M training tokens at 4,000 steps (26 epochs; the
+build before 2026-12-01); this sweep chose the 1,400 steps the build now takes
+(bench/results/demo/h200-demo-target-sweep{,-2}.json). Each
 ``--variant`` (TargetOptions fields, e.g. ``steps=1500,hidden_size=320``) trains from scratch on the
 demo's training files less a validation split (every ``--validation-every``-th training file, by the
 manifest's order), with the shipped tokenizer, and reports bits per byte on the validation split (the
