@@ -36,7 +36,12 @@ from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
 from mlx_speculative.hooks.state import HostConfig  # noqa: E402
 from mlx_speculative.plugin import hookimpls  # noqa: E402
 
-BLOCKS = {"dflash": 16, "eagle3": 8, "mtp": 4, "draft_model": 4}
+KINDS = tuple(k for k in da.KINDS if k != "ngram")  # the families train-drafter trains
+
+
+def block_of(demo: Path, kind: str) -> int:
+    """The acceptance script's block for ``kind`` (the MTP head: its checkpoint's)."""
+    return da.DEFAULT_BLOCKS[kind] or int(json.loads((demo / kind / "config.json").read_text())["block_size"])
 
 
 def offline(kind: str, demo: Path, block: int, sequences: np.ndarray, prompt_tokens: int, work: Path) -> Dict[str, Any]:
@@ -60,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64, help="as the build's train-drafter runs (64)")
     p.add_argument("--seq-len", type=int, default=256, help="as the build's train-drafter runs (256)")
-    p.add_argument("--kinds", default=",".join(BLOCKS))
+    p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--work", default="/tmp/demo-parity")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -78,11 +83,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     sequences = tdata.continue_prompts(target.model, np.array(firsts, np.int32), a.seq_len, 0.0, 0, 64, lambda s: None)
     host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False, plugins=[hookimpls]))
     kinds: Dict[str, Any] = {}
-    for kind in [k for k in BLOCKS if k in a.kinds.split(",")]:
+    for kind in [k for k in KINDS if k in a.kinds.split(",")]:
         if not (demo / kind / "config.json").exists():
             continue
         print(f"[parity] {kind}", file=sys.stderr)
-        block = BLOCKS[kind]
+        block = block_of(demo, kind)
         off = offline(kind, demo, block, sequences, a.prompt_tokens, Path(a.work))
         runs = da.decode(host, da.attach(target, kind, demo / kind, block), [list(map(int, f)) for f in firsts],
                          a.seq_len - a.prompt_tokens, len(firsts))
