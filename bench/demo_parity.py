@@ -9,7 +9,10 @@ The sequences are made as train-drafter makes its held-out ones: a prompt of --p
 build's logs report), ``decoding`` is the host's round loop from the same prompts for the rest of the
 sequence at the same fixed block (its tokens must be the sequence's: ``same``). tests/test_train_drafter.py
 checks the two agree on tiny models; this shows it on the shipped demo, and how far its prompts
-(prompts.json: whole lines, ~190 tokens) are from the 64-token prompts the drafters trained on. CPU, float32.
+(prompts.json: whole lines, ~190 tokens) are from the 64-token prompts the drafters trained on. With
+--heldout-tokens N the held-out prompts themselves are scored offline too (``heldout_offline``): whole
+prompt as context, and the same continuation with the context cut to the last --prompt-tokens tokens
+(does a longer context than the training prompts' cost acceptance?). CPU, float32.
 """
 
 from __future__ import annotations
@@ -59,6 +62,46 @@ def offline(kind: str, demo: Path, block: int, sequences: np.ndarray, prompt_tok
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in ev.items()}
 
 
+def heldout(kind: str, demo: Path, block: int, prompts: List[List[int]], max_tokens: int, cut: int,
+            work: Path) -> Dict[str, Any]:
+    """The held-out prompts themselves (each its own length, continued greedily by ``max_tokens``): the
+    training core's per-anchor acceptance with the whole prompt as context and with the prompt cut to its
+    last ``cut`` tokens (same continuation), and greedy decoding's rounds over the whole-context figures."""
+    o = TrainOptions(target=str(demo / "target"), kind=kind, out=str(work / kind), init=str(demo / kind), steps=1,
+                     batch_size=1, seq_len=cut + max_tokens, prompt_tokens=cut, heldout_sequences=1,
+                     dtype="float32", block_size=block)
+    trainer = loop.check_options(o, True)(o)
+    target = loop.load_target(o.target)
+    target.model.set_dtype(mx.float32)
+    model = trainer.build(target)
+    taps.install_taps(target.model, trainer.capture_layers())
+    full: List[np.ndarray] = []
+    cut_acc: List[np.ndarray] = []
+    rounds = accepted = 0
+    for ids in prompts:
+        P = len(ids)
+        seq = tdata.continue_prompts(target.model, np.array([ids], np.int32), P + max_tokens, 0.0, 0, 1, lambda s: None)
+        for drop, out in ((0, full), (P - cut, cut_acc)):
+            s = seq[:, drop:]
+            first = P - drop - 1  # the prompt's last token: the first generated one is pending there
+            trainer.data_ready(s, first)
+            batch = loop.make_batch(trainer, target, s, first)
+            anchors = np.arange(first, s.shape[1] - block + 1)
+            batch.anchors = anchors[None]
+            drafts = np.array(trainer.draft(model, batch))  # [1, n, B-1]
+            labels = s[:, anchors[:, None] + np.arange(1, block)]
+            out.append(np.cumprod(drafts == labels, axis=-1).sum(-1)[0])  # [n] accepted per anchor
+        p, row = P, full[-1]
+        while p <= P + max_tokens - block:
+            a = int(row[p - (P - 1)])
+            rounds, accepted, p = rounds + 1, accepted + a, p + a + 1
+    f, c = np.concatenate(full), np.concatenate(cut_acc)
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "tau": round(1 + accepted / max(rounds, 1), 4),
+            "rounds": rounds, "tau_all_anchors": round(1 + float(f.mean()), 4),
+            f"tau_all_anchors_context_cut_to_{cut}": round(1 + float(c.mean()), 4),
+            "first_draft_token_accepted_all_anchors": round(float((f >= 1).mean()), 4)}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--demo-dir", default="demo")
@@ -66,6 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64, help="as the build's train-drafter runs (64)")
     p.add_argument("--seq-len", type=int, default=256, help="as the build's train-drafter runs (256)")
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--heldout-tokens", type=int, default=0,
+                   help="also the held-out prompts themselves continued by this many tokens (offline only; 0: not)")
     p.add_argument("--work", default="/tmp/demo-parity")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -94,6 +139,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         same = sum(list(map(int, sequences[i, a.prompt_tokens:])) == tokens for i, (tokens, _) in enumerate(runs))
         kinds[kind] = {"block": block, "offline": off, "decoding": da.summarize(kind, runs), "same": same,
                        "of": len(runs)}
+        if a.heldout_tokens:
+            prompts = [da.encode_prompt(tok, it["prompt"], chat=False) for it in items]
+            kinds[kind]["heldout_offline"] = heldout(kind, demo, block, prompts, a.heldout_tokens, a.prompt_tokens,
+                                                     Path(a.work))
+            print(f"{kind:<12} held-out prompts: {kinds[kind]['heldout_offline']}")
         print(f"{kind:<12} b{block:<3} offline tau {off['tau']:.2f}  decoding tau {kinds[kind]['decoding']['tau']:.2f}"
               f"  same {same}/{len(runs)}")
     report = {"command": "python bench/demo_parity.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind issue 19's acceptance: the short-query attention kernel (plugin/cuda_attention.py)
-# wired into decoding through the dispatcher (plugin/attention.py), on and off. Prepared on the CPU; not run yet.
+# wired into decoding through the dispatcher (plugin/attention.py), on and off (results: bench/README.md).
 #
 # Run from the repo root on the GPU machine with MLX-CUDA staged (../shared/gpu/prepare-mlx-cuda.sh puts it
 # in $SITE, default /tmp/site). Each line below is meant as one device call (<= 10 minutes; not timed yet:
@@ -14,8 +14,8 @@
 #                                                    #   kernel on / off, run 1; then runs 2 and 3 (median of 3)
 #   bash bench/h200_attention.sh e2e on 1 512,2048   # other prompt lengths (if a call would run out of time)
 #   bash bench/h200_attention.sh e2e-4bit on         # the bench with the 4-bit target (prompts near 2048,8192), then off
-#   bash bench/h200_attention.sh e2e-kvcache on 1    # the bench with mlx-lm's KVCache instead of the padded caches
-#                                                    #   (is the padded cache still needed with the kernel?)
+#   bash bench/h200_attention.sh e2e-kvcache on 1    # the bench with mlx-lm's caches instead of the padded ones (the
+#                                                    #   routed policy: the kernel at every key length), against e2e
 #   bash bench/h200_attention.sh profile             # the DFlash block's parts against what its bytes cost to read
 #                                                    #   (bench/dflash_block_profile.py, KVCache and padded context)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json; copy them to

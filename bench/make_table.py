@@ -157,7 +157,12 @@ position in the JSON). demo/cpu-parity.json (`python bench/demo_parity.py --demo
 bench/results/demo/cpu-parity.json`): from 64-token prompts (the first tokens of 16 held-out prompts, as the
 drafters' training prompts are cut) continued by the target to 256 tokens, decoding's tau / the training core's
 offline tau on the same sequences: DFlash 3.12 / 3.21, EAGLE-3 3.75 / 3.79, MTP head 3.03 / 3.04, draft LM 2.66 /
-2.67, every decode equal to the sequence (16/16); the held-out prompts average 186 tokens of real code. demo/h200-build.json (+ h200-build/*.jsonl, the training logs): the whole set made from
+2.67, every decode equal to the sequence (16/16); the held-out prompts average 186 tokens of real code.
+demo/cpu-parity-dflash-128.json (`python bench/demo_parity.py --demo-dir demo --prompts 16 --seq-len 192 --kinds
+dflash --heldout-tokens 128 --json bench/results/demo/cpu-parity-dflash-128.json`): over 128 generated tokens from
+the same 64-token prompts DFlash decodes at tau 2.80 (offline 2.78); on the held-out prompts themselves (128 tokens)
+offline tau 2.30, the mean acceptance over every anchor 4.33 with the whole prompt as context and 4.34 with it cut
+to its last 64 tokens: a context longer than the training prompts' costs nothing. demo/h200-build.json (+ h200-build/*.jsonl, the training logs): the whole set made from
 scratch on the H200 (`bash bench/h200_demo.sh build 520`, then `build 262`): corpus 0.1 s, target 27.4 s (1,400
 steps; held-out bits per byte 1.362), DFlash 451.2 s (10,000 steps; offline tau 2.44 / 2.76 / 3.02 / 3.07 at 2,500
 / 5,000 / 7,500 / 10,000), EAGLE-3 148.5 s (3.43), draft LM 76.1 s (2.57), MTP head 100.3 s (2.86): 804 s in all.
@@ -171,7 +176,14 @@ demo/previous-build/: the build shipped before (target 4,000 steps, held-out bit
 and drafter logs, `mlx-spec bench` on the H200 (mlx-lm 1583 tok/s; DFlash 306, EAGLE-3 315, MTP head 391, draft LM
 330, ngram 728 tok/s: 0.19-0.46x, fresh) and the acceptance script there (bf16: 4-7 of 32 outputs equal to plain
 decoding, fp32 28-30 of 32; near-ties flip between the one-position and the block forwards' rounding). The current
-build has no H200 bench yet.
+build on the H200 (`bash bench/h200_demo.sh bench`, 2026-12-01): demo/h200-demo-bench.json, fresh shapes, 8 prompts x
+128 tokens: mlx-lm 1,702 tok/s; DFlash 551 (tau 2.34), EAGLE-3 577 (2.48), MTP head 501 (2.43), draft LM 481
+(2.11), ngram 1,001 (2.46) tok/s: 0.28-0.59x (a target step costs 0.6 ms; a round's draft 1.9-3.9 ms, its verify
+1.8-2.0 ms); demo/h200-demo-acceptance-bf16.json: tau 2.14 / 2.47 / 2.36 / 2.17 / 2.21 (DFlash / EAGLE-3 / MTP /
+draft LM / ngram), 11-13 of 32 outputs equal to plain decoding in bf16. demo/h200-dflash-more-compute.json (+
+.jsonl): the shipped DFlash drafter trained 4,000 more steps at 3x the blocks per step (96 per sequence, lr 5e-4,
+its command in the JSON): offline tau 3.05 / 3.15 / 3.20 / 3.23 at 1,000 / 2,000 / 3,000 / 4,000 steps (the
+shipped one: 3.07), not shipped.
 Long-context rounds with the short-query attention kernel (issue 19, 2026-11-30, session 11),
 attention/h200-attention-e2e-*.json: `bash bench/h200_attention.sh e2e on|off RUN 512,2048,8192` and `... 16384`
 (`python -m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
@@ -209,6 +221,27 @@ layers over 16 rows 2.3-3.7 ms, the head 0.43-0.57 ms; the block 2.8-4.7 ms agai
 weights (2.35 GB), the head (1.05 GB) and the context K/V at the measured bandwidth: 26-41% of that read bound.
 The layers are the gap: 0.46-0.75 ms each against ~0.1 ms to read their weights, the small-M inefficiency the
 target's verify has too.
+Session 13 (2026-12-01), whether the padded caches are still needed with the kernel (greedy output identical on
+every prompt of every run; DFlash at oracle tau 6.5 over mlx-lm per prompt near 512 / 2048 / 8192). mlx-lm's
+caches with the kernel at its thresholds (`bash bench/h200_attention.sh e2e-kvcache on 1 512,2048,8192`,
+attention/h200-attention-e2e-kvcache-512-2048-8192-kernel-on-1.json): fresh 0.22 / 0.44 / 0.37x, warm 2.21 / 2.61 /
+2.47x: the calls under 4096 keys took MLX's path, which compiles per key length. With the kernel taking every
+2-32-query call (`MLX_SPEC_ATTENTION_MIN_KEYS=0 bash bench/h200_attention.sh e2e-kvcache on minkeys0 ...`, then `...
+e2e-kvcache on 2 ...` once the routed policy used that threshold itself; -minkeys0.json, -2.json): fresh 2.12 /
+2.22 / 2.30x and 1.42 / 3.06 / 2.36x, paired 2.99 / 2.40 / 2.46x and 3.52 / 2.22 / 3.09x; the padded caches in the
+same sessions (`e2e on 5`, `e2e on 6`): fresh 2.91 / 2.84 / 2.10x and 2.39 / 1.98 / 2.39x, paired 1.88 / 2.19 /
+3.08x and 2.27 / 2.16 / 2.44x. At 16,384 (`e2e-kvcache on 1 16384`, `e2e on 5 16384`), where the thresholds hold
+anyway: mlx-lm's caches fresh 2.36x / paired 2.30x, padded 1.50x / 2.57x. tau 1 with adaptive blocks against the
+best host plain decoding, paired: mlx-lm's caches 1.17 / 1.06 / 0.95 and 1.57 / 0.90 / 0.69, padded 0.94 / 0.88 /
+0.78 and 0.66 / 1.07 / 0.86. Bare forwards, 16 positions over one (kernel_costs): mlx-lm's caches 1.21 / 1.23 / 1.27
+/ 1.34x at 1024 / 2560 / 8192 / 16384 keys (minkeys0), padded 1.35 / 1.62 / 1.33 / 1.44x (run 5); a repeat of
+`bash bench/h200_attention.sh forwards` (kernels/h200-attention-forwards-{padded,kvcache}-2.json) gave padded 1.25x
+at 4k and 1.17x at 16k, KVCache 1.80x and 1.43x: on this machine single timings move by up to 40% between calls.
+Decision: the routed policy (`MLX_SPEC_PADDED_CACHE=off`) now takes every call the kernel can at any key length
+(plugin/attention.py ROUTED_MIN_KEYS) and describes its batches' masks (plugin/cache_policy.py
+DescribedBatchKVCache), a measured equal of the padded caches for these targets; the padded caches stay the
+default on CUDA for the layers the kernel does not take (sliding windows, quantized caches, sinks, other head
+dims), which would compile per shape in MLX.
 cpu-tiny.json: the CPU (2 cores, tiny fp32 models) verifies B positions at ~B times the cost of one, so
 speculative decoding loses there by design (see its bound column). At tau 1 the adaptive controller pauses
 after two rounds, but with 64 new tokens those two 16-wide rounds (each ~20 plain steps) dominate. The file

@@ -21,7 +21,9 @@ which path each call took ("kernel", or "mlx: <reason>"); ``mlx-spec bench`` rec
 Thresholds (bench/README.md, H200, 16 queries, 32/8 heads, head dim 128): the kernel ties SDPA "causal"
 at 4096 keys and wins above; against SDPA with a boolean mask (what padded and batched caches pass) it
 ties at 512 keys and wins 1.9x at 4096. Hence ``min_keys`` 4096 for None / "causal", 1024 for described
-arrays, until whole-forward measurements say otherwise. ``MLX_SPEC_ATTENTION_MIN_KEYS`` sets both.
+arrays behind the padded caches, whose shapes MLX has compiled once. With mlx-lm's caches (exact key
+lengths) every call left to MLX meets a new key length and compiles (``ROUTED_MIN_KEYS``: 0).
+``MLX_SPEC_ATTENTION_MIN_KEYS`` sets both.
 
 On by default where the kernel runs (MLX built with CUDA, GPU default device); off on CPU and Metal.
 ``MLX_SPEC_ATTENTION_KERNEL`` = auto | on | off overrides (on: an error where the kernel cannot run).
@@ -44,6 +46,10 @@ ENV = "MLX_SPEC_ATTENTION_KERNEL"
 ENV_MIN_KEYS = "MLX_SPEC_ATTENTION_MIN_KEYS"
 MODES = ("auto", "on", "off")
 MIN_KEYS = {"mlx-mask": 4096, "array": 1024}  # by mask kind: None / "causal" (MLX's fast path), described arrays
+# With exact key lengths (mlx-lm's caches), MLX's attention for 2..32 queries compiles per key length: on the
+# H200 (bench/results/attention/h200-attention-e2e-kvcache-*) DFlash rounds at prompts near 512-8192 ran at
+# 0.37x mlx-lm fresh with MIN_KEYS, 2.22x with the kernel taking every such call.
+ROUTED_MIN_KEYS = {"mlx-mask": 0, "array": 0}
 _MLX = base.scaled_dot_product_attention  # mlx-lm's function, as imported here (never reassigned)
 
 
@@ -174,6 +180,10 @@ def min_keys_from_env() -> Optional[Dict[str, int]]:
     return {kind: n for kind in MIN_KEYS}
 
 
-def dispatcher_for(mode: Optional[str] = None, source: str = ENV) -> Optional[Dispatcher]:
-    """The CUDA kernel's dispatcher where the mode says so, else None (mlx-lm's attention)."""
-    return Dispatcher(cuda_kernel(), min_keys=min_keys_from_env()) if resolve_mode(mode, source) else None
+def dispatcher_for(mode: Optional[str] = None, source: str = ENV,
+                   min_keys: Optional[Dict[str, int]] = None) -> Optional[Dispatcher]:
+    """The CUDA kernel's dispatcher where the mode says so, else None (mlx-lm's attention). Thresholds:
+    $MLX_SPEC_ATTENTION_MIN_KEYS, else ``min_keys``, else ``MIN_KEYS``."""
+    if not resolve_mode(mode, source):
+        return None
+    return Dispatcher(cuda_kernel(), min_keys=min_keys_from_env() or min_keys)

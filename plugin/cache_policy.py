@@ -22,9 +22,13 @@ Masks describe themselves (``hooks.attention.describe``: key length, offset, lef
 the short-query attention kernel (``plugin/attention.py``) applies them from those bounds without
 reading them; the kernel reads only the real keys of the padded buffer. The policies carry that
 dispatcher (``attention``) where ``MLX_SPEC_ATTENTION_KERNEL`` resolves on; ``RoutedPolicy`` is
-mlx-lm's caches with it (``MLX_SPEC_PADDED_CACHE=off`` on CUDA). The padded caches stay with the kernel
-on: the calls it does not take (prefill chunks, fewer keys than its thresholds, head dims it lacks)
-still compile per shape in MLX.
+mlx-lm's caches with it (``MLX_SPEC_PADDED_CACHE=off`` on CUDA), the kernel then taking every 2..32-query
+call it can at any key length. Measured on the H200 (Llama-3-8B shape, DFlash at oracle tau 6.5, prompts
+near 512-8192; bench/README.md): that matches the padded caches (2.22 / 2.09 / 2.40x over mlx-lm fresh /
+warm / paired against 2.49 / 2.14 / 2.19x), where with the kernel's own thresholds it fell to 0.37x fresh.
+The padded caches stay the default on CUDA all the same: the calls the kernel does not take (batched rows
+behind mlx-lm's undescribed masks, sliding windows, quantized caches, sinks, other head dims) would still
+compile per shape in MLX.
 
 Per backend (``mode="auto"``): on for CUDA, off for CPU and Metal. The CPU has no per-shape
 compile cost, so padding would only add attention work. Metal compiles its attention kernels per
@@ -47,7 +51,7 @@ from ..hooks.attention import MaskSpec, describe
 from ..hooks.batch import forward
 from ..hooks.state import CachePolicy
 from ..hooks.transaction import BatchTrimHandler, TrimHandler
-from .attention import Dispatcher, dispatcher_for
+from .attention import ROUTED_MIN_KEYS, Dispatcher, dispatcher_for
 
 DEFAULT_BUCKET = 256
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
@@ -254,22 +258,64 @@ class ShapeStablePolicy(CachePolicy):
         return prewarm(model, self.prewarm_tokens, widths, self.bucket)
 
 
+class RoutedKVCache(KVCache):
+    """mlx-lm's ``KVCache`` (exact key lengths, "causal" masks) whose rows merge into ``DescribedBatchKVCache``."""
+
+    transaction_handler = TrimHandler()
+
+    @classmethod
+    def merge(cls, caches: List[Any]) -> "DescribedBatchKVCache":
+        return DescribedBatchKVCache.merge(caches)
+
+
+class DescribedBatchKVCache(BatchKVCache):
+    """mlx-lm's ``BatchKVCache`` whose masks are described (``MaskSpec``), so that the kernel applies them
+    from their bounds: batched rounds then compile nothing per key length either."""
+
+    transaction_handler = BatchTrimHandler()
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        mask = super().make_mask(N, return_array=return_array, **kwargs)  # [B, 1, N, idx + N]
+        if kwargs.get("window_size") is not None or not isinstance(mask, mx.array):
+            return mask
+        start = self._idx  # rows are positions idx..idx+N-1 of the batch's index; left padding hidden
+        return describe(mask, MaskSpec(N, start + N, self.left_padding, start + N, start, start + N))
+
+    @classmethod
+    def merge(cls, caches: List[Any]) -> "DescribedBatchKVCache":
+        merged = BatchKVCache.merge(caches)  # mlx-lm's (an empty batch comes back as its own class)
+        out = cls([0] * len(caches))
+        out.state = merged.state
+        return out
+
+    def extract(self, idx: int) -> RoutedKVCache:
+        plain = super().extract(idx)
+        cache = RoutedKVCache()
+        cache.keys, cache.values, cache.offset = plain.keys, plain.values, plain.offset
+        return cache
+
+
 class RoutedPolicy(CachePolicy):
-    """mlx-lm's caches with the attention kernel routed (``MLX_SPEC_PADDED_CACHE=off`` on CUDA). The target's
-    batched rows pass mlx-lm's undescribed masks (MLX's path); single rows pass "causal" (the kernel)."""
+    """mlx-lm's caches with the attention kernel routed (``MLX_SPEC_PADDED_CACHE=off`` on CUDA): exact key
+    lengths, single rows passing "causal" and batches described masks, the kernel taking every 2..32-query
+    call at any key length (``ROUTED_MIN_KEYS``)."""
 
     name = "mlx-lm+attention"
 
     def __init__(self, attention: Dispatcher):
         self.attention = attention
 
+    def make_cache(self, model: Any, max_kv_size: Optional[int] = None) -> List[Any]:
+        caches = make_prompt_cache(model, max_kv_size=max_kv_size)
+        return [RoutedKVCache() if type(c) is KVCache else c for c in caches]
+
 
 def policy_for(mode: Optional[str] = None, attention_mode: Optional[str] = None) -> Optional[CachePolicy]:
     """The shape-stable policy where the mode (``MLX_SPEC_PADDED_CACHE``) says so, carrying the attention
     dispatcher where ``MLX_SPEC_ATTENTION_KERNEL`` (``attention_mode``) says so; None: mlx-lm's caches and attention."""
-    attention = dispatcher_for(attention_mode)
     if resolve_mode(mode):
-        return ShapeStablePolicy(attention=attention)
+        return ShapeStablePolicy(attention=dispatcher_for(attention_mode))
+    attention = dispatcher_for(attention_mode, min_keys=ROUTED_MIN_KEYS)
     return RoutedPolicy(attention) if attention is not None else None
 
 

@@ -301,3 +301,20 @@ def test_off_on_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     disp = attention.Dispatcher(attention.cuda_kernel())
     assert disp.min_keys == attention.MIN_KEYS and disp.kernel.fn is ca.sdpa
     assert isinstance(cache_policy.RoutedPolicy(disp).make_cache(tm.build_model(tm.llama_config()))[0], KVCache)
+
+
+def test_thresholds_follow_the_cache_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind the padded caches the kernel keeps its measured crossovers; behind mlx-lm's caches (exact key
+    lengths, where MLX's path compiles per length) it takes every call it can; the environment wins."""
+    for env in (attention.ENV, attention.ENV_MIN_KEYS, cache_policy.ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(ca, "available", lambda: True)  # this module's own check: the policies' wiring only
+    padded, routed = cache_policy.policy_for("on"), cache_policy.policy_for("off")
+    assert isinstance(padded, cache_policy.ShapeStablePolicy) and padded.attention.min_keys == attention.MIN_KEYS
+    assert isinstance(routed, cache_policy.RoutedPolicy) and routed.attention.min_keys == attention.ROUTED_MIN_KEYS
+    assert attention.ROUTED_MIN_KEYS == {"mlx-mask": 0, "array": 0} != attention.MIN_KEYS
+    monkeypatch.setenv(attention.ENV_MIN_KEYS, "512")
+    for policy in (cache_policy.policy_for("on"), cache_policy.policy_for("off")):
+        assert policy.attention.min_keys == {"mlx-mask": 512, "array": 512}
+    monkeypatch.setenv(attention.ENV, "off")
+    assert isinstance(cache_policy.policy_for("on"), cache_policy.ShapeStablePolicy) and cache_policy.policy_for("off") is None

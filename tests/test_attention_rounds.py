@@ -5,7 +5,8 @@ on MLX-CUDA; here the CUDA kernel's place is taken by a stand-in with the same c
 (``cuda_attention.reference``, pure MLX) and the key thresholds are 0, so every 2..32-query call the
 dispatcher can prove exact goes to the stand-in with the bounds it derived. Targets: llama, qwen3, qwen3_5
 (GatedDeltaNet and attention layers: both scopes on one model), gemma3_text (sliding-window layers), with
-padded caches (described array masks, batches with left padding) and with mlx-lm's caches ("causal");
+padded caches (described array masks, batches with left padding) and with mlx-lm's caches ("causal"; batches
+through ``DescribedBatchKVCache``, mlx-lm's with its masks described);
 each request alone and all in one batch; draft models (routed too), n-gram and DFlash drafters. Reference:
 mlx-lm's ``generate_step`` on a second copy of the model, loaded in the same process and never routed.
 """
@@ -64,7 +65,7 @@ def routed_host(monkeypatch: pytest.MonkeyPatch, padded: str, speculative: Dict[
     """A host whose speculative plugin hands it a policy carrying the stand-in's dispatcher."""
     kernel = StandIn()
     disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
-    monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None: disp)
+    monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None, **_: disp)
     monkeypatch.setenv(cache_policy.ENV, padded)
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     host = make_host(dict(speculative, block_size=5, adaptive=False))
@@ -123,10 +124,12 @@ def test_draft_model_rounds_equal_plain_decoding(arch: str, padded: str, models:
             totals[key] += t[key]
     check_calls(kernel, disp)
     assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
-    if padded == "on":  # the batch's described masks: per-row left padding reached the kernel
-        assert any(isinstance(start, mx.array) for _, start, _, _ in kernel.calls)
-    else:  # mlx-lm's BatchKVCache masks are not described: the batch took MLX's path
-        assert disp.counts["mlx: mask"] > 0
+    # The batch's described masks (padded caches; mlx-lm's exact-length BatchKVCache under the routed
+    # policy): per-row left padding reached the kernel, and no call fell back for its mask.
+    assert any(isinstance(start, mx.array) for _, start, _, _ in kernel.calls)
+    assert disp.counts["mlx: mask"] == 0, disp.counts
+    kinds = {type(c) for c in target.cache_policy.make_cache(target.model)}
+    assert (cache_policy.PaddedKVCache if padded == "on" else cache_policy.RoutedKVCache) in kinds, kinds
     # The unrouted copy in the same process never reached the dispatcher.
     calls = len(kernel.calls)
     assert greedy_reference(m["plain"], PROMPTS[0], 5) == refs[0][:5] and len(kernel.calls) == calls

@@ -128,7 +128,7 @@ def test_parity_script(tmp_path: Path) -> None:
     parity = script("demo_parity")
     out = tmp_path / "parity.json"
     assert parity.main(["--demo-dir", str(demo.HERE), "--prompts", "1", "--seq-len", "96", "--kinds", "dflash,mtp",
-                        "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+                        "--heldout-tokens", "24", "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["kinds"]) == {"dflash", "mtp"}
     for r in report["kinds"].values():
@@ -136,4 +136,7 @@ def test_parity_script(tmp_path: Path) -> None:
         assert r["offline"]["rounds"] > 0 and r["decoding"]["rounds"] > 0
         # a short sequence: the tails differ (offline stops a block before the end), the rates agree
         assert abs(r["offline"]["acceptance_rate"] - r["decoding"]["acceptance_rate"]) < 0.1, r
+        h = r["heldout_offline"]  # the held-out prompt itself, whole and cut to its last 64 tokens
+        assert h["prompts"] == 1 and h["rounds"] > 0 and 1 <= h["tau"] <= r["block"], h
+        assert 1 <= h["tau_all_anchors_context_cut_to_64"] <= r["block"] and 0 <= h["first_draft_token_accepted_all_anchors"] <= 1
     assert report["heldout_prompt_tokens"]["prompts"] == build.PROMPTS

@@ -235,7 +235,7 @@ def test_routed_attention_patches_nothing(checkpoints: Dict[str, Path], monkeypa
     refs = {tuple(p): greedy_reference(other, p, MAX_TOKENS) for p in PROMPTS}
     kernel = StandIn()
     disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
-    monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None: disp)
+    monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None, **_: disp)
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     sdpa = base.scaled_dot_product_attention
     modules, classes = snapshot()

@@ -172,8 +172,9 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
     """``dispatcher``: the attention dispatcher to route with (tests: a stand-in kernel); default: ``--kernel``'s."""
     if s.cpu:
         mx.set_default_device(mx.cpu)
-    disp = dispatcher if dispatcher is not None else attention.dispatcher_for(s.kernel, source="--kernel")
     padded = cache_policy.resolve_mode(s.padded)
+    disp = dispatcher if dispatcher is not None else attention.dispatcher_for(
+        s.kernel, source="--kernel", min_keys=None if padded else attention.ROUTED_MIN_KEYS)  # as policy_for
     policy: Optional[CachePolicy] = None
     if padded:
         policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp)
