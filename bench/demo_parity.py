@@ -22,7 +22,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -47,17 +47,24 @@ def block_of(demo: Path, kind: str) -> int:
     return da.DEFAULT_BLOCKS[kind] or int(json.loads((demo / kind / "config.json").read_text())["block_size"])
 
 
-def offline(kind: str, demo: Path, block: int, sequences: np.ndarray, prompt_tokens: int, work: Path) -> Dict[str, Any]:
+def trained(kind: str, demo: Path, block: int, seq_len: int, prompt_tokens: int, rows: int, work: Path) -> Tuple[Any, ...]:
+    """(options, the family's trainer, the fp32 target with the family's layers tapped, the demo's drafter)
+    as train-drafter sets them up for an evaluation of ``rows`` sequences of ``seq_len`` tokens."""
     o = TrainOptions(target=str(demo / "target"), kind=kind, out=str(work / kind), init=str(demo / kind), steps=1,
-                     batch_size=8, seq_len=sequences.shape[1], prompt_tokens=prompt_tokens,
-                     heldout_sequences=len(sequences), dtype="float32", block_size=block)
+                     batch_size=8, seq_len=seq_len, prompt_tokens=prompt_tokens, heldout_sequences=rows,
+                     dtype="float32", block_size=block)
     trainer = loop.check_options(o, True)(o)
     target = loop.load_target(o.target)
     target.model.set_dtype(mx.float32)
     model = trainer.build(target)
+    taps.install_taps(target.model, trainer.capture_layers())
+    return o, trainer, target, model
+
+
+def offline(kind: str, demo: Path, block: int, sequences: np.ndarray, prompt_tokens: int, work: Path) -> Dict[str, Any]:
+    o, trainer, target, model = trained(kind, demo, block, sequences.shape[1], prompt_tokens, len(sequences), work)
     data = tdata.Data(sequences[:1], sequences, prompt_tokens - 1, {"prompt_tokens": prompt_tokens})
     trainer.data_ready(data.train, data.first)
-    taps.install_taps(target.model, trainer.capture_layers())
     ev = loop.evaluate(trainer, model, target, data, o)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in ev.items()}
 
@@ -67,14 +74,7 @@ def heldout(kind: str, demo: Path, block: int, prompts: List[List[int]], max_tok
     """The held-out prompts themselves (each its own length, continued greedily by ``max_tokens``): the
     training core's per-anchor acceptance with the whole prompt as context and with the prompt cut to its
     last ``cut`` tokens (same continuation), and greedy decoding's rounds over the whole-context figures."""
-    o = TrainOptions(target=str(demo / "target"), kind=kind, out=str(work / kind), init=str(demo / kind), steps=1,
-                     batch_size=1, seq_len=cut + max_tokens, prompt_tokens=cut, heldout_sequences=1,
-                     dtype="float32", block_size=block)
-    trainer = loop.check_options(o, True)(o)
-    target = loop.load_target(o.target)
-    target.model.set_dtype(mx.float32)
-    model = trainer.build(target)
-    taps.install_taps(target.model, trainer.capture_layers())
+    _, trainer, target, model = trained(kind, demo, block, cut + max_tokens, cut, 1, work)
     full: List[np.ndarray] = []
     cut_acc: List[np.ndarray] = []
     rounds = accepted = 0
