@@ -237,11 +237,15 @@ best host plain decoding, paired: mlx-lm's caches 1.17 / 1.06 / 0.95 and 1.57 / 
 / 1.34x at 1024 / 2560 / 8192 / 16384 keys (minkeys0), padded 1.35 / 1.62 / 1.33 / 1.44x (run 5); a repeat of
 `bash bench/h200_attention.sh forwards` (kernels/h200-attention-forwards-{padded,kvcache}-2.json) gave padded 1.25x
 at 4k and 1.17x at 16k, KVCache 1.80x and 1.43x: on this machine single timings move by up to 40% between calls.
-Decision: the routed policy (`MLX_SPEC_PADDED_CACHE=off`) now takes every call the kernel can at any key length
+Served (attention/h200-server-batching-routed.json, `MLX_SPEC_PADDED_CACHE=off python bench/server_batching.py
+--synthetic-target llama-8b --clients 8 --duration 20 --max-tokens 64 --prompt-words 256 --modes dflash`), the routed
+policy's batches are exact (0 mismatches against each request alone, tau 5.98, 6.2 rows per plain step) but ran at
+97.8 tok/s, against 281.8 for the padded caches (h200-server-batching.json, an earlier session, 30 s). Decision: the
+routed policy (`MLX_SPEC_PADDED_CACHE=off`) now takes every call the kernel can at any key length
 (plugin/attention.py ROUTED_MIN_KEYS) and describes its batches' masks (plugin/cache_policy.py
-DescribedBatchKVCache), a measured equal of the padded caches for these targets; the padded caches stay the
-default on CUDA for the layers the kernel does not take (sliding windows, quantized caches, sinks, other head
-dims), which would compile per shape in MLX.
+DescribedBatchKVCache), a measured equal of the padded caches for single requests; the padded caches stay the
+default on CUDA: batches need their stable shapes, and the layers the kernel does not take (sliding windows,
+quantized caches, sinks, other head dims) would compile per shape in MLX.
 cpu-tiny.json: the CPU (2 cores, tiny fp32 models) verifies B positions at ~B times the cost of one, so
 speculative decoding loses there by design (see its bound column). At tau 1 the adaptive controller pauses
 after two rounds, but with 64 new tokens those two 16-wide rounds (each ~20 plain steps) dominate. The file

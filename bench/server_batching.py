@@ -162,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             settings = SpeculativeSettings(enabled=True, kind="dflash", block_size=args.block, adaptive=False)
             target.attachments[hookimpls.NAME] = hookimpls.Attachment(
                 settings=settings, drafter=orc.WrappedDrafter(drafter, ora), block_size=args.block, policy=policy)
-            if policy is not None:
+            if getattr(policy, "shape_stable", False):  # the padded caches' shapes (the routed policy has none)
                 policy.prewarm(model, args.block)
         server = serve(target, {"max_active": args.clients, "max_queue": 4 * args.clients})
         try:
