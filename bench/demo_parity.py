@@ -81,7 +81,7 @@ def heldout(kind: str, demo: Path, block: int, prompts: List[List[int]], max_tok
     for ids in prompts:
         P = len(ids)
         seq = tdata.continue_prompts(target.model, np.array([ids], np.int32), P + max_tokens, 0.0, 0, 1, lambda s: None)
-        for drop, out in ((0, full), (P - cut, cut_acc)):
+        for drop, out in ((0, full), (max(P - cut, 0), cut_acc)):  # a prompt of fewer tokens stays whole
             s = seq[:, drop:]
             first = P - drop - 1  # the prompt's last token: the first generated one is pending there
             trainer.data_ready(s, first)
@@ -114,6 +114,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--work", default="/tmp/demo-parity")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    if a.heldout_tokens < 0:
+        p.error(f"--heldout-tokens: got {a.heldout_tokens}; allowed: 0 (off) or a positive number of tokens")
     mx.set_default_device(mx.cpu)
     t0 = time.perf_counter()
     demo = Path(a.demo_dir)

@@ -123,7 +123,7 @@ def test_the_prompts_references_pass_the_parse_rule() -> None:
     assert sum(acceptance.parses(it["prompt"], it["reference"][:400])[0] is not None for it in items) >= 3
 
 
-def test_parity_script(tmp_path: Path) -> None:
+def test_parity_script(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """bench/demo_parity.py: decoding from the training core's held-out prompts gives its sequences back."""
     parity = script("demo_parity")
     out = tmp_path / "parity.json"
@@ -140,3 +140,6 @@ def test_parity_script(tmp_path: Path) -> None:
         assert h["prompts"] == 1 and h["rounds"] > 0 and 1 <= h["tau"] <= r["block"], h
         assert 1 <= h["tau_all_anchors_context_cut_to_64"] <= r["block"] and 0 <= h["first_draft_token_accepted_all_anchors"] <= 1
     assert report["heldout_prompt_tokens"]["prompts"] == build.PROMPTS
+    with pytest.raises(SystemExit):
+        parity.main(["--demo-dir", str(demo.HERE), "--heldout-tokens", "-1"])
+    assert "--heldout-tokens: got -1; allowed: 0 (off) or a positive number" in capsys.readouterr().err
