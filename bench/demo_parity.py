@@ -86,15 +86,9 @@ def heldout(kind: str, demo: Path, block: int, prompts: List[List[int]], max_tok
             first = P - drop - 1  # the prompt's last token: the first generated one is pending there
             trainer.data_ready(s, first)
             batch = loop.make_batch(trainer, target, s, first)
-            anchors = np.arange(first, s.shape[1] - block + 1)
-            batch.anchors = anchors[None]
-            drafts = np.array(trainer.draft(model, batch))  # [1, n, B-1]
-            labels = s[:, anchors[:, None] + np.arange(1, block)]
-            out.append(np.cumprod(drafts == labels, axis=-1).sum(-1)[0])  # [n] accepted per anchor
-        p, row = P, full[-1]
-        while p <= P + max_tokens - block:
-            a = int(row[p - (P - 1)])
-            rounds, accepted, p = rounds + 1, accepted + a, p + a + 1
+            out.append(loop.accepted_at(trainer, model, batch, s, np.arange(first, s.shape[1] - block + 1))[0])
+        r, n = loop.greedy_rounds(full[-1], P - 1, P, P + max_tokens - block)
+        rounds, accepted = rounds + r, accepted + n
     f, c = np.concatenate(full), np.concatenate(cut_acc)
     return {"prompts": len(prompts), "max_tokens": max_tokens, "tau": round(1 + accepted / max(rounds, 1), 4),
             "rounds": rounds, "tau_all_anchors": round(1 + float(f.mean()), 4),

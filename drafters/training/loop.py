@@ -12,7 +12,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -121,23 +121,38 @@ def evaluate(trainer: FamilyTrainer, model: nn.Module, target: TrainTarget, data
         step = trainer.anchors_per_forward(len(tokens), vocab)
         parts = []
         for a in range(0, len(anchors), step):
-            chunk = anchors[a:a + step]
-            batch.anchors = np.broadcast_to(chunk, (len(tokens), len(chunk)))
-            drafts = trainer.draft(model, batch)  # [b, n, B-1]
+            parts.append(accepted_at(trainer, model, batch, tokens, anchors[a:a + step]))  # [b, n]
             losses.append(trainer.loss(model, batch).item())
-            labels = tokens[:, chunk[:, None] + np.arange(1, B)]  # [b, n, B-1]
-            parts.append(np.cumprod(np.array(drafts) == labels, axis=-1).sum(-1))  # [b, n]
         rows.append(np.concatenate(parts, axis=1))
     acc = np.concatenate(rows, axis=0)  # [H, len(anchors)]
-    rounds = accepted = 0
-    for row in acc:
-        p = int(data.info.get("prompt_tokens", data.first + 1))  # the first generated token is pending
-        while p <= L - B:
-            a = int(row[p - data.first])
-            rounds, accepted, p = rounds + 1, accepted + a, p + a + 1
+    start = int(data.info.get("prompt_tokens", data.first + 1))  # the first generated token is pending
+    walks = [greedy_rounds(row, data.first, start, L - B) for row in acc]
+    rounds, accepted = sum(r for r, _ in walks), sum(n for _, n in walks)
     return {"tau": 1.0 + accepted / max(rounds, 1), "acceptance_rate": accepted / max(rounds * (B - 1), 1),
             "rounds": rounds, "tau_all_anchors": 1.0 + float(acc.mean()), "anchors": int(acc.size),
             "block_size": B, "loss": float(np.mean(losses))}
+
+
+def accepted_at(trainer: FamilyTrainer, model: nn.Module, batch: Batch, tokens: np.ndarray,
+                anchors: np.ndarray) -> np.ndarray:
+    """[b, n]: per anchor p (set on ``batch``), the length of the prefix of the drafter's block that
+    matches ``tokens``' p+1 .. p+B-1."""
+    batch.anchors = np.broadcast_to(anchors, (len(tokens), len(anchors)))
+    drafts = trainer.draft(model, batch)  # [b, n, B-1]
+    labels = tokens[:, anchors[:, None] + np.arange(1, trainer.block_size)]  # [b, n, B-1]
+    return np.cumprod(np.array(drafts) == labels, axis=-1).sum(-1)
+
+
+def greedy_rounds(accepted: np.ndarray, first: int, start: int, end: int) -> Tuple[int, int]:
+    """(rounds, accepted tokens) greedy decoding makes over one sequence, ``accepted[p - first]`` being what a
+    round with the pending token at p accepts: the first round at ``start``, each next one after the last
+    accepted token, while p <= ``end``."""
+    rounds = total = 0
+    p = start
+    while p <= end:
+        a = int(accepted[p - first])
+        rounds, total, p = rounds + 1, total + a, p + a + 1
+    return rounds, total
 
 
 def _replace_file(src: Path, dst: Path) -> None:
