@@ -18,6 +18,9 @@
 #                                                    #   routed policy: the kernel at every key length), against e2e
 #   bash bench/h200_attention.sh profile             # the DFlash block's parts against what its bytes cost to read
 #                                                    #   (bench/dflash_block_profile.py, KVCache and padded context)
+#   bash bench/h200_attention.sh matmul              # the projection kernel against MLX's matmul (bench/gpu_matmul_check.py)
+#   bash bench/h200_attention.sh host-split          # build / encode / device per forward, MLX's matmuls and the
+#                                                    #   projection kernel in one process (bench/host_split.py)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json; copy them to
 # bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
 set -euo pipefail
@@ -58,5 +61,9 @@ case "$what" in
     py bench/dflash_block_profile.py --keys 4096,16384 --json "$OUT/h200-dflash-block-profile-kvcache.json" | tail -30
     py bench/dflash_block_profile.py --keys 4096,16384 --padded --kernel on --json "$OUT/h200-dflash-block-profile-padded-kernel.json" | tail -30
     py bench/dflash_block_profile.py --keys 4096,16384 --padded --json "$OUT/h200-dflash-block-profile-padded.json" | tail -30 ;;
-  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile)"; exit 2 ;;
+  matmul)
+    py bench/gpu_matmul_check.py --out "$OUT/h200-matmul-check.json" | tail -12 ;;
+  host-split)
+    py bench/host_split.py --keys 4096,16384 --linear mlx,kernel --json "$OUT/h200-host-split-projections.json" | tail -8 ;;
+  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split)"; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""Routing a loaded model's attention through a plugin's dispatcher, and masks that say what they hide.
+"""Routing a loaded model's attention and projections through a plugin's dispatchers, and masks that say what they hide.
 
 mlx-lm's attention layers call ``scaled_dot_product_attention(queries, keys, values, cache=, scale=,
 mask=)``, imported by name from ``mlx_lm.models.base``. A plugin may hand the host a dispatcher with
@@ -18,6 +18,13 @@ array may ``describe`` it: a ``MaskSpec`` is a promise that the array is exactly
 over its last two axes (queries ``i`` < ``queries``, keys ``j`` < ``span``). The plugin's caches
 (plugin/cache_policy.py) and the DFlash drafter describe theirs; a dispatcher looks them up with
 ``described`` and falls back to mlx-lm's function for any mask without a description.
+
+Projections: a policy may also hand a dispatcher ``(x, weight) -> x @ weight.T or None``
+(``CachePolicy.projections``). ``route_projections(model, dispatcher)`` gives every ``nn.Linear``
+instance of THAT model (exactly that class: quantized and other layers keep theirs) a subclass whose
+``__call__`` asks the dispatcher first, for inputs of ``dispatcher.rows`` = (min, max) rows where it has
+that attribute, and runs ``nn.Linear.__call__`` when it answers None; the bias is added after the
+dispatcher's product. Nothing is assigned to ``mlx.nn`` or to any other model.
 """
 
 from __future__ import annotations
@@ -118,10 +125,69 @@ def unroute(model: nn.Module) -> int:
 
 
 def route_policy(model: nn.Module, policy: Any) -> int:
-    """``route`` with a cache policy's dispatcher (``CachePolicy.attention``), if it has one."""
-    return route(model, getattr(policy, "attention", None))
+    """``route`` with a cache policy's attention dispatcher (``CachePolicy.attention``) and
+    ``route_projections`` with its projection dispatcher (``CachePolicy.projections``), where it has them.
+    Returns how many modules run under either."""
+    return route(model, getattr(policy, "attention", None)) + route_projections(model, getattr(policy, "projections", None))
 
 
 def routed(model: nn.Module) -> int:
     """How many modules of ``model`` call a dispatcher for their attention."""
     return sum(1 for _ in scoping.scoped_modules(model, "attention"))
+
+
+# -- projections ----------------------------------------------------------------------------
+
+Projections = Callable[[mx.array, mx.array], Optional[mx.array]]  # (x [..., K], weight [N, K]) -> [..., N] | None
+_linear_classes: Dict[int, Tuple[Projections, type]] = {}
+
+
+def _routed_linear(dispatcher: Projections) -> type:
+    """The ``nn.Linear`` subclass asking ``dispatcher`` first (one per dispatcher)."""
+    entry = _linear_classes.get(id(dispatcher))
+    if entry is not None and entry[0] is dispatcher:
+        return entry[1]
+
+    lo, hi = getattr(dispatcher, "rows", (1, 1 << 62))
+
+    def __call__(self: nn.Linear, x: mx.array) -> mx.array:
+        # Calls outside the dispatcher's rows (one-token steps, prefill) pay one check, not a dispatch.
+        if lo <= x.size // max(x.shape[-1], 1) <= hi:
+            y = dispatcher(x, self["weight"])
+            if y is not None:
+                return y + self["bias"] if "bias" in self else y
+        return nn.Linear.__call__(self, x)
+
+    made = type("Linear", (nn.Linear,), {"__call__": __call__, "_spec_projections": dispatcher})
+    made.__module__, made.__qualname__ = nn.Linear.__module__, nn.Linear.__qualname__
+    _linear_classes[id(dispatcher)] = (dispatcher, made)
+    return made
+
+
+def route_projections(model: nn.Module, dispatcher: Optional[Projections]) -> int:
+    """Route the ``nn.Linear`` layers of ``model`` (this instance only) through ``dispatcher``; returns how
+    many run under it; None routes nothing. Idempotent; a later dispatcher replaces an earlier one."""
+    if dispatcher is None:
+        return 0
+    cls = _routed_linear(dispatcher)
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear or "_spec_projections" in vars(type(m)):
+            m.__class__ = cls
+            n += 1
+    return n
+
+
+def unroute_projections(model: nn.Module) -> int:
+    """Give ``model``'s projections back to ``nn.Linear``; returns how many modules changed."""
+    n = 0
+    for m in model.modules():
+        if "_spec_projections" in vars(type(m)):
+            m.__class__ = nn.Linear
+            n += 1
+    return n
+
+
+def routed_projections(model: nn.Module) -> int:
+    """How many ``nn.Linear`` layers of ``model`` ask a dispatcher first."""
+    return sum(1 for m in model.modules() if "_spec_projections" in vars(type(m)))

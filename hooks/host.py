@@ -93,7 +93,7 @@ class Host:
     @staticmethod
     def apply_policy(target: LoadedTarget, policy: Optional[CachePolicy]) -> None:
         """Make ``policy`` (``host_cache_policy``'s answer; None: keep mlx-lm's) the target's: its attention
-        dispatcher routes this model's attention layers only (hooks/attention.py), then it prepares."""
+        and projection dispatchers route this model's layers only (hooks/attention.py), then it prepares."""
         if policy is not None:
             target.cache_policy = policy
         attention.route_policy(target.model, target.cache_policy)

@@ -54,6 +54,10 @@ class CachePolicy:
     # host routes the loaded target's attention through it (``hooks.attention.route``, this model
     # only), and drafters route their own models. None: mlx-lm's own attention.
     attention: Optional[Callable[..., Any]] = None
+    # A projection dispatcher, (x, weight) -> x @ weight.T or None (mlx's own matmul): the host routes
+    # the loaded target's nn.Linear layers through it (``hooks.attention.route_projections``), and
+    # drafters route their own models. None: mlx's matmuls.
+    projections: Optional[Callable[..., Any]] = None
 
     def make_cache(self, model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
         return make_prompt_cache(model, max_kv_size=max_kv_size)

@@ -158,11 +158,16 @@ def mask_bounds(mask: Any, B: int, L: int, S: int) -> Optional[MaskSpec]:
 def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
     """Whether the dispatcher is on: ``mode`` (or $MLX_SPEC_ATTENTION_KERNEL); auto = where the kernel runs.
     ``source`` names the setting in messages."""
-    mode = (mode or os.environ.get(ENV) or "auto").strip().lower()
+    return kernel_mode(mode, ENV, source, "the attention kernel")
+
+
+def kernel_mode(mode: Optional[str], env: str, source: str, what: str) -> bool:
+    """A CUDA kernel's auto | on | off setting: ``mode``, else $``env``, else auto (on where MLX runs on CUDA)."""
+    mode = (mode or os.environ.get(env) or "auto").strip().lower()
     if mode not in MODES:
         raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(MODES)}")
     if mode == "on" and not cuda_attention.available():
-        raise ValueError(f"{source} on: the attention kernel needs MLX built with CUDA and the GPU as the default "
+        raise ValueError(f"{source} on: {what} needs MLX built with CUDA and the GPU as the default "
                          f"device; this process runs on {mx.default_device()} (allowed here: auto, off)")
     return cuda_attention.available() if mode == "auto" else mode == "on"
 

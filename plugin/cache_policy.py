@@ -29,7 +29,9 @@ runs: 2.22 / 2.09 / 2.40x over mlx-lm fresh / warm / paired against 2.49 / 2.14 
 kernel's own thresholds it fell to 0.37x fresh. The padded caches stay the default on CUDA all the same:
 batches served through the routed policy, exact, ran at a third of the padded caches' rate (97.8 against
 281.8 tok/s, 8 clients), and the calls the kernel does not take (sliding windows, quantized caches, sinks,
-other head dims) would still compile per shape in MLX.
+other head dims) would still compile per shape in MLX. Both policies also carry the projection dispatcher
+(``projections``, plugin/projections.py: verify-width matmuls in one launch) where ``MLX_SPEC_PROJECTION_KERNEL``
+resolves on; ``RoutedPolicy`` is made for either dispatcher alone.
 
 Per backend (``mode="auto"``): on for CUDA, off for CPU and Metal. The CPU has no per-shape
 compile cost, so padding would only add attention work. Metal compiles its attention kernels per
@@ -53,6 +55,7 @@ from ..hooks.batch import forward
 from ..hooks.state import CachePolicy
 from ..hooks.transaction import BatchTrimHandler, TrimHandler
 from .attention import ROUTED_MIN_KEYS, Dispatcher, dispatcher_for
+from .projections import Projections, projections_for
 
 DEFAULT_BUCKET = 256
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
@@ -228,11 +231,12 @@ class ShapeStablePolicy(CachePolicy):
     shape_stable = True
 
     def __init__(self, bucket: int = DEFAULT_BUCKET, prewarm_tokens: Optional[int] = None,
-                 attention: Optional[Dispatcher] = None):
+                 attention: Optional[Dispatcher] = None, projections: Optional[Projections] = None):
         if bucket < 1:
             raise ValueError(f"padded cache bucket: got {bucket}; expected a positive integer")
         self.bucket = bucket
         self.attention = attention  # the short-query kernel's dispatcher (plugin/attention.py), or None
+        self.projections = projections  # the verify-width matmul's dispatcher (plugin/projections.py), or None
         self.block_size: Optional[int] = None  # the drafter's block: the widths ``prepare`` warms
         tokens = os.environ.get("MLX_SPEC_PREWARM_TOKENS", DEFAULT_PREWARM_TOKENS) if prewarm_tokens is None else prewarm_tokens
         self.prewarm_tokens = int(tokens)
@@ -303,8 +307,9 @@ class RoutedPolicy(CachePolicy):
 
     name = "mlx-lm+attention"
 
-    def __init__(self, attention: Dispatcher):
+    def __init__(self, attention: Optional[Dispatcher], projections: Optional[Projections] = None):
         self.attention = attention
+        self.projections = projections
 
     def make_cache(self, model: Any, max_kv_size: Optional[int] = None) -> List[Any]:
         caches = make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -313,11 +318,13 @@ class RoutedPolicy(CachePolicy):
 
 def policy_for(mode: Optional[str] = None, attention_mode: Optional[str] = None) -> Optional[CachePolicy]:
     """The shape-stable policy where the mode (``MLX_SPEC_PADDED_CACHE``) says so, carrying the attention
-    dispatcher where ``MLX_SPEC_ATTENTION_KERNEL`` (``attention_mode``) says so; None: mlx-lm's caches and attention."""
+    dispatcher where ``MLX_SPEC_ATTENTION_KERNEL`` (``attention_mode``) says so and the projection dispatcher
+    where ``MLX_SPEC_PROJECTION_KERNEL`` says so; None: mlx-lm's caches, attention and matmuls."""
     if resolve_mode(mode):
-        return ShapeStablePolicy(attention=dispatcher_for(attention_mode))
+        return ShapeStablePolicy(attention=dispatcher_for(attention_mode), projections=projections_for())
     attention = dispatcher_for(attention_mode, min_keys=ROUTED_MIN_KEYS)
-    return RoutedPolicy(attention) if attention is not None else None
+    projections = projections_for()
+    return RoutedPolicy(attention, projections) if attention is not None or projections is not None else None
 
 
 def prewarm(

@@ -25,7 +25,7 @@ from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import recurrent, scoping
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.attention import MaskSpec, described
-from mlx_speculative.plugin import attention, cache_policy
+from mlx_speculative.plugin import attention, cache_policy, projections
 from mlx_speculative.plugin import cuda_attention as ca
 from mlx_speculative.plugin.cache_policy import PaddedKVCache
 
@@ -306,7 +306,7 @@ def test_off_on_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 def test_thresholds_follow_the_cache_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Behind the padded caches the kernel keeps its measured crossovers; behind mlx-lm's caches (exact key
     lengths, where MLX's path compiles per length) it takes every call it can; the environment wins."""
-    for env in (attention.ENV, attention.ENV_MIN_KEYS, cache_policy.ENV):
+    for env in (attention.ENV, attention.ENV_MIN_KEYS, cache_policy.ENV, projections.ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(ca, "available", lambda: True)  # this module's own check: the policies' wiring only
     padded, routed = cache_policy.policy_for("on"), cache_policy.policy_for("off")
@@ -316,5 +316,10 @@ def test_thresholds_follow_the_cache_policy(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(attention.ENV_MIN_KEYS, "512")
     for policy in (cache_policy.policy_for("on"), cache_policy.policy_for("off")):
         assert policy.attention.min_keys == {"mlx-mask": 512, "array": 512}
+    # The projection dispatcher rides along where its kernel runs (the same check), and stands alone.
+    assert isinstance(padded.projections, projections.Projections) and isinstance(routed.projections, projections.Projections)
     monkeypatch.setenv(attention.ENV, "off")
+    alone = cache_policy.policy_for("off")
+    assert isinstance(alone, cache_policy.RoutedPolicy) and alone.attention is None and alone.projections is not None
+    monkeypatch.setenv(projections.ENV, "off")
     assert isinstance(cache_policy.policy_for("on"), cache_policy.ShapeStablePolicy) and cache_policy.policy_for("off") is None

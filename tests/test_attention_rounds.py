@@ -4,7 +4,8 @@ The plugin hands the host its dispatcher inside the cache policy (``CachePolicy.
 on MLX-CUDA; here the CUDA kernel's place is taken by a stand-in with the same contract
 (``cuda_attention.reference``, pure MLX) and the key thresholds are 0, so every 2..32-query call the
 dispatcher can prove exact goes to the stand-in with the bounds it derived. Targets: llama, qwen3, qwen3_5
-(GatedDeltaNet and attention layers: both scopes on one model), gemma3_text (sliding-window layers), with
+(GatedDeltaNet and attention layers: both scopes on one model), gemma3_text (sliding-window layers), the
+projections routed through ``projections.stand_in()`` as well, with
 padded caches (described array masks, batches with left padding) and with mlx-lm's caches ("causal"; batches
 through ``DescribedBatchKVCache``, mlx-lm's with its masks described);
 each request alone and all in one batch; draft models (routed too), n-gram and DFlash drafters. Reference:
@@ -26,7 +27,7 @@ from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
-from mlx_speculative.plugin import attention, cache_policy
+from mlx_speculative.plugin import attention, cache_policy, projections
 from test_attention_dispatch import StandIn
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
@@ -65,13 +66,16 @@ def routed_host(monkeypatch: pytest.MonkeyPatch, padded: str, speculative: Dict[
     """A host whose speculative plugin hands it a policy carrying the stand-in's dispatcher."""
     kernel = StandIn()
     disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
+    proj = projections.stand_in()  # the projections too, as on MLX-CUDA
     monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None, **_: disp)
+    monkeypatch.setattr(cache_policy, "projections_for", lambda mode=None, **_: proj)
     monkeypatch.setenv(cache_policy.ENV, padded)
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     host = make_host(dict(speculative, block_size=5, adaptive=False))
     target = host.load(str(path))
-    assert target.cache_policy.attention is disp
+    assert target.cache_policy.attention is disp and target.cache_policy.projections is proj
     assert host_attention.routed(target.model) == sum(1 for _ in _attention_layers(target.model)) > 0
+    assert host_attention.routed_projections(target.model) > 0
     return host, target, disp, kernel
 
 
@@ -101,10 +105,13 @@ def decode(host: Any, target: Any, prompts: List[List[int]], batch: bool) -> Tup
     return tokens, totals
 
 
-def check_calls(kernel: StandIn, disp: attention.Dispatcher) -> None:
-    """The stand-in saw only 2..32-query calls; one-token steps took MLX's path."""
+def check_calls(kernel: StandIn, disp: attention.Dispatcher, policy: Any = None) -> None:
+    """The stand-in saw only 2..32-query calls; one-token steps took MLX's path. The projections'
+    stand-in took every call it was asked for (only 2..32-row ones reach it)."""
     assert kernel.calls and all(2 <= L <= 32 for L, *_ in kernel.calls)
     assert disp.counts["kernel"] == len(kernel.calls) and disp.counts["mlx: queries"] > 0, disp.counts
+    if policy is not None:
+        assert policy.projections.counts["kernel"] > 0 and policy.projections.counts["mlx"] == 0, policy.projections.counts
 
 
 @pytest.mark.parametrize("padded", ["on", "off"])
@@ -122,7 +129,7 @@ def test_draft_model_rounds_equal_plain_decoding(arch: str, padded: str, models:
         assert t["rounds"] > 0 and len(kernel.calls) > before
         for key in totals:
             totals[key] += t[key]
-    check_calls(kernel, disp)
+    check_calls(kernel, disp, target.cache_policy)
     assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
     # The batch's described masks (padded caches; mlx-lm's exact-length BatchKVCache under the routed
     # policy): per-row left padding reached the kernel, and no call fell back for its mask.
@@ -144,7 +151,7 @@ def test_sliding_window_target_alone(padded: str, models: Dict[str, Any], monkey
     host, target, disp, kernel = routed_host(monkeypatch, padded, {"draft_model": str(m["drafter"])}, m["target"])
     tokens, totals = decode(host, target, PROMPTS, batch=False)
     assert tokens == [m["refs"][tuple(p)] for p in PROMPTS] and totals["rounds"] > 0
-    check_calls(kernel, disp)
+    check_calls(kernel, disp, target.cache_policy)
     assert disp.counts["mlx: mask"] > 0, disp.counts
 
 
@@ -159,7 +166,7 @@ def test_every_verify_forward_reaches_the_kernel(padded: str, models: Dict[str, 
     tokens, totals = decode(host, target, [prompt], batch=False)
     assert tokens == [m["refs"][tuple(prompt)]]
     assert totals["rounds"] > 0 and len(kernel.calls) == 4 * totals["rounds"], (len(kernel.calls), totals)
-    check_calls(kernel, disp)
+    check_calls(kernel, disp, target.cache_policy)
 
 
 @pytest.mark.parametrize("padded", ["on", "off"])
@@ -172,11 +179,12 @@ def test_dflash_rounds_through_the_dispatcher(padded: str, models: Dict[str, Any
     host, target, disp, kernel = routed_host(monkeypatch, padded, {"draft_model": str(models["dflash"]),
                                                                    "kind": "dflash"}, m["target"])
     assert host_attention.routed(target.attachments["speculative"].drafter.model) > 0
+    assert host_attention.routed_projections(target.attachments["speculative"].drafter.model) > 0
     refs = [m["refs"][tuple(p)] for p in PROMPTS]
     for batch in (False, True):
         tokens, totals = decode(host, target, PROMPTS, batch)
         assert tokens == refs and totals["rounds"] > 0, batch
-    check_calls(kernel, disp)
+    check_calls(kernel, disp, target.cache_policy)
     top = lambda x: x if isinstance(x, int) else max(x.tolist())  # noqa: E731
     blocks = [c for c in kernel.calls if isinstance(c[3], int) and c[3] >= top(c[2]) - 1]  # not causal
     assert blocks and any(isinstance(c[1], mx.array) for c in blocks)  # batched rows' left padding

@@ -107,7 +107,7 @@ def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> N
     """``--kernel``: the JSON says which attention path each method's timed calls took. A stand-in with the
     CUDA kernel's contract takes the kernel's place on the CPU; mlx-lm's methods keep mlx-lm's attention."""
     from mlx_speculative.hooks.cli import main
-    from mlx_speculative.plugin import attention
+    from mlx_speculative.plugin import attention, projections
     from mlx_speculative.plugin.bench.core import BenchSettings, run_bench
     from test_attention_dispatch import StandIn
 
@@ -115,8 +115,12 @@ def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> N
     disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
     s = BenchSettings(synthetic_target="tiny", cpu=True, kind="draft_model", taus=[3.0], block_sizes=[4],
                       prompt_lengths=[64], max_tokens=8, padded="on", bucket=32)
-    report = run_bench(s, on_progress=lambda msg: None, dispatcher=disp)
+    proj = projections.stand_in()
+    report = run_bench(s, on_progress=lambda msg: None, dispatcher=disp, projection_dispatcher=proj)
     assert report["attention"]["kernel"] == "on" and report["attention"]["dispatcher"]["calls"]["kernel"] > 0
+    # The projections: the host's rounds through the dispatcher, the bare forwards "off" through MLX's matmuls.
+    calls = report["attention"]["projections"]["calls"]
+    assert calls["kernel"] > 0 and calls["mlx"] > 0, calls
     for regime in ("fresh", "warm"):
         rows = report["results"][regime]
         spec = rows["plugin draft_model b4 tau3"]
@@ -130,6 +134,8 @@ def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> N
     capsys.readouterr()
     assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kernel", "on", "--prompt-lengths", "64"]) != 0
     assert "--kernel on: the attention kernel needs MLX built with CUDA" in capsys.readouterr().err
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--projection-kernel", "on", "--prompt-lengths", "64"]) != 0
+    assert "--projection-kernel on: the projection kernel needs MLX built with CUDA" in capsys.readouterr().err
 
 
 def test_bench_paired_regime(tmp_path: Path) -> None:

@@ -225,7 +225,7 @@ def test_routed_attention_patches_nothing(checkpoints: Dict[str, Path], monkeypa
     import mlx_lm.models.qwen3_next as qwen3_next
 
     from mlx_speculative.hooks import attention as host_attention
-    from mlx_speculative.plugin import attention, cache_policy
+    from mlx_speculative.plugin import attention, cache_policy, projections
     from test_attention_dispatch import StandIn
 
     for name in MODULES + ["mlx_lm.models.base", "mlx_speculative.plugin.attention"]:
@@ -235,7 +235,9 @@ def test_routed_attention_patches_nothing(checkpoints: Dict[str, Path], monkeypa
     refs = {tuple(p): greedy_reference(other, p, MAX_TOKENS) for p in PROMPTS}
     kernel = StandIn()
     disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
+    proj = projections.stand_in()
     monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None, **_: disp)
+    monkeypatch.setattr(cache_policy, "projections_for", lambda mode=None, **_: proj)
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     sdpa = base.scaled_dot_product_attention
     modules, classes = snapshot()
@@ -248,9 +250,11 @@ def test_routed_attention_patches_nothing(checkpoints: Dict[str, Path], monkeypa
         assert target.cache_policy.attention is disp
         assert host_attention.routed(target.model) == 2  # the two full-attention layers
         assert host_attention.routed(target.attachments["speculative"].drafter.model) > 0
+        assert host_attention.routed_projections(target.model) > 0
+        assert host_attention.routed_projections(target.attachments["speculative"].drafter.model) > 0
         totals = rounds(host, target, refs)
         assert totals["rounds"] > 0 and totals["partial_or_zero"] > 0, (speculative, totals)
-    assert disp.counts["kernel"] == len(kernel.calls) > 0
+    assert disp.counts["kernel"] == len(kernel.calls) > 0 and proj.counts["kernel"] > 0
 
     assert base.scaled_dot_product_attention is sdpa and qwen3_next.scaled_dot_product_attention is sdpa
     modules_after, classes_after = snapshot()
@@ -264,6 +268,7 @@ def test_routed_attention_patches_nothing(checkpoints: Dict[str, Path], monkeypa
     assert original_classes(fresh) == []
     assert greedy_reference(fresh, PROMPTS[0], MAX_TOKENS) == refs[tuple(PROMPTS[0])]
     assert len(kernel.calls) == calls  # neither the other model nor the fresh one reached the dispatcher
+    assert host_attention.routed_projections(other) == 0 and host_attention.routed_projections(fresh) == 0
 
 
 def _feed(model: Any, cache: List[Any]) -> List[mx.array]:

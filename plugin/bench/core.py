@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ...hooks import attention as host_attention
 from ...hooks.state import CachePolicy, LoadedTarget
-from .. import attention, cache_policy
+from .. import attention, cache_policy, projections
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import summarize
 from . import kernels, real, synthetic
@@ -44,6 +44,7 @@ class BenchSettings:
     padded: str = "auto"
     bucket: int = cache_policy.DEFAULT_BUCKET
     kernel: str = "auto"  # the short-query attention kernel (plugin/attention.py): auto | on | off
+    projection_kernel: str = "auto"  # the verify-width matmul kernel (plugin/projections.py): auto | on | off
     quantize_bits: Optional[int] = None  # the target's weights quantized (group size 64) after loading
     mlx_lm_spec: bool = True
     draft_layers: int = 2
@@ -168,18 +169,22 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
 
 
 def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
-              dispatcher: Optional[attention.Dispatcher] = None) -> Dict[str, Any]:
-    """``dispatcher``: the attention dispatcher to route with (tests: a stand-in kernel); default: ``--kernel``'s."""
+              dispatcher: Optional[attention.Dispatcher] = None,
+              projection_dispatcher: Optional[projections.Projections] = None) -> Dict[str, Any]:
+    """``dispatcher`` / ``projection_dispatcher``: the attention and projection dispatchers to route with
+    (tests: stand-ins); default: ``--kernel``'s and ``--projection-kernel``'s."""
     if s.cpu:
         mx.set_default_device(mx.cpu)
     padded = cache_policy.resolve_mode(s.padded)
     disp = dispatcher if dispatcher is not None else attention.dispatcher_for(
         s.kernel, source="--kernel", min_keys=None if padded else attention.ROUTED_MIN_KEYS)  # as policy_for
+    proj = projection_dispatcher if projection_dispatcher is not None else \
+        projections.projections_for(s.projection_kernel, "--projection-kernel")
     policy: Optional[CachePolicy] = None
     if padded:
-        policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp)
-    elif disp is not None:
-        policy = cache_policy.RoutedPolicy(disp)
+        policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp, projections=proj)
+    elif disp is not None or proj is not None:
+        policy = cache_policy.RoutedPolicy(disp, proj)
     real.check(s)
     texts = real.read_prompts(s.prompts_file)[:s.max_prompts or None] if s.prompts_file else None
     t_start = time.perf_counter()
@@ -193,26 +198,36 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
                   file=sys.stderr)
     else:
         drafters = load_drafters(s, target, config, policy)
-    if disp is not None:  # as the host and the drafter families do with the policy's dispatcher
+    routed: List[Any] = []
+    if disp is not None or proj is not None:  # as the host and the drafter families do with the policy's dispatchers
         extra = [] if info is not None else [d[1] for d in drafters.values() if d[1] is not None] + \
             [d[0].model for k, d in drafters.items() if k == "dflash"]
-        for model in [target.model] + extra:
-            host_attention.route(model, disp)
+        routed = [target.model] + extra
+        for model in routed:
+            host_attention.route_policy(model, policy)
     methods = build_methods(s, target, config, drafters, policy,
                             {k: v["blocks"] for k, v in info.items()} if info is not None else None)
     calls: Dict[str, Counter] = {m.name: Counter() for m in methods}
 
     def run(m: Method, *args: Any) -> Run:
-        """One run; the dispatcher serves this project's host only (mlx-lm's methods keep mlx-lm's attention)."""
-        if disp is None:
-            return m.run(*args)
-        disp.enabled = isinstance(m, HostMethod)
-        before = Counter(disp.counts)
+        """One run; the dispatchers serve this project's host only (mlx-lm's methods keep mlx-lm's attention
+        and matmuls)."""
+        host = isinstance(m, HostMethod)
+        if disp is not None:
+            disp.enabled = host
+        if proj is not None and not host:  # not even the routed layers' row check
+            for model in routed:
+                host_attention.unroute_projections(model)
+        before = Counter(disp.counts) if disp is not None else None
         try:
             return m.run(*args)
         finally:
-            calls[m.name].update(Counter(disp.counts) - before)
-            disp.enabled = True
+            if disp is not None:
+                calls[m.name].update(Counter(disp.counts) - before)
+                disp.enabled = True
+            if proj is not None and not host:
+                for model in routed:
+                    host_attention.route_projections(model, proj)
     vocab = int(config["vocab_size"])
     cap = max([m.block for m in methods if m.block] + s.block_sizes + [2])
     stride = s.max_tokens + 2 * cap + 8
@@ -308,10 +323,14 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         (kernels.EXTRA_KEYS_CUDA if cache_policy.backend() == "cuda" else [])
     bucket = s.bucket if padded else None
     costs = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress)
-    if disp is not None:  # the same bare forwards on MLX's attention: the kernel's share of a forward
-        disp.enabled = False
+    if disp is not None or proj is not None:  # the same bare forwards on MLX's attention and matmuls
+        for d in (disp, proj):
+            if d is not None:
+                d.enabled = False
         off = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress)
-        disp.enabled = True
+        for d in (disp, proj):
+            if d is not None:
+                d.enabled = True
         for mine, theirs in [(costs, off)] + [(costs["by_key_length"][L], c) for L, c in off["by_key_length"].items()]:
             mine["target_forward_ms_kernel_off"] = theirs["target_forward_ms"]
             mine["draft_ms_kernel_off"] = theirs["draft_ms"]
@@ -319,6 +338,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
     on_progress("done\n")
     info_att = {"kernel": "on" if disp is not None else "off", "mode": s.kernel,
             "dispatcher": disp.report() if disp is not None else None,
+            "projections": proj.report() if proj is not None else None,
             "calls_by_method": {name: dict(c) for name, c in calls.items()} if disp is not None else None}
     report = summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start,
                        costs, info_att)

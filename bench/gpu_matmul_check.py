@@ -1,0 +1,130 @@
+"""The verify-width projection kernel (plugin/cuda_matmul.py) against MLX's matmul, on MLX-CUDA.
+
+    python bench/gpu_matmul_check.py --out bench/results/kernels/h200-matmul-check.json
+
+Correctness: rows 2..32 (and batched [B, L, K] inputs), the projection shapes of an 8B llama (q/o,
+k/v, gate/up, down, lm_head) and odd ones (N not a multiple of the block's columns, K not of 32),
+bfloat16 and float16. Error = max |y - y_f32| / max |y_f32| against the float32 product; the kernel
+passes where its error is at most twice MLX's own matmul's in the same dtype plus 1e-3 (both round
+one f32 sum to 16 bits; the order of the sum differs).
+
+Cost: dependent chains of projections (q/o; gate/up then down; k/v then back), each call's input the
+previous call's output, as a forward's layers run: per call the host's build and encode times and the
+device's, MLX's matmul and the kernel side by side (``--sweep``: each kernel shape of ``VARIANTS``);
+rows 1 is MLX's gemv path, for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from host_split import split  # noqa: E402 - bench/host_split.py: build / encode / wait of one graph
+from mlx_speculative.plugin import cuda_matmul  # noqa: E402
+
+SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096), "odd": (1000, 520), "small": (24, 64)}
+ROWS = [2, 3, 4, 7, 8, 15, 16, 17, 24, 31, 32]
+
+
+def error(y: mx.array, ref: mx.array) -> float:
+    return (mx.abs(y.astype(mx.float32) - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-30)).item()
+
+
+def check(dtype: mx.Dtype) -> List[Dict[str, Any]]:
+    out = []
+    for name, (n, k) in SHAPES.items():
+        w = (mx.random.normal((n, k)) * k ** -0.5).astype(dtype)
+        for rows in ROWS:
+            for batched in (False, True):
+                shape = (2, rows // 2, k) if batched and rows % 2 == 0 else (rows, k)
+                x = mx.random.normal(shape).astype(dtype)
+                ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+                ours = error(cuda_matmul.mm(x, w), ref)
+                mlx = error(x @ w.T, ref)
+                ok = ours <= 2 * mlx + 1e-3
+                out.append({"shape": name, "n": n, "k": k, "x": list(shape), "dtype": str(dtype),
+                            "error": round(ours, 6), "mlx_error": round(mlx, 6), "ok": ok})
+                if batched and rows % 2:
+                    break
+
+    return out
+
+
+CHAINS = {"q/o": [(4096, 4096)], "gate/up+down": [(14336, 4096), (4096, 14336)], "k/v+back": [(1024, 4096), (4096, 1024)]}
+VARIANTS = [(2, 8, 1), (4, 4, 2), (4, 4, 4), (4, 8, 4), (8, 4, 2), (4, 16, 2), (2, 4, 4), (4, 2, 4)]
+
+
+def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: int = 6) -> List[Dict[str, Any]]:
+    """Dependent chains of projections (each call's input the previous call's output), ``copies`` distinct
+    weights in turn so that the device's L2 holds none of them: per call build / encode / device time,
+    the device's being what a forward's layers pay one after another."""
+    out = []
+    for name, shapes in CHAINS.items():
+        ws = [[(mx.random.normal(s) * s[1] ** -0.5).astype(dtype) for s in shapes] for _ in range(copies)]
+        mx.eval(ws)
+        for rows in (1, 16, 32):
+            x0 = mx.random.normal((rows, shapes[0][1])).astype(dtype)
+            mx.eval(x0)
+
+            def chain(f: Callable[[mx.array, mx.array], mx.array]) -> Callable[[], List[mx.array]]:
+                def run() -> List[mx.array]:
+                    x = x0
+                    for i in range(length):
+                        for w in ws[i % copies]:
+                            x = f(x, w)
+                    return [x]
+                return run
+
+            calls = length * len(shapes)
+            row: Dict[str, Any] = {"chain": name, "rows": rows, "calls": calls}
+            ways: List[Any] = [("mlx", chain(lambda x, w: x @ w.T))]
+            if rows > 1:
+                ways.append(("kernel", chain(cuda_matmul.mm)))
+                if sweep:
+                    ways += [(f"kernel_g{g}_s{s}_u{u}", chain(lambda x, w, v=(g, s, u): cuda_matmul.mm(x, w, v)))
+                             for g, s, u in VARIANTS]
+            for how, f in ways:
+                t = split(f, lambda: None, iters)  # ms per chain
+                row[how] = {"build_us": round(t["build_ms"] * 1e3 / calls, 2), "encode_us": round(t["encode_ms"] * 1e3 / calls, 2),
+                            "sync_us": round(t["sync_ms"] * 1e3 / calls, 2),
+                            # the device's time once it, not the encoding it runs behind, is the slower
+                            "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / calls, 2)}
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--chain", type=int, default=24, help="links per timed chain (default 24)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sweep", action="store_true", help="also time each (G, S, U) kernel shape at 16 rows")
+    p.add_argument("--out", help="write the results here (JSON)")
+    a = p.parse_args(argv)
+    if not cuda_matmul.available():
+        raise SystemExit("the kernel needs MLX built with CUDA and the GPU as the default device")
+    mx.random.seed(0)
+    results = check(mx.bfloat16) + check(mx.float16)
+    bad = [r for r in results if not r["ok"]]
+    print(f"{len(results) - len(bad)} of {len(results)} cases within tolerance; worst error "
+          f"{max(r['error'] for r in results):.2e} (MLX's own worst {max(r['mlx_error'] for r in results):.2e})", flush=True)
+    for r in bad[:10]:
+        print("FAIL", json.dumps(r), flush=True)
+    report = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info(),
+              "passed": not bad, "cases": len(results), "failures": bad, "results": results,
+              "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep)}
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Verify-width projections on MLX-CUDA: y = x @ w.T for 2..32 rows, one kernel launch, no per-call planning.
+
+    y = mm(x, w)   # x [..., K] with 2..32 rows in all, w [N, K] (an nn.Linear weight) -> [..., N]
+
+Why a kernel: MLX-CUDA 0.32 multiplies one row with its own gemv kernel but sends 2 rows and more to
+cuBLASLt, building a plan and querying its heuristic on the host for every call
+(mlx/backend/cuda/gemms/cublas_gemm.cpp). A 16-position forward of an 8B llama makes 225 such calls:
+measured on the H200 (bench/results/kernels/h200-host-split*.json) they take ~6.5 ms of host time
+against ~2.4 ms for the one-row calls, and a speculative round waits for that host time (its next
+step depends on this round's outcome, so nothing hides it). MLX's own tiled kernel (``gather_mm``)
+launches cheaply but runs 2x slower on the device.
+
+The kernel reads each weight once for all rows: a warp owns 8*G output columns and a slice of K,
+loads 16 bytes of a weight row per lane (coalesced, not kept in L1) and the rows' matching 16 bytes
+of x, and multiplies them on the tensor cores (mma.sync m16n8k16, f32 accumulation; rows padded to
+16 or 32). A lane's 8 consecutive k feed two mma steps in a permuted k order, the same for x and w,
+so the dot products are unchanged and no shuffle is needed. The block's S warps split K; their
+partial sums meet in shared memory. Compiled once per (dtype, G, S, row tiles) by NVRTC; shapes are
+runtime values. Only mlx.core is imported; ``available()`` is False on CPU and Metal.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .cuda_attention import available
+from .cuda_attention_src import MMA16816
+
+MAX_ROWS = 32
+DTYPES = (mx.bfloat16, mx.float16)
+
+HEADER = r"""
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+""" + MMA16816
+
+# grid (blocks * S * 32): block b owns columns [8*G*b, 8*G*(b+1)); S warps split K in 32-wide steps (warp
+# w takes steps w, w + S, ...). Lane (g = lane / 4, t = lane % 4) loads 16 bytes at k = 32 s + 8 t of
+# weight rows n0 + 8 j + g and of x rows 16 i + g, 16 i + g + 8. mma fragments (PTX m16n8k16): a0 = (row g,
+# k 2t..2t+1), a1 = (row g+8, same k), a2/a3 = (k 2t+8..2t+9); b0 = (k 2t..2t+1, col g), b1 = (k 2t+8..);
+# c = (row g, cols 2t..2t+1), (row g+8, ...). Logical k (2t, 2t+1, 2t+8, 2t+9) are physical 8t + 0..3 in the
+# first step and 8t + 4..7 in the second: a bijection of the 32 k, applied to x and w alike.
+MAIN = r"""
+  constexpr int NB = 8 * G;
+  constexpr int P = NB + 1;  // shared row pitch in floats
+  long long nrows = 1;
+  for (int d = 0; d < x_ndim - 1; ++d) nrows *= x_shape[d];
+  const int M = (int)nrows, K8 = x_shape[x_ndim - 1] / 8, N = w_shape[0];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * NB;
+  const int steps = (K8 + 3) / 4;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  float c[MT][G][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < G; ++j) c[i][j][0] = c[i][j][1] = c[i][j][2] = c[i][j][3] = 0.f;
+  // U steps of a warp per chunk: all their loads in flight before the first mma
+  for (int s0 = warp; s0 < steps; s0 += S * U) {
+    uint4 wb[U][G];
+    uint4 xa[U][MT][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kc = (s0 + u * S) * 4 + t;
+      const bool kin = kc < K8;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int n = n0 + j * 8 + g;
+        wb[u][j] = (kin && n < N) ? ld_stream(wv + (long long)n * K8 + kc) : zero;
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = i * 16 + h * 8 + g;
+          xa[u][i][h] = (kin && r < M) ? xv[(long long)r * K8 + kc] : zero;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const unsigned a1[4] = {xa[u][i][0].x, xa[u][i][1].x, xa[u][i][0].y, xa[u][i][1].y};
+        const unsigned a2[4] = {xa[u][i][0].z, xa[u][i][1].z, xa[u][i][0].w, xa[u][i][1].w};
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          mma16816<BF>(c[i][j], a1, wb[u][j].x, wb[u][j].y);
+          mma16816<BF>(c[i][j], a2, wb[u][j].z, wb[u][j].w);
+        }
+      }
+  }
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* red = reinterpret_cast<float*>(smem_raw);  // [S][MT * 16][P]
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      float* r0 = red + (warp * MT * 16 + i * 16 + g) * P + j * 8 + t * 2;
+      r0[0] = c[i][j][0];
+      r0[1] = c[i][j][1];
+      r0[8 * P] = c[i][j][2];
+      r0[8 * P + 1] = c[i][j][3];
+    }
+  __syncthreads();
+  const int rows = M < MT * 16 ? M : MT * 16;
+  for (int e = threadIdx.x; e < rows * NB; e += S * 32) {
+    const int r = e / NB, col = e - r * NB;
+    float acc = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < S; ++w2) acc += red[(w2 * MT * 16 + r) * P + col];
+    const int n = n0 + col;
+    if (n < N) y[(long long)r * N + n] = static_cast<T>(acc);
+  }
+"""
+
+_KERNELS: Dict[tuple, object] = {}
+_LAUNCH: Dict[tuple, object] = {}
+
+
+def shared_bytes(row_tiles: int, groups: int, splits: int) -> int:
+    return splits * row_tiles * 16 * (8 * groups + 1) * 4
+
+
+def shape_for(n: int) -> Tuple[int, int, int]:
+    """(G, S, U): column groups of 8 per warp, warps per block (K splits) and steps a warp loads at once,
+    for an output of n columns."""
+    return 2, 8, 1  # bench/results/kernels/h200-matmul-chains.json: the best or near it at 16 rows in every chain
+
+
+def _compact(code: str) -> str:
+    """The source without comments and indentation: MLX copies and hashes it at every launch."""
+    lines = (re.sub(r"\s*//.*$", "", line).strip() for line in code.splitlines())
+    return "\n".join(line for line in lines if line)
+
+
+def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: int) -> object:
+    # Constants in the source, not template arguments: a template list costs every launch its conversion
+    key = (dtype, row_tiles, groups, splits, unroll)
+    if key not in _KERNELS:  # NVRTC compiles each at its first launch; MLX caches the module
+        bf = dtype == mx.bfloat16
+        consts = (f"typedef {'__nv_bfloat16' if bf else '__half'} T; constexpr bool BF = {str(bf).lower()};\n"
+                  f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n")
+        _KERNELS[key] = mx.fast.cuda_kernel(
+            name=f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}", input_names=["x", "w"],
+            output_names=["y"], source=consts + _compact(MAIN), header=_compact(HEADER),
+            shared_memory=shared_bytes(row_tiles, groups, splits))
+    return _KERNELS[key]
+
+
+def supports(x: mx.array, w: mx.array) -> bool:
+    """Whether ``mm`` takes this call: 2..32 rows, K a multiple of 8, x and w of one 16-bit float dtype."""
+    return plan(x, w) is not None
+
+
+def plan(x: mx.array, w: mx.array) -> Optional[Tuple[object, dict]]:
+    """(kernel, its keyword arguments) for x @ w.T, made once per (shapes, dtype); None where ``mm``
+    does not take the call. ``mm`` and the projection dispatcher (plugin/projections.py) launch it."""
+    key = (x.shape, w.shape, x.dtype, w.dtype)
+    got = _LAUNCH.get(key)
+    if got is None:
+        got = _LAUNCH[key] = _plan(x.shape, w.shape, x.dtype, w.dtype) or False
+    return got or None
+
+
+def _plan(xs: Tuple[int, ...], ws: Tuple[int, ...], dtype: mx.Dtype, wdtype: mx.Dtype,
+          shape: Optional[Tuple[int, int, int]] = None) -> Optional[Tuple[object, dict]]:
+    if len(ws) != 2 or not xs or xs[-1] != ws[1] or dtype != wdtype or dtype not in DTYPES:
+        return None
+    K, N = ws[1], ws[0]
+    M = 1
+    for d in xs[:-1]:
+        M *= d
+    if not 2 <= M <= MAX_ROWS or K % 8:
+        return None
+    mt = 1 if M <= 16 else 2
+    groups, splits, unroll = shape or shape_for(N)
+    blocks = -(-N // (8 * groups))
+    return _kernel(dtype, mt, groups, splits, unroll), dict(
+        grid=(blocks * splits * 32, 1, 1), threadgroup=(splits * 32, 1, 1),
+        output_shapes=[(*xs[:-1], N)], output_dtypes=[dtype])
+
+
+def mm(x: mx.array, w: mx.array, shape: Optional[Tuple[int, int, int]] = None) -> mx.array:
+    """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (f32 accumulation); see ``supports``.
+    ``shape``: (G, S, U) instead of ``shape_for``'s (measurements)."""
+    launch = plan(x, w) if shape is None else _plan(x.shape, w.shape, x.dtype, w.dtype, shape)
+    if launch is None:
+        raise ValueError(f"mm: expected x [..., K] with 2..{MAX_ROWS} rows and w [N, K], both bfloat16 or float16 "
+                         f"with K a multiple of 8; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    kernel, args = launch
+    return kernel(inputs=[x, w], **args)[0]
+
+
+def reference(x: mx.array, w: mx.array) -> mx.array:
+    """``mm`` in float32 with MLX's matmul (any device), rounded to x's dtype."""
+    return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
+
+
+__all__: List[str] = ["available", "mm", "plan", "reference", "supports", "MAX_ROWS"]

@@ -1,0 +1,80 @@
+"""The projection dispatcher the plugin hands the host: verify-width matmuls through one cheap kernel launch.
+
+The host routes a loaded model's ``nn.Linear`` layers through ``CachePolicy.projections``
+(hooks/attention.py ``route_projections``), so each call ``layer(x)`` asks ``Projections(x, weight)``
+first. It answers x @ weight.T from plugin/cuda_matmul.py's kernel when the call has 2..32 rows
+(verify forwards, drafter blocks, a round's new context) in bfloat16 or float16 with K a multiple of
+8, and None otherwise: the layer then runs mlx's own code (one-token steps keep MLX's gemv, prefill
+chunks cuBLAS). Biases are added by the routed layer. ``counts`` tallies the paths ("kernel",
+"mlx") for ``mlx-spec bench``.
+
+Why (bench/results/kernels/h200-host-split*.json, H200): MLX-CUDA plans every 2+-row matmul with
+cuBLASLt on the host, ~25 us a call against ~8 us for this kernel's launch, and a 16-position
+forward of an 8B llama makes 225 of them: the host time of the verify forward, which a speculative
+round waits for, drops by several milliseconds.
+
+On by default where the kernel runs (MLX built with CUDA, GPU default device); off on CPU and Metal.
+``MLX_SPEC_PROJECTION_KERNEL`` = auto | on | off overrides (on: an error where the kernel cannot run).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import mlx.core as mx
+
+from . import cuda_matmul
+from .attention import kernel_mode
+
+ENV = "MLX_SPEC_PROJECTION_KERNEL"
+# (x, w) -> (kernel, keyword arguments) or None: cuda_matmul.plan's contract
+Planner = Callable[[mx.array, mx.array], Optional[Tuple[Any, Dict[str, Any]]]]
+
+
+class Projections:
+    """``(x, weight) -> x @ weight.T`` for routed ``nn.Linear`` layers, or None (the layer's own matmul)."""
+
+    def __init__(self, planner: Planner = cuda_matmul.plan, name: str = "cuda_matmul.mm"):
+        self.planner = planner
+        self.name = name
+        self.rows = (2, cuda_matmul.MAX_ROWS)  # the routed layers ask only for inputs of these many rows
+        self.enabled = True
+        self.counts: Counter = Counter()
+
+    def __call__(self, x: mx.array, w: mx.array) -> Optional[mx.array]:
+        launch = self.planner(x, w) if self.enabled else None
+        if launch is None:
+            self.counts["mlx"] += 1
+            return None
+        self.counts["kernel"] += 1
+        kernel, args = launch
+        return kernel(inputs=[x, w], **args)[0]
+
+    def report(self) -> Dict[str, Any]:
+        total = sum(self.counts.values())
+        return {"kernel": self.name, "enabled": self.enabled, "calls": dict(self.counts),
+                "kernel_share": round(self.counts["kernel"] / total, 4) if total else None}
+
+
+def stand_in() -> Projections:
+    """A dispatcher with the kernel's contract on any device (float32 MLX matmul, any float dtype):
+    exercises the routing where the kernel cannot run (tests, ``--stand-in`` measurements)."""
+
+    def planner(x: mx.array, w: mx.array) -> Optional[Tuple[Any, Dict[str, Any]]]:
+        rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+        if w.ndim != 2 or x.shape[-1] != w.shape[1] or not 2 <= rows <= cuda_matmul.MAX_ROWS:
+            return None
+        return (lambda inputs: [cuda_matmul.reference(*inputs)]), {}
+
+    return Projections(planner, "cuda_matmul.reference")
+
+
+def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
+    """Whether projections are routed: ``mode`` (or $MLX_SPEC_PROJECTION_KERNEL); auto = where the kernel runs."""
+    return kernel_mode(mode, ENV, source, "the projection kernel")
+
+
+def projections_for(mode: Optional[str] = None, source: str = ENV) -> Optional[Projections]:
+    """The CUDA kernel's dispatcher where the mode says so, else None (mlx's matmuls)."""
+    return Projections() if resolve_mode(mode, source) else None

@@ -1,0 +1,127 @@
+"""Routing a loaded model's projections (nn.Linear) through the plugin's dispatcher (issue 19).
+
+On MLX-CUDA the dispatcher sends 2..32-row projections to plugin/cuda_matmul.py's kernel; here its
+place is taken by ``projections.stand_in()`` (float32 MLX matmul, any device) so that the routing
+itself is checked: which calls reach the dispatcher, that the routed model computes what mlx's
+``nn.Linear`` computes, that only THAT model instance is affected, and that routing comes off.
+Rounds with both dispatchers routed: tests/test_attention_rounds.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_speculative.hooks import attention as host_attention
+from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.plugin import cache_policy, cuda_matmul, projections
+
+
+def linears(model: nn.Module) -> List[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def forwards(model: nn.Module) -> List[mx.array]:
+    """A 40-token prefill, one-token steps, a 16-position block, a 32-position block: every logit."""
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([[2 + i % 50 for i in range(40)]]), cache=cache)]
+    out += [model(mx.array([[t]]), cache=cache) for t in (12, 13)]
+    out.append(model(mx.array([list(range(20, 36))]), cache=cache))
+    out.append(model(mx.array([list(range(40, 72))]), cache=cache))
+    return out
+
+
+def test_routed_projections_compute_the_same_and_stay_in_their_model() -> None:
+    config = tm.llama_config(num_hidden_layers=2)
+    mx.random.seed(3)
+    routed_model, other = tm.build_model(config), tm.build_model(config)
+    other.update(routed_model.parameters())
+    linear_call = nn.Linear.__call__
+    want = forwards(other)
+    disp = projections.stand_in()
+    n = len(linears(routed_model))
+    assert n == 2 * 7 + 1  # seven projections a layer and the head
+    assert host_attention.route_projections(routed_model, disp) == n
+    assert host_attention.route_projections(routed_model, disp) == n  # idempotent
+    assert host_attention.routed_projections(routed_model) == n and host_attention.routed_projections(other) == 0
+    got = forwards(routed_model)
+    for w, g in zip(want, got):
+        assert mx.array_equal(w, g).item()
+    # The 16- and 32-position forwards asked the dispatcher; the prefill (40 rows) and the one-token steps
+    # did not even call it (the routed layers check the rows first).
+    assert disp.counts == {"kernel": 2 * n}, disp.counts
+    assert all(type(m) is nn.Linear for m in linears(other))
+    assert nn.Linear.__call__ is linear_call and "_spec_projections" not in vars(nn.Linear)
+    forwards(other)
+    assert disp.counts["kernel"] == 2 * n  # the other instance never reached it
+    # A later dispatcher replaces the first; unrouting gives the layers back to nn.Linear.
+    second = projections.stand_in()
+    assert host_attention.route_projections(routed_model, second) == n
+    forwards(routed_model)
+    assert second.counts["kernel"] == 2 * n and disp.counts["kernel"] == 2 * n
+    assert host_attention.unroute_projections(routed_model) == n and host_attention.routed_projections(routed_model) == 0
+    assert all(type(m) is nn.Linear for m in linears(routed_model))
+    assert host_attention.route_projections(routed_model, None) == 0
+
+
+def test_bias_declines_and_other_layer_kinds() -> None:
+    mx.random.seed(4)
+    lin = nn.Linear(16, 24, bias=True)
+    x = mx.random.normal((2, 5, 16))  # 10 rows
+    want = lin(x)
+    disp = projections.stand_in()
+    holder = nn.Sequential(lin)
+    assert host_attention.route_projections(holder, disp) == 1
+    assert mx.allclose(lin(x), want, atol=1e-6).item() and disp.counts["kernel"] == 1
+    disp.enabled = False  # the dispatcher declines: the layer's own matmul
+    assert mx.array_equal(lin(x), want).item() and disp.counts["mlx"] == 1
+    # Quantized and other Linear-like layers keep their class.
+    q = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    assert host_attention.route_projections(nn.Sequential(q), disp) == 0 and type(q) is nn.QuantizedLinear
+
+
+@pytest.mark.parametrize("shape_x, shape_w, dtype, why", [
+    ((1, 4096), (64, 4096), mx.bfloat16, "one row"),
+    ((33, 64), (64, 64), mx.bfloat16, "33 rows"),
+    ((2, 17, 64), (64, 64), mx.bfloat16, "34 rows"),
+    ((4, 12), (64, 12), mx.bfloat16, "K not a multiple of 8"),
+    ((4, 64), (64, 64), mx.float32, "float32"),
+    ((4, 64), (64, 32), mx.bfloat16, "K mismatch"),
+])
+def test_the_kernel_declines_what_it_does_not_take(shape_x: Any, shape_w: Any, dtype: mx.Dtype, why: str) -> None:
+    """Declined before any kernel is built (these run on the CPU, where none can be)."""
+    x, w = mx.zeros(shape_x, dtype), mx.zeros(shape_w, dtype)
+    assert cuda_matmul.plan(x, w) is None, why
+    assert not cuda_matmul.supports(x, w)
+    mixed = mx.zeros((4, 64), mx.float16)
+    assert cuda_matmul.plan(mixed, mx.zeros((64, 64), mx.bfloat16)) is None
+    with pytest.raises(ValueError, match="2..32 rows"):
+        cuda_matmul.mm(x, w)
+
+
+def test_reference_is_the_product() -> None:
+    mx.random.seed(5)
+    x, w = mx.random.normal((3, 4, 32)), mx.random.normal((48, 32))
+    assert mx.allclose(cuda_matmul.reference(x, w), x @ w.T, atol=1e-5).item()
+    assert cuda_matmul.reference(x.astype(mx.bfloat16), w.astype(mx.bfloat16)).dtype == mx.bfloat16
+
+
+def test_modes_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(projections.ENV, raising=False)
+    monkeypatch.delenv(cache_policy.ENV, raising=False)
+    assert not cuda_matmul.available()
+    assert projections.resolve_mode() is False and projections.projections_for() is None
+    assert projections.resolve_mode("off") is False
+    with pytest.raises(ValueError, match="allowed here: auto, off"):
+        projections.resolve_mode("on")
+    with pytest.raises(ValueError, match="allowed: auto, on, off"):
+        projections.resolve_mode("sometimes")
+    monkeypatch.setenv(projections.ENV, "ON")
+    with pytest.raises(ValueError, match=projections.ENV):
+        projections.projections_for()
+    monkeypatch.setenv(projections.ENV, "off")
+    assert cache_policy.policy_for() is None  # nothing to route on the CPU
