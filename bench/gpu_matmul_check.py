@@ -2,9 +2,9 @@
 
     python bench/gpu_matmul_check.py --out bench/results/kernels/h200-matmul-check.json
 
-Correctness: rows 2..32 (and batched [B, L, K] inputs), the projection shapes of an 8B llama (q/o,
-k/v, gate/up, down, lm_head) and odd ones (N not a multiple of the block's columns, K not of 32),
-bfloat16 and float16. Error = max |y - y_f32| / max |y_f32| against the float32 product; the kernel
+Correctness: rows 2..32 (contiguous, batched [B, L, K], a view at a row offset, a strided view), the
+projection shapes of an 8B llama (q/o, k/v, gate/up, down, lm_head) and odd ones (N not a multiple of the
+block's columns, K not of 32), bfloat16 and float16. Error = max |y - y_f32| / max |y_f32| against the float32 product; the kernel
 passes where its error is at most twice MLX's own matmul's in the same dtype plus 1e-3 (both round
 one f32 sum to 16 bits; the order of the sum differs).
 
@@ -43,19 +43,29 @@ def check(dtype: mx.Dtype) -> List[Dict[str, Any]]:
     for name, (n, k) in SHAPES.items():
         w = (mx.random.normal((n, k)) * k ** -0.5).astype(dtype)
         for rows in ROWS:
-            for batched in (False, True):
-                shape = (2, rows // 2, k) if batched and rows % 2 == 0 else (rows, k)
-                x = mx.random.normal(shape).astype(dtype)
+            for layout in ("rows", "batched", "row view", "strided"):
+                x = inputs(layout, rows, k, dtype)
+                if x is None:
+                    continue
                 ref = x.astype(mx.float32) @ w.astype(mx.float32).T
                 ours = error(cuda_matmul.mm(x, w), ref)
                 mlx = error(x @ w.T, ref)
                 ok = ours <= 2 * mlx + 1e-3
-                out.append({"shape": name, "n": n, "k": k, "x": list(shape), "dtype": str(dtype),
+                out.append({"shape": name, "n": n, "k": k, "x": list(x.shape), "layout": layout, "dtype": str(dtype),
                             "error": round(ours, 6), "mlx_error": round(mlx, 6), "ok": ok})
-                if batched and rows % 2:
-                    break
-
     return out
+
+
+def inputs(layout: str, rows: int, k: int, dtype: mx.Dtype) -> Optional[mx.array]:
+    """x of ``rows`` rows: contiguous [rows, K]; [2, rows/2, K]; rows 1.. of a [1, rows+1, K] array (a view
+    at an offset, as the DFlash head's input); every other row of [2 rows, K] (not row-contiguous: copied)."""
+    if layout == "rows":
+        return mx.random.normal((rows, k)).astype(dtype)
+    if layout == "batched":
+        return mx.random.normal((2, rows // 2, k)).astype(dtype) if rows % 2 == 0 else None
+    if layout == "row view":
+        return mx.random.normal((1, rows + 1, k)).astype(dtype)[:, 1:]
+    return mx.random.normal((2 * rows, k)).astype(dtype)[::2]
 
 
 CHAINS = {"q/o": [(4096, 4096)], "gate/up+down": [(14336, 4096), (4096, 14336)], "k/v+back": [(1024, 4096), (4096, 1024)]}

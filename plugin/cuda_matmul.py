@@ -8,14 +8,14 @@ cuBLASLt, building a plan and querying its heuristic on the host for every call
 measured on the H200 (bench/results/kernels/h200-host-split*.json) they take ~6.5 ms of host time
 against ~2.4 ms for the one-row calls, and a speculative round waits for that host time (its next
 step depends on this round's outcome, so nothing hides it). MLX's own tiled kernel (``gather_mm``)
-launches cheaply but runs 2x slower on the device.
+launches cheaply but is slow on the device (the 16-position forward 20 ms against 12.6).
 
 The kernel reads each weight once for all rows: a warp owns 8*G output columns and a slice of K,
 loads 16 bytes of a weight row per lane (coalesced, not kept in L1) and the rows' matching 16 bytes
 of x, and multiplies them on the tensor cores (mma.sync m16n8k16, f32 accumulation; rows padded to
 16 or 32). A lane's 8 consecutive k feed two mma steps in a permuted k order, the same for x and w,
 so the dot products are unchanged and no shuffle is needed. The block's S warps split K; their
-partial sums meet in shared memory. Compiled once per (dtype, G, S, row tiles) by NVRTC; shapes are
+partial sums meet in shared memory. Compiled once per (dtype, row tiles, G, S, U) by NVRTC; shapes are
 runtime values. Only mlx.core is imported; ``available()`` is False on CPU and Metal.
 """
 
@@ -41,7 +41,7 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 """ + MMA16816
 
 # grid (blocks * S * 32): block b owns columns [8*G*b, 8*G*(b+1)); S warps split K in 32-wide steps (warp
-# w takes steps w, w + S, ...). Lane (g = lane / 4, t = lane % 4) loads 16 bytes at k = 32 s + 8 t of
+# w takes steps w, w + S, ..., loading U of them before their mma). Lane (g = lane / 4, t = lane % 4) loads 16 bytes at k = 32 s + 8 t of
 # weight rows n0 + 8 j + g and of x rows 16 i + g, 16 i + g + 8. mma fragments (PTX m16n8k16): a0 = (row g,
 # k 2t..2t+1), a1 = (row g+8, same k), a2/a3 = (k 2t+8..2t+9); b0 = (k 2t..2t+1, col g), b1 = (k 2t+8..);
 # c = (row g, cols 2t..2t+1), (row g+8, ...). Logical k (2t, 2t+1, 2t+8, 2t+9) are physical 8t + 0..3 in the

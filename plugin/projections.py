@@ -59,7 +59,7 @@ class Projections:
 
 def stand_in() -> Projections:
     """A dispatcher with the kernel's contract on any device (float32 MLX matmul, any float dtype):
-    exercises the routing where the kernel cannot run (tests, ``--stand-in`` measurements)."""
+    exercises the routing where the kernel cannot run (the CPU tests)."""
 
     def planner(x: mx.array, w: mx.array) -> Optional[Tuple[Any, Dict[str, Any]]]:
         rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0

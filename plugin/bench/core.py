@@ -335,6 +335,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             mine["target_forward_ms_kernel_off"] = theirs["target_forward_ms"]
             mine["draft_ms_kernel_off"] = theirs["draft_ms"]
     costs["attention"] = "kernel" if disp is not None else "mlx"
+    costs["projections"] = "kernel" if proj is not None else "mlx"
     on_progress("done\n")
     info_att = {"kernel": "on" if disp is not None else "off", "mode": s.kernel,
             "dispatcher": disp.report() if disp is not None else None,

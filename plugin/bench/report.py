@@ -195,12 +195,14 @@ def format_table(report: Dict[str, Any]) -> str:
     if costs:
         by_key = costs.get("by_key_length") or {str(costs["key_length"]): costs}  # older reports: one key length
         extra = ", ".join(map(str, costs.get("extra_key_lengths") or [])) or "none"
-        lines.append(f"bare forwards, ms ({costs['cache']}, attention {costs.get('attention', 'mlx')}; the prompts' "
-                     f"key lengths at mid-decode, rounded up to 256, and --cost-keys {extra}):")
+        projections = costs.get("projections", "mlx")
+        lines.append(f"bare forwards, ms ({costs['cache']}, attention {costs.get('attention', 'mlx')}, projections "
+                     f"{projections}; the prompts' key lengths at mid-decode, rounded up to 256, and --cost-keys {extra}):")
+        off = "MLX's attention and matmuls" if projections == "kernel" else "MLX's attention"
         for L in sorted(by_key, key=int):
             lines.append(f"  {L:>6} keys: {_costs_line(by_key[L])}")
             if by_key[L].get("target_forward_ms_kernel_off"):
-                lines.append(f"  {'':>6} MLX's attention: {_costs_line(by_key[L], '_kernel_off')}")
+                lines.append(f"  {'':>6} {off}: {_costs_line(by_key[L], '_kernel_off')}")
         lines.append("bound: tau * T(mlx-lm plain step) / (bare draft + bare verify) at each prompt's key length, median "
                      "over prompts: the speed-up over mlx-lm with no machinery at all (each forward timed alone and "
                      "synchronised)")
