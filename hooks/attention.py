@@ -148,15 +148,16 @@ def _routed_linear(dispatcher: Projections) -> type:
     if entry is not None and entry[0] is dispatcher:
         return entry[1]
 
-    lo, hi = getattr(dispatcher, "rows", (1, 1 << 62))
+    linear = nn.Linear.__call__
 
     def __call__(self: nn.Linear, x: mx.array) -> mx.array:
-        # Calls outside the dispatcher's rows (one-token steps, prefill) pay one check, not a dispatch.
-        if lo <= x.size // max(x.shape[-1], 1) <= hi:
+        # Calls outside the dispatcher's rows (one-token steps, prefill) pay one size check, not a
+        # dispatch: x.size is rows x in_features, whose bounds route_projections set on the instance.
+        if self._spec_min_size <= x.size <= self._spec_max_size:
             y = dispatcher(x, self["weight"])
             if y is not None:
                 return y + self["bias"] if "bias" in self else y
-        return nn.Linear.__call__(self, x)
+        return linear(self, x)
 
     made = type("Linear", (nn.Linear,), {"__call__": __call__, "_spec_projections": dispatcher})
     made.__module__, made.__qualname__ = nn.Linear.__module__, nn.Linear.__qualname__
@@ -170,9 +171,12 @@ def route_projections(model: nn.Module, dispatcher: Optional[Projections]) -> in
     if dispatcher is None:
         return 0
     cls = _routed_linear(dispatcher)
+    lo, hi = getattr(dispatcher, "rows", (1, 1 << 40))
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear or "_spec_projections" in vars(type(m)):
+            k = m["weight"].shape[1]
+            m._spec_min_size, m._spec_max_size = lo * k, hi * k  # ints: plain instance attributes
             m.__class__ = cls
             n += 1
     return n
@@ -184,6 +188,7 @@ def unroute_projections(model: nn.Module) -> int:
     for m in model.modules():
         if "_spec_projections" in vars(type(m)):
             m.__class__ = nn.Linear
+            del m._spec_min_size, m._spec_max_size
             n += 1
     return n
 
