@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
 from mlx_speculative.hooks.batch import forward  # noqa: E402
-from mlx_speculative.plugin import attention, cache_policy, cuda_attention, projections  # noqa: E402
+from mlx_speculative.plugin import attention, cache_policy, cuda_attention, cuda_matmul, projections  # noqa: E402
 from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
 
@@ -211,6 +211,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if disp is not None:
         host_attention.route(target.model, disp)
         host_attention.route(drafter.model, disp)
+    bad = [how for how in a.linear if how not in ("mlx", "gather", "kernel")]
+    if bad:
+        raise SystemExit(f"--linear: got {', '.join(bad)}; allowed: mlx, gather, kernel")
+    if "kernel" in a.linear and not cuda_matmul.available():
+        raise SystemExit("--linear kernel: the projection kernel needs MLX built with CUDA and the GPU as the default "
+                         f"device; this process runs on {mx.default_device()} (allowed here: mlx, gather)")
     proj = projections.Projections() if "kernel" in a.linear else None
 
     def use(how: str) -> None:
