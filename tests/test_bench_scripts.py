@@ -97,6 +97,26 @@ def test_dflash_block_profile(tmp_path: Path) -> None:
     assert r["read_share"] == pytest.approx(r["read_bound_ms"] / r["block_ms"], rel=0.02)
 
 
+def test_host_split(tmp_path: Path) -> None:
+    """bench/host_split.py: build / encode / wait per forward, for each --linear path in one process (MLX's
+    gather_mm path computes the same products on the CPU); the projection kernel needs MLX-CUDA."""
+    report = run("host_split", ["--synthetic-target", "tiny", "--cpu", "--keys", "40", "--widths", "1,4", "--block", "4",
+                                "--iters", "2", "--linear", "mlx,gather"], tmp_path / "s.json")
+    assert set(report["matmuls"]) == {"mlx", "gather"} and set(report["by_keys"]["40"]) == {"mlx", "gather"}
+    for how in ("mlx", "gather"):
+        row = report["by_keys"]["40"][how]
+        assert set(row["target"]) == {"1", "4"} and row["dflash_round"]["sync_ms"] > 0
+        t = row["target"]["4"]
+        assert t["sync_ms"] >= t["build_ms"] > 0 and 0 < t["host_share"] <= 1.0 + 1e-6
+    assert max(report["linear_checks"]["gather"].values()) < 1e-5
+    device = mx.default_device()
+    try:
+        with pytest.raises(SystemExit, match="--linear kernel: the projection kernel needs MLX built with CUDA"):
+            script("host_split").main(["--synthetic-target", "tiny", "--cpu", "--linear", "kernel"])
+    finally:
+        mx.set_default_device(device)
+
+
 def test_demo_target_sweep(tmp_path: Path) -> None:
     """bench/demo_target_sweep.py: a tiny variant trains on the training files less the validation split and
     reports bits per byte on both splits; --variant refuses what TargetOptions does not have."""
