@@ -208,8 +208,7 @@ class Attention(nn.Module):
         """Context K/V ([B, n, H] context states) appended to the layer's cache at each row's offset."""
         cache.update_and_fetch(*self.keys_values(context, cache.offset))
 
-    def __call__(self, x: mx.array, cache: Any, widths: Optional[mx.array] = None,
-                 masks: Optional[Dict[Any, Any]] = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any, widths: Optional[mx.array] = None, masks: Optional[dict] = None) -> mx.array:
         """The block [B, T, H] attending, non-causally, to the context in ``cache`` and to itself.
 
         ``widths`` [B]: only a row's first widths[b] block positions are real (shorter rows and
@@ -226,14 +225,12 @@ class Attention(nn.Module):
         q = self.rope(q, offset=start)
         k, v = cache.update_and_fetch(*self.keys_values(x, start))  # [B, n_kv, S, D]: context, block, padding
         cache.trim(T)
+        masks = {} if masks is None else masks
         key = (self.window, k.shape[2], end)  # every layer's cache holds the same positions: one mask a block
-        mask = masks.get(key) if masks is not None else None
-        if mask is None:
-            mask = self.mask(T, k.shape[2], end, start, lp, widths)
-            if masks is not None:
-                masks[key] = mask
+        if key not in masks:
+            masks[key] = self.mask(T, k.shape[2], end, start, lp, widths)
         # mlx-lm's function, by name: a host routing this model's attention (hooks/attention.py) sees it.
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=masks[key])
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
     def mask(self, T: int, S: int, end: int, start: Any, lp: Optional[mx.array],
@@ -313,8 +310,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: Any, widths: Optional[mx.array] = None,
-                 masks: Optional[Dict[Any, Any]] = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any, widths: Optional[mx.array] = None, masks: Optional[dict] = None) -> mx.array:
         # The context is already normalised (hidden_norm) and sits in the cache; only the block
         # goes through input_layernorm.
         h = x + self.self_attn(self.input_layernorm(x), cache, widths, masks)
@@ -352,7 +348,7 @@ class Model(nn.Module):
         [last committed token, mask x (T-1)] attending to the context in ``cache``.
         ``widths`` [B]: real block positions per row (the rest pads the block)."""
         h = embeddings
-        masks: Dict[Any, Any] = {}
+        masks: dict = {}
         for layer, c in zip(self.layers, cache):
             h = layer(h, c, widths, masks)
         return self.norm(h)
