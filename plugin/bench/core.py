@@ -209,25 +209,28 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
                             {k: v["blocks"] for k, v in info.items()} if info is not None else None)
     calls: Dict[str, Counter] = {m.name: Counter() for m in methods}
 
+    def kernels_on(on: bool) -> None:
+        """The project's kernels for the routed models, or MLX's attention and matmuls (the projections
+        unrouted: not even the routed layers' size check)."""
+        if disp is not None:
+            disp.enabled = on
+        for model in routed if proj is not None else []:
+            host_attention.route_projections(model, proj) if on else host_attention.unroute_projections(model)
+
     def run(m: Method, *args: Any) -> Run:
         """One run; the dispatchers serve this project's host only (mlx-lm's methods keep mlx-lm's attention
         and matmuls)."""
         host = isinstance(m, HostMethod)
-        if disp is not None:
-            disp.enabled = host
-        if proj is not None and not host:  # not even the routed layers' row check
-            for model in routed:
-                host_attention.unroute_projections(model)
+        if not host:
+            kernels_on(False)
         before = Counter(disp.counts) if disp is not None else None
         try:
             return m.run(*args)
         finally:
             if disp is not None:
                 calls[m.name].update(Counter(disp.counts) - before)
-                disp.enabled = True
-            if proj is not None and not host:
-                for model in routed:
-                    host_attention.route_projections(model, proj)
+            if not host:
+                kernels_on(True)
     vocab = int(config["vocab_size"])
     cap = max([m.block for m in methods if m.block] + s.block_sizes + [2])
     stride = s.max_tokens + 2 * cap + 8
@@ -324,13 +327,9 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
     bucket = s.bucket if padded else None
     costs = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress)
     if disp is not None or proj is not None:  # the same bare forwards on MLX's attention and matmuls
-        for d in (disp, proj):
-            if d is not None:
-                d.enabled = False
+        kernels_on(False)
         off = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress)
-        for d in (disp, proj):
-            if d is not None:
-                d.enabled = True
+        kernels_on(True)
         for mine, theirs in [(costs, off)] + [(costs["by_key_length"][L], c) for L, c in off["by_key_length"].items()]:
             mine["target_forward_ms_kernel_off"] = theirs["target_forward_ms"]
             mine["draft_ms_kernel_off"] = theirs["draft_ms"]
