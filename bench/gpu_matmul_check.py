@@ -103,7 +103,8 @@ def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: i
                              for g, s, u in VARIANTS]
             for how, f in ways:
                 t = split(f, lambda: None, iters)  # ms per chain
-                row[how] = {"build_us": round(t["build_ms"] * 1e3 / calls, 2), "encode_us": round(t["encode_ms"] * 1e3 / calls, 2),
+                row[how] = {"build_us": round(t["build_ms"] * 1e3 / calls, 2),
+                            "encode_us": round(t["encode_ms"] * 1e3 / calls, 2),
                             "sync_us": round(t["sync_ms"] * 1e3 / calls, 2),
                             # the device's time once it, not the encoding it runs behind, is the slower
                             "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / calls, 2)}
@@ -116,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chain", type=int, default=24, help="links per timed chain (default 24)")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--sweep", action="store_true", help="also time each (G, S, U) kernel shape at 16 rows")
+    p.add_argument("--sweep", action="store_true", help="also time each (G, S, U) kernel shape of VARIANTS (16 and 32 rows)")
     p.add_argument("--out", help="write the results here (JSON)")
     a = p.parse_args(argv)
     if not cuda_matmul.available():

@@ -18,7 +18,7 @@ count. So for each forward this script reports, warm, median of ``--iters``:
 Forwards: the target over 1 and 16 positions after ``keys`` cached positions (the cache the plugin
 uses on CUDA: padded, bucket 256, attention through the project's kernel where it takes the call);
 the DFlash-shape drafter's round (7 new context positions, the 16-position block, the head's
-argmax: ``kernels.dflash_blocks_ms``'s work); and the target's matmuls alone (each layer's seven
+argmax: ``kernels.dflash_round``, what ``mlx-spec bench`` times); and the target's matmuls alone (each layer's seven
 projections over 1 and 16 rows, chained as in a forward), which separates what 16 rows cost the
 matmuls from the rest of the layer.
 """
@@ -39,7 +39,6 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
-from mlx_speculative.hooks.batch import forward  # noqa: E402
 from mlx_speculative.plugin import attention, cache_policy, cuda_attention, cuda_matmul, projections  # noqa: E402
 from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
@@ -84,43 +83,14 @@ def split(build: Callable[[], Any], after: Callable[[], None], iters: int) -> Di
 
 def target_split(model: nn.Module, keys: int, widths: List[int], iters: int, bucket: Optional[int]) -> Dict[str, Any]:
     cache = kernels._filled_caches(model, keys, bucket)
-    out: Dict[str, Any] = {}
-    for n in widths:
-        toks = mx.array([[3 + (i % 50) for i in range(n)]], dtype=mx.uint32)
-
-        def build() -> mx.array:
-            logits = forward(model, toks, cache, [])[0][0].astype(mx.float32)  # [n, V]
-            return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-        def after() -> None:
-            for c in cache:
-                c.trim(n)
-
-        out[str(n)] = split(build, after, iters)
+    out = {str(n): split(*kernels.target_step(model, cache, n), iters) for n in widths}
     mx.clear_cache()
     return out
 
 
 def drafter_split(drafter: Any, keys: int, block: int, iters: int, new_context: int = 7) -> Dict[str, Any]:
-    inner = drafter.model
-    dtype = inner.norm.weight.dtype
-    taps = len(inner.args.target_layer_ids) * inner.args.hidden_size
-    caches = drafter.make_cache()
-    inner.append_context((mx.random.normal((1, keys, taps)) * 0.1).astype(dtype), caches)
-    new = (mx.random.normal((1, new_context, taps)) * 0.1).astype(dtype)
-    mx.eval([c.keys for c in caches], new)
-    toks = mx.array([[5] * block], dtype=mx.uint32)
-
-    def build() -> mx.array:
-        inner.append_context(new, caches)
-        h = inner(drafter.embed(toks), caches)
-        return mx.argmax(drafter.head(h[:, 1:block]).astype(mx.float32), axis=-1)
-
-    def after() -> None:
-        for c in caches:
-            c.trim(new_context)
-
-    out = split(build, after, iters)
+    caches, new = kernels.dflash_context(drafter, keys, new_context)
+    out = split(*kernels.dflash_round(drafter, caches, new, block), iters)
     mx.clear_cache()
     return out
 

@@ -41,8 +41,8 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 """ + MMA16816
 
 # grid (blocks * S * 32): block b owns columns [8*G*b, 8*G*(b+1)); S warps split K in 32-wide steps (warp
-# w takes steps w, w + S, ..., loading U of them before their mma). Lane (g = lane / 4, t = lane % 4) loads 16 bytes at k = 32 s + 8 t of
-# weight rows n0 + 8 j + g and of x rows 16 i + g, 16 i + g + 8. mma fragments (PTX m16n8k16): a0 = (row g,
+# w takes steps w, w + S, ..., loading U of them before their mma). Lane (g = lane / 4, t = lane % 4)
+# loads 16 bytes at k = 32 s + 8 t of weight rows n0 + 8 j + g and of x rows 16 i + g, 16 i + g + 8. mma fragments (PTX m16n8k16): a0 = (row g,
 # k 2t..2t+1), a1 = (row g+8, same k), a2/a3 = (k 2t+8..2t+9); b0 = (k 2t..2t+1, col g), b1 = (k 2t+8..);
 # c = (row g, cols 2t..2t+1), (row g+8, ...). Logical k (2t, 2t+1, 2t+8, 2t+9) are physical 8t + 0..3 in the
 # first step and 8t + 4..7 in the second: a bijection of the 32 k, applied to x and w alike.
@@ -130,10 +130,9 @@ def shared_bytes(row_tiles: int, groups: int, splits: int) -> int:
     return splits * row_tiles * 16 * (8 * groups + 1) * 4
 
 
-def shape_for(n: int) -> Tuple[int, int, int]:
-    """(G, S, U): column groups of 8 per warp, warps per block (K splits) and steps a warp loads at once,
-    for an output of n columns."""
-    return 2, 8, 1  # bench/results/kernels/h200-matmul-chains.json: the best or near it at 16 rows in every chain
+# (G, S, U): column groups of 8 per warp, warps per block (K splits), steps a warp loads at once. From
+# bench/results/kernels/h200-matmul-chains-sweep.json: the best or near it at 16 rows in every chain.
+SHAPE = (2, 8, 1)
 
 
 def _compact(code: str) -> str:
@@ -182,7 +181,7 @@ def _plan(xs: Tuple[int, ...], ws: Tuple[int, ...], dtype: mx.Dtype, wdtype: mx.
     if not 2 <= M <= MAX_ROWS or K % 8:
         return None
     mt = 1 if M <= 16 else 2
-    groups, splits, unroll = shape or shape_for(N)
+    groups, splits, unroll = shape or SHAPE
     blocks = -(-N // (8 * groups))
     return _kernel(dtype, mt, groups, splits, unroll), dict(
         grid=(blocks * splits * 32, 1, 1), threadgroup=(splits * 32, 1, 1),
@@ -191,7 +190,7 @@ def _plan(xs: Tuple[int, ...], ws: Tuple[int, ...], dtype: mx.Dtype, wdtype: mx.
 
 def mm(x: mx.array, w: mx.array, shape: Optional[Tuple[int, int, int]] = None) -> mx.array:
     """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (f32 accumulation); see ``supports``.
-    ``shape``: (G, S, U) instead of ``shape_for``'s (measurements)."""
+    ``shape``: (G, S, U) instead of ``SHAPE`` (measurements)."""
     launch = plan(x, w) if shape is None else _plan(x.shape, w.shape, x.dtype, w.dtype, shape)
     if launch is None:
         raise ValueError(f"mm: expected x [..., K] with 2..{MAX_ROWS} rows and w [N, K], both bfloat16 or float16 "

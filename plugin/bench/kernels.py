@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -44,6 +44,24 @@ def _filled_caches(model: Any, key_length: int, bucket: Optional[int]) -> List[A
     return cache
 
 
+Graph = Tuple[Callable[[], mx.array], Callable[[], None]]  # (build the forward's graph, undo its cache writes)
+
+
+def target_step(model: Any, cache: List[Any], n: int) -> Graph:
+    """A forward over ``n`` positions after the cache's and its log-softmax rows ([n, V]); undo trims them."""
+    toks = mx.array([[3 + (i % 50) for i in range(n)]], dtype=mx.uint32)
+
+    def build() -> mx.array:
+        logits = forward(model, toks, cache, [])[0][0].astype(mx.float32)  # [n, V]
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def undo() -> None:
+        for c in cache:
+            c.trim(n)
+
+    return build, undo
+
+
 def target_forward_ms(model: Any, key_length: int, widths: List[int], iters: int,
                       bucket: Optional[int] = None) -> Dict[int, Dict[str, float]]:
     """width -> {"ms": forward + its log-softmax rows, "build_ms": the graph built on the CPU},
@@ -51,17 +69,15 @@ def target_forward_ms(model: Any, key_length: int, widths: List[int], iters: int
     cache = _filled_caches(model, key_length, bucket)
     out: Dict[int, Dict[str, float]] = {}
     for n in widths:
-        toks = mx.array([[3 + (i % 50) for i in range(n)]], dtype=mx.uint32)
+        build, undo = target_step(model, cache, n)
         builds: List[float] = []
 
         def fwd() -> mx.array:
             t = time.perf_counter()
-            logits = forward(model, toks, cache, [])[0][0].astype(mx.float32)  # [n, V]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = build()
             builds.append((time.perf_counter() - t) * 1e3)
             mx.eval(logprobs)
-            for c in cache:
-                c.trim(n)
+            undo()
             return logprobs
 
         ms = timed(fwd, iters)
@@ -75,10 +91,9 @@ def dflash_block_ms(drafter: Any, key_length: int, block: int, iters: int, new_c
     return dflash_blocks_ms(drafter, key_length, [block], iters, new_context)[block]
 
 
-def dflash_blocks_ms(drafter: Any, key_length: int, blocks: Sequence[int], iters: int,
-                     new_context: int = 7) -> Dict[int, float]:
-    """block -> a DFlash round's draft: ``new_context`` new context positions (tau ~6.5 accepted last
-    round) and the block through the drafter, then the shared head's argmax. One context fill."""
+def dflash_context(drafter: Any, key_length: int, new_context: int = 7) -> Tuple[List[Any], mx.array]:
+    """The drafter's context caches filled with ``key_length`` positions, and ``new_context`` positions of
+    target features to append per round ([1, new_context, taps*H])."""
     inner = drafter.model
     dtype = inner.norm.weight.dtype
     taps = len(inner.args.target_layer_ids) * inner.args.hidden_size
@@ -87,17 +102,40 @@ def dflash_blocks_ms(drafter: Any, key_length: int, blocks: Sequence[int], iters
     new = (mx.random.normal((1, new_context, taps)) * 0.1).astype(dtype)
     inner.append_context(ctx, caches)
     mx.eval([c.keys for c in caches], new)
+    return caches, new
+
+
+def dflash_round(drafter: Any, caches: List[Any], new: mx.array, block: int) -> Graph:
+    """A DFlash round's draft: the new context appended, the block through the drafter, the shared head's
+    argmax ([1, block - 1]); undo trims the appended context."""
+    inner = drafter.model
+    toks = mx.array([[5] * block], dtype=mx.uint32)
+
+    def build() -> mx.array:
+        inner.append_context(new, caches)
+        h = inner(drafter.embed(toks), caches)
+        return mx.argmax(drafter.head(h[:, 1:block]).astype(mx.float32), axis=-1)
+
+    def undo() -> None:
+        for c in caches:
+            c.trim(new.shape[1])
+
+    return build, undo
+
+
+def dflash_blocks_ms(drafter: Any, key_length: int, blocks: Sequence[int], iters: int,
+                     new_context: int = 7) -> Dict[int, float]:
+    """block -> a DFlash round's draft (``dflash_round``): ``new_context`` new context positions (tau ~6.5
+    accepted last round) and the block through the drafter, then the shared head's argmax. One context fill."""
+    caches, new = dflash_context(drafter, key_length, new_context)
     out: Dict[int, float] = {}
     for block in blocks:
-        toks = mx.array([[5] * block], dtype=mx.uint32)
+        build, undo = dflash_round(drafter, caches, new, block)
 
         def fwd() -> mx.array:
-            inner.append_context(new, caches)
-            h = inner(drafter.embed(toks), caches)
-            drafts = mx.argmax(drafter.head(h[:, 1:block]).astype(mx.float32), axis=-1)
+            drafts = build()
             mx.eval(drafts)
-            for c in caches:
-                c.trim(new_context)
+            undo()
             return drafts
 
         out[block] = round(timed(fwd, iters), 3)
