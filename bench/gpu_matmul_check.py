@@ -8,10 +8,14 @@ block's columns, K not of 32), bfloat16 and float16. Error = max |y - y_f32| / m
 passes where its error is at most twice MLX's own matmul's in the same dtype plus 1e-3 (both round
 one f32 sum to 16 bits; the order of the sum differs).
 
+Fused siblings (``mm_many``: q/k/v, gate/up, odd shapes; rows 2..32): each output must be bit-equal to
+``mm``'s for its weight alone.
+
 Cost: dependent chains of projections (q/o; gate/up then down; k/v then back), each call's input the
 previous call's output, as a forward's layers run: per call the host's build and encode times and the
 device's, MLX's matmul and the kernel side by side (``--sweep``: each kernel shape of ``VARIANTS``);
-rows 1 is MLX's gemv path, for scale.
+rows 1 is MLX's gemv path, for scale. And a layer's sibling projections, one launch per weight against one
+fused launch: q/k/v then o over q; gate/up then down over their product.
 """
 
 from __future__ import annotations
@@ -53,6 +57,24 @@ def check(dtype: mx.Dtype) -> List[Dict[str, Any]]:
                 ok = ours <= 2 * mlx + 1e-3
                 out.append({"shape": name, "n": n, "k": k, "x": list(x.shape), "layout": layout, "dtype": str(dtype),
                             "error": round(ours, 6), "mlx_error": round(mlx, 6), "ok": ok})
+    return out
+
+
+GROUPS = {"q/k/v": [(4096, 4096), (1024, 4096), (1024, 4096)], "gate/up": [(14336, 4096), (14336, 4096)],
+          "odd": [(1000, 520), (24, 520), (8, 520), (136, 520)]}
+
+
+def check_fused(dtype: mx.Dtype) -> List[Dict[str, Any]]:
+    out = []
+    for name, shapes in GROUPS.items():
+        ws = [(mx.random.normal(s) * s[1] ** -0.5).astype(dtype) for s in shapes]
+        for rows in ROWS:
+            for layout in ("rows", "row view"):
+                x = inputs(layout, rows, shapes[0][1], dtype)
+                fused = cuda_matmul.mm_many(x, ws)
+                alone = [cuda_matmul.mm(x, w) for w in ws]
+                same = all(mx.array_equal(a, b).item() for a, b in zip(fused, alone))
+                out.append({"group": name, "x": list(x.shape), "layout": layout, "dtype": str(dtype), "ok": same})
     return out
 
 
@@ -113,6 +135,42 @@ def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: i
     return out
 
 
+def fused_costs(dtype: mx.Dtype, length: int, iters: int, copies: int = 6) -> List[Dict[str, Any]]:
+    """A layer's siblings in dependent chains: per link q/k/v from x, then x = o(q); gate/up from x, then
+    x = down(gate * up); the siblings one launch each ("kernel") or one fused launch ("fused")."""
+    layers = {"q/k/v+o": (GROUPS["q/k/v"], (4096, 4096)), "gate/up+down": (GROUPS["gate/up"], (4096, 14336))}
+    out = []
+    for name, (shapes, back) in layers.items():
+        ws = [([(mx.random.normal(s) * s[1] ** -0.5).astype(dtype) for s in shapes],
+               (mx.random.normal(back) * back[1] ** -0.5).astype(dtype)) for _ in range(copies)]
+        mx.eval(ws)
+        for rows in (16, 32):
+            x0 = mx.random.normal((rows, 4096)).astype(dtype)
+            mx.eval(x0)
+
+            def chain(fused: bool) -> Callable[[], List[mx.array]]:
+                def run() -> List[mx.array]:
+                    x, side = x0, []
+                    for i in range(length):
+                        sib, wb = ws[i % copies]
+                        ys = cuda_matmul.mm_many(x, sib) if fused else [cuda_matmul.mm(x, w) for w in sib]
+                        x = cuda_matmul.mm(ys[0] if len(ys) == 3 else ys[0] * ys[1], wb)
+                        side += ys[1:] if len(ys) == 3 else []
+                    return [x] + side
+                return run
+
+            row: Dict[str, Any] = {"layer": name, "rows": rows, "links": length}
+            for how in ("kernel", "fused"):
+                t = split(chain(how == "fused"), lambda: None, iters)
+                row[how] = {"build_us": round(t["build_ms"] * 1e3 / length, 2),
+                            "encode_us": round(t["encode_ms"] * 1e3 / length, 2),
+                            "sync_us": round(t["sync_ms"] * 1e3 / length, 2),
+                            "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / length, 2)}
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chain", type=int, default=24, help="links per timed chain (default 24)")
@@ -124,13 +182,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("the kernel needs MLX built with CUDA and the GPU as the default device")
     mx.random.seed(0)
     results = check(mx.bfloat16) + check(mx.float16)
-    bad = [r for r in results if not r["ok"]]
-    print(f"{len(results) - len(bad)} of {len(results)} cases within tolerance; worst error "
-          f"{max(r['error'] for r in results):.2e} (MLX's own worst {max(r['mlx_error'] for r in results):.2e})", flush=True)
+    fused = check_fused(mx.bfloat16) + check_fused(mx.float16)
+    bad = [r for r in results + fused if not r["ok"]]
+    print(f"{sum(r['ok'] for r in results)} of {len(results)} cases within tolerance; worst error "
+          f"{max(r['error'] for r in results):.2e} (MLX's own worst {max(r['mlx_error'] for r in results):.2e}); "
+          f"fused: {sum(r['ok'] for r in fused)} of {len(fused)} bit-equal to one launch per weight", flush=True)
     for r in bad[:10]:
         print("FAIL", json.dumps(r), flush=True)
     report = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info(),
-              "passed": not bad, "cases": len(results), "failures": bad, "results": results,
+              "passed": not bad, "cases": len(results) + len(fused), "failures": bad, "results": results,
+              "fused": fused, "fused_costs": fused_costs(mx.bfloat16, a.chain, a.iters),
               "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep)}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -24,7 +24,9 @@ Projections: a policy may also hand a dispatcher ``(x, weight) -> x @ weight.T o
 instance of THAT model (exactly that class: quantized and other layers keep theirs) a subclass whose
 ``__call__`` asks the dispatcher first, for inputs of ``dispatcher.rows`` = (min, max) rows where it has
 that attribute, and runs ``nn.Linear.__call__`` when it answers None; the bias is added after the
-dispatcher's product. Nothing is assigned to ``mlx.nn`` or to any other model.
+dispatcher's product. A dispatcher with ``many(x, weights)`` also gets sibling layers multiplying the
+same x (q/k/v, gate/up: learned from the calls, see ``_Learner``) in one launch. Nothing is assigned to
+``mlx.nn`` or to any other model.
 """
 
 from __future__ import annotations
@@ -142,6 +144,88 @@ Projections = Callable[[mx.array, mx.array], Optional[mx.array]]  # (x [..., K],
 _linear_classes: Dict[int, Tuple[Projections, type]] = {}
 
 
+class _Siblings:
+    """A routed layer's part in fused launches (a plain object: nn.Module files tuples as children)."""
+
+    __slots__ = ("group", "seen", "held", "settled", "off")
+
+    def __init__(self) -> None:
+        self.group: Tuple[nn.Linear, ...] = ()  # the layers after this one whose products its launch makes
+        self.seen: Optional[Tuple[nn.Linear, ...]] = None  # the followers of its last run of calls on one x
+        self.held: Optional[Tuple[mx.array, mx.array, nn.Linear]] = None  # (x, x @ W.T, the leader) to take
+        self.settled = False  # its part is known: its calls are no longer observed
+        self.off = False  # a fused guess failed once: this layer launches alone from now on
+
+
+class _Learner:
+    """Which routed layers multiply the same x one after another (q/k/v, gate/up), learned from the
+    calls: a run of calls on one x object seen twice alike makes its first layer launch for the rest
+    (``Projections.many``) and settles them all (no longer observed); the followers then take their
+    products (checked: the same x object), and a call that breaks the pattern (another x, or a product
+    never taken) ends that layer's fusing. Fusing never changes a result, only the launches."""
+
+    def __init__(self, dispatcher: Any):
+        self.dispatcher = dispatcher
+        self.most = getattr(dispatcher, "max_weights", 1) if hasattr(dispatcher, "many") else 1
+        self.x: Optional[mx.array] = None  # the current run: its x and its layers
+        self.run: list = []
+
+    def project(self, layer: nn.Linear, x: mx.array) -> Optional[mx.array]:
+        sib = layer._spec_sib
+        held = sib.held
+        if held is not None:
+            sib.held = None
+            if held[0] is x:
+                return held[1]
+            self.stop(held[2])
+        if not sib.settled and self.most > 1:
+            self.observe(layer, x)
+        group = sib.group
+        if group:
+            ys = self.dispatcher.many(x, [layer["weight"]] + [f["weight"] for f in group])
+            if ys is not None:
+                for f, y in zip(group, ys[1:]):
+                    if f._spec_sib.held is not None:  # an earlier product never taken
+                        self.stop(layer)
+                    f._spec_sib.held = (x, y, layer)
+                return ys[0]
+            self.stop(layer)
+        return self.dispatcher(x, layer["weight"])
+
+    def observe(self, layer: nn.Linear, x: mx.array) -> None:
+        if self.x is x and not any(m is layer for m in self.run):
+            self.run.append(layer)
+            return
+        if self.run:
+            self.learn(self.run[0], tuple(self.run[1:]))
+        self.x, self.run = x, [layer]
+
+    def learn(self, leader: nn.Linear, followers: Tuple[nn.Linear, ...]) -> None:
+        sib = leader._spec_sib
+        if sib.settled:
+            return
+        if sib.seen is not None and _same(sib.seen, followers):
+            sib.group = followers if len(followers) + 1 <= self.most else ()
+            for m in (leader,) + followers:
+                m._spec_sib.settled = True
+        else:
+            sib.seen = followers
+
+    @staticmethod
+    def stop(leader: nn.Linear) -> None:
+        sib = leader._spec_sib
+        for f in sib.group:
+            held = f._spec_sib.held
+            if held is not None and held[2] is leader:
+                f._spec_sib.held = None
+        sib.group, sib.off = (), True
+
+
+def _same(a: Tuple[nn.Linear, ...], b: Tuple[nn.Linear, ...]) -> bool:
+    # by identity: == on modules (dicts of arrays) would compare their weights
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def _routed_linear(dispatcher: Projections) -> type:
     """The ``nn.Linear`` subclass asking ``dispatcher`` first (one per dispatcher)."""
     entry = _linear_classes.get(id(dispatcher))
@@ -149,12 +233,13 @@ def _routed_linear(dispatcher: Projections) -> type:
         return entry[1]
 
     linear = nn.Linear.__call__
+    learner = _Learner(dispatcher)
 
     def __call__(self: nn.Linear, x: mx.array) -> mx.array:
         # Calls outside the dispatcher's rows (one-token steps, prefill) pay one size check, not a
         # dispatch: x.size is rows x in_features, whose bounds route_projections set on the instance.
         if self._spec_min_size <= x.size <= self._spec_max_size:
-            y = dispatcher(x, self["weight"])
+            y = learner.project(self, x)
             if y is not None:
                 return y + self["bias"] if "bias" in self else y
         return linear(self, x)
@@ -177,6 +262,7 @@ def route_projections(model: nn.Module, dispatcher: Optional[Projections]) -> in
         if type(m) is nn.Linear or "_spec_projections" in vars(type(m)):
             k = m["weight"].shape[1]
             m._spec_min_size, m._spec_max_size = lo * k, hi * k  # ints: plain instance attributes
+            m._spec_sib = _Siblings()
             m.__class__ = cls
             n += 1
     return n
@@ -188,7 +274,7 @@ def unroute_projections(model: nn.Module) -> int:
     for m in model.modules():
         if "_spec_projections" in vars(type(m)):
             m.__class__ = nn.Linear
-            del m._spec_min_size, m._spec_max_size
+            del m._spec_min_size, m._spec_max_size, m._spec_sib
             n += 1
     return n
 

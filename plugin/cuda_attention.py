@@ -16,7 +16,7 @@ merges the partial softmaxes (a warp per row); with one split the first kernel w
 Measured on the H200 (bench/README.md, bench/results/kernels/): faster than SDPA "causal" from ~4k keys
 (2.3x in chained calls at 16k), slower at 512 keys, where launch costs dominate.
 
-Compiled once per (head dim, dtype, variant) by NVRTC (MLX caches the module): shapes, strides, key
+Compiled once per (head dim, dtype, variant) by NVRTC (MLX caches the module; the three are constants in the source): shapes, strides, key
 length, offset and padding are runtime arguments, so new key lengths compile nothing. The CUDA sources live in
 cuda_attention_src.py. Only mlx.core is imported; nothing CUDA-specific runs at import time, and ``available()``
 is False on CPU and Metal. plugin/attention.py decides per call whether decoding uses it.
@@ -82,23 +82,32 @@ def blocks_per_sm(head_dim: int, variant: str = DEFAULT_VARIANT) -> int:
     return max(1, min(by_smem, by_regs))
 
 
-_KERNELS: Dict[Tuple[int, str], Tuple[object, object]] = {}
+_KERNELS: Dict[Tuple[mx.Dtype, int, str], Tuple[object, object]] = {}
 _SCALES: Dict[float, mx.array] = {}
 _LAUNCH: Dict[tuple, tuple] = {}
 _ZERO: List[mx.array] = []
 
 
-def _kernels(head_dim: int, variant: str) -> Tuple[object, object]:
-    key = (head_dim, variant)
-    if key not in _KERNELS:  # NVRTC runs at the first launch of each template instance, then MLX caches it
-        warp = VARIANTS[variant].combine == "warp"
+def _kernels(dtype: mx.Dtype, head_dim: int, variant: str) -> Tuple[object, object]:
+    # Constants in the (compacted) source, not template arguments: MLX converts a template list and copies
+    # and hashes the source at every launch, ~40 launches a forward
+    key = (dtype, head_dim, variant)
+    if key not in _KERNELS:  # NVRTC compiles each at its first launch, then MLX caches the module
+        bf = dtype == mx.bfloat16
+        vt = VARIANTS[variant]
+        warp = vt.combine == "warp"
+        typ = f"typedef {'__nv_bfloat16' if bf else '__half'} T; constexpr bool BF = {str(bf).lower()};\n"
+        consts = typ + f"constexpr int D = {head_dim}, KB = {tile_keys(head_dim, variant)}, ST = {vt.stages};\n"
+        tag = f"{'bf' if bf else 'f'}{head_dim}"
         main = mx.fast.cuda_kernel(
-            name="spec_attn_split", input_names=["q", "k", "v", "prm", "scl"],
-            output_names=["opart", "ml", "out"], source=src.MAIN, header=src.HEADER,
-            ensure_row_contiguous=False, shared_memory=shared_bytes(head_dim, variant))
+            name=f"spec_attn_split_{tag}_{variant}", input_names=["q", "k", "v", "prm", "scl"],
+            output_names=["opart", "ml", "out"], source=consts + src.compact(src.MAIN),
+            header=src.compact(src.HEADER), ensure_row_contiguous=False,
+            shared_memory=shared_bytes(head_dim, variant))
         combine = mx.fast.cuda_kernel(
-            name="spec_attn_combine_warp" if warp else "spec_attn_combine", input_names=["opart", "ml"],
-            output_names=["out"], source=src.COMBINE_WARP if warp else src.COMBINE_THREAD, header=src.HEADER)
+            name=f"spec_attn_combine_{'warp' if warp else 'thread'}_{tag}", input_names=["opart", "ml"],
+            output_names=["out"], header=src.compact(src.HEADER),
+            source=typ + f"constexpr int D = {head_dim};\n" + src.compact(src.COMBINE_WARP if warp else src.COMBINE_THREAD))
         _KERNELS[key] = (main, combine)
     return _KERNELS[key]
 
@@ -177,7 +186,7 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, key_len: IntOrArra
     if key not in _LAUNCH:
         _LAUNCH[key] = _launch(B, Hq, Hkv, L, D, S, q.dtype, target_blocks, variant)
     many, main_args, combine_args = _LAUNCH[key]
-    main, combine = _kernels(D, variant)
+    main, combine = _kernels(q.dtype, D, variant)
     opart, ml, out = main(inputs=[q, k, v, prm, _SCALES[scale]], **main_args)
     if many:
         out = combine(inputs=[opart, ml], **combine_args)[0]
@@ -191,13 +200,11 @@ def _launch(B: int, Hq: int, Hkv: int, L: int, D: int, S: int, dtype: mx.Dtype, 
     many = splits > 1  # one split: the first kernel writes the output, no partials
     warp = VARIANTS[variant].combine == "warp"
     main_args = dict(
-        template=[("T", dtype), ("D", D), ("KB", tile_keys(D, variant)), ("ST", VARIANTS[variant].stages),
-                  ("BF", dtype == mx.bfloat16)],
         grid=(splits * WARPS * 32, chunks, B * Hkv), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(splits, B, Hq, L, D) if many else (1,), (splits, B, Hq, L, 2) if many else (1,),
                        (1,) if many else (B, L, Hq, D)],
         output_dtypes=[mx.float32, mx.float32, dtype])
-    combine_args = dict(template=[("T", dtype), ("D", D)], grid=(B * Hq * L * (32 if warp else D // 4), 1, 1),
+    combine_args = dict(grid=(B * Hq * L * (32 if warp else D // 4), 1, 1),
                         threadgroup=(128, 1, 1),
                         output_shapes=[(B, L, Hq, D)], output_dtypes=[dtype])
     return many, main_args, combine_args

@@ -1,6 +1,15 @@
 """CUDA sources of the short-query attention kernel (plugin/cuda_attention.py compiles them with
-``mx.fast.cuda_kernel``; templates: T the dtype, D the head dim, KB keys per tile, ST pipeline stages,
-BF whether T is bfloat16). Kept apart so that the Python side reads on its own."""
+``mx.fast.cuda_kernel``; constants it puts before each source: T the dtype, D the head dim, KB keys per
+tile, ST pipeline stages, BF whether T is bfloat16). Kept apart so that the Python side reads on its own."""
+
+import re
+
+
+def compact(code: str) -> str:
+    """The source without comments and indentation: MLX copies and hashes it at every launch."""
+    lines = (re.sub(r"\s*//.*$", "", line).strip() for line in code.splitlines())
+    return "\n".join(line for line in lines if line)
+
 
 MMA16816 = r"""// c[16x8] += a[16x16] b[16x8], f32 accumulation
 template <bool BF>

@@ -21,13 +21,12 @@ runtime values. Only mlx.core is imported; ``available()`` is False on CPU and M
 
 from __future__ import annotations
 
-import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .cuda_attention import available
-from .cuda_attention_src import MMA16816
+from .cuda_attention_src import MMA16816, compact
 
 MAX_ROWS = 32
 DTYPES = (mx.bfloat16, mx.float16)
@@ -51,13 +50,14 @@ MAIN = r"""
   constexpr int P = NB + 1;  // shared row pitch in floats
   long long nrows = 1;
   for (int d = 0; d < x_ndim - 1; ++d) nrows *= x_shape[d];
-  const int M = (int)nrows, K8 = x_shape[x_ndim - 1] / 8, N = w_shape[0];
+  const int M = (int)nrows, K8 = x_shape[x_ndim - 1] / 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * NB;
+  SELECT_WEIGHT
+  const int n0 = blk * NB;
   const int steps = (K8 + 3) / 4;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
-  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  const uint4* wv = reinterpret_cast<const uint4*>(wp);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   float c[MT][G][4];
 #pragma unroll
@@ -118,7 +118,7 @@ MAIN = r"""
 #pragma unroll
     for (int w2 = 0; w2 < S; ++w2) acc += red[(w2 * MT * 16 + r) * P + col];
     const int n = n0 + col;
-    if (n < N) y[(long long)r * N + n] = static_cast<T>(acc);
+    if (n < N) yp[(long long)r * N + n] = static_cast<T>(acc);
   }
 """
 
@@ -133,24 +133,31 @@ def shared_bytes(row_tiles: int, groups: int, splits: int) -> int:
 # (G, S, U): column groups of 8 per warp, warps per block (K splits), steps a warp loads at once. From
 # bench/results/kernels/h200-matmul-chains-sweep.json: the best or near it at 16 rows in every chain.
 SHAPE = (2, 8, 1)
+MAX_WEIGHTS = 4  # weights one launch multiplies the same x by (sibling projections: q/k/v, gate/up)
 
 
-def _compact(code: str) -> str:
-    """The source without comments and indentation: MLX copies and hashes it at every launch."""
-    lines = (re.sub(r"\s*//.*$", "", line).strip() for line in code.splitlines())
-    return "\n".join(line for line in lines if line)
+def _select(weights: int) -> str:
+    """Source picking block blk's weight: the weights' column blocks follow one another in the grid, each
+    block doing exactly the work it does in a launch of its weight alone (so the products are the same bits)."""
+    code = "int blk = blockIdx.x; const T* wp; T* yp; int N; int nb;\n"
+    for i in range(weights - 1):
+        code += (f"nb = (w{i}_shape[0] + NB - 1) / NB;\n"
+                 f"if (blk < nb) {{ wp = w{i}; yp = y{i}; N = w{i}_shape[0]; }} else {{ blk -= nb;\n")
+    last = weights - 1
+    return code + f"wp = w{last}; yp = y{last}; N = w{last}_shape[0];" + "}" * (weights - 1) + "\n"
 
 
-def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: int) -> object:
+def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: int, weights: int = 1) -> object:
     # Constants in the source, not template arguments: a template list costs every launch its conversion
-    key = (dtype, row_tiles, groups, splits, unroll)
+    key = (dtype, row_tiles, groups, splits, unroll, weights)
     if key not in _KERNELS:  # NVRTC compiles each at its first launch; MLX caches the module
         bf = dtype == mx.bfloat16
         consts = (f"typedef {'__nv_bfloat16' if bf else '__half'} T; constexpr bool BF = {str(bf).lower()};\n"
                   f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n")
         _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}", input_names=["x", "w"],
-            output_names=["y"], source=consts + _compact(MAIN), header=_compact(HEADER),
+            name=f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}_w{weights}",
+            input_names=["x"] + [f"w{i}" for i in range(weights)], output_names=[f"y{i}" for i in range(weights)],
+            source=consts + compact(MAIN).replace("SELECT_WEIGHT", _select(weights)), header=compact(HEADER),
             shared_memory=shared_bytes(row_tiles, groups, splits))
     return _KERNELS[key]
 
@@ -162,19 +169,31 @@ def supports(x: mx.array, w: mx.array) -> bool:
 
 def plan(x: mx.array, w: mx.array) -> Optional[Tuple[object, dict]]:
     """(kernel, its keyword arguments) for x @ w.T, made once per (shapes, dtype); None where ``mm``
-    does not take the call. ``mm`` and the projection dispatcher (plugin/projections.py) launch it."""
+    does not take the call. ``mm`` and the projection dispatcher (plugin/projections.py) launch it
+    (``kernel(inputs=[x, w], **args)``)."""
     key = (x.shape, w.shape, x.dtype, w.dtype)
     got = _LAUNCH.get(key)
     if got is None:
-        got = _LAUNCH[key] = _plan(x.shape, w.shape, x.dtype, w.dtype) or False
+        got = _LAUNCH[key] = _plan(x.shape, (w.shape,), x.dtype, (w.dtype,)) or False
     return got or None
 
 
-def _plan(xs: Tuple[int, ...], ws: Tuple[int, ...], dtype: mx.Dtype, wdtype: mx.Dtype,
+def plan_many(x: mx.array, ws: Sequence[mx.array]) -> Optional[Tuple[object, dict]]:
+    """``plan`` for 1..MAX_WEIGHTS weights of one K multiplying the same x in one launch
+    (``kernel(inputs=[x, *ws], **args)`` gives one output per weight, each the bits ``mm`` gives)."""
+    key = (x.shape, x.dtype) + tuple((w.shape, w.dtype) for w in ws)
+    got = _LAUNCH.get(key)
+    if got is None:
+        got = _LAUNCH[key] = _plan(x.shape, tuple(w.shape for w in ws), x.dtype, tuple(w.dtype for w in ws)) or False
+    return got or None
+
+
+def _plan(xs: Tuple[int, ...], wss: Tuple[Tuple[int, ...], ...], dtype: mx.Dtype, wdtypes: Tuple[mx.Dtype, ...],
           shape: Optional[Tuple[int, int, int]] = None) -> Optional[Tuple[object, dict]]:
-    if len(ws) != 2 or not xs or xs[-1] != ws[1] or dtype != wdtype or dtype not in DTYPES:
+    if not xs or dtype not in DTYPES or not 1 <= len(wss) <= MAX_WEIGHTS or \
+            any(len(ws) != 2 or ws[1] != xs[-1] for ws in wss) or any(d != dtype for d in wdtypes):
         return None
-    K, N = ws[1], ws[0]
+    K = xs[-1]
     M = 1
     for d in xs[:-1]:
         M *= d
@@ -182,21 +201,28 @@ def _plan(xs: Tuple[int, ...], ws: Tuple[int, ...], dtype: mx.Dtype, wdtype: mx.
         return None
     mt = 1 if M <= 16 else 2
     groups, splits, unroll = shape or SHAPE
-    blocks = -(-N // (8 * groups))
-    return _kernel(dtype, mt, groups, splits, unroll), dict(
+    blocks = sum(-(-ws[0] // (8 * groups)) for ws in wss)
+    return _kernel(dtype, mt, groups, splits, unroll, len(wss)), dict(
         grid=(blocks * splits * 32, 1, 1), threadgroup=(splits * 32, 1, 1),
-        output_shapes=[(*xs[:-1], N)], output_dtypes=[dtype])
+        output_shapes=[(*xs[:-1], ws[0]) for ws in wss], output_dtypes=[dtype] * len(wss))
 
 
 def mm(x: mx.array, w: mx.array, shape: Optional[Tuple[int, int, int]] = None) -> mx.array:
     """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (f32 accumulation); see ``supports``.
     ``shape``: (G, S, U) instead of ``SHAPE`` (measurements)."""
-    launch = plan(x, w) if shape is None else _plan(x.shape, w.shape, x.dtype, w.dtype, shape)
+    return mm_many(x, [w], shape)[0]
+
+
+def mm_many(x: mx.array, ws: Sequence[mx.array], shape: Optional[Tuple[int, int, int]] = None) -> List[mx.array]:
+    """[x @ w.T for w in ws] in one launch (1..MAX_WEIGHTS weights [N_i, K]); each equals ``mm(x, w)`` bit for bit."""
+    launch = plan_many(x, ws) if shape is None else \
+        _plan(x.shape, tuple(w.shape for w in ws), x.dtype, tuple(w.dtype for w in ws), shape)
     if launch is None:
-        raise ValueError(f"mm: expected x [..., K] with 2..{MAX_ROWS} rows and w [N, K], both bfloat16 or float16 "
-                         f"with K a multiple of 8; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+        got = ", ".join(f"{tuple(w.shape)} {w.dtype}" for w in ws)
+        raise ValueError(f"mm: expected x [..., K] with 2..{MAX_ROWS} rows and 1..{MAX_WEIGHTS} weights [N, K], all "
+                         f"bfloat16 or all float16 with K a multiple of 8; got x {tuple(x.shape)} {x.dtype}, w {got}")
     kernel, args = launch
-    return kernel(inputs=[x, w], **args)[0]
+    return kernel(inputs=[x, *ws], **args)
 
 
 def reference(x: mx.array, w: mx.array) -> mx.array:
@@ -204,4 +230,4 @@ def reference(x: mx.array, w: mx.array) -> mx.array:
     return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
 
 
-__all__: List[str] = ["available", "mm", "plan", "reference", "supports", "MAX_ROWS"]
+__all__: List[str] = ["available", "mm", "mm_many", "plan", "plan_many", "reference", "supports", "MAX_ROWS", "MAX_WEIGHTS"]

@@ -5,8 +5,10 @@ The host routes a loaded model's ``nn.Linear`` layers through ``CachePolicy.proj
 first. It answers x @ weight.T from plugin/cuda_matmul.py's kernel when the call has 2..32 rows
 (verify forwards, drafter blocks, a round's new context) in bfloat16 or float16 with K a multiple of
 8, and None otherwise: the layer then runs mlx's own code (one-token steps keep MLX's gemv, prefill
-chunks cuBLAS). Biases are added by the routed layer. ``counts`` tallies the paths ("kernel",
-"mlx") for ``mlx-spec bench``.
+chunks cuBLAS). Biases are added by the routed layer. ``many(x, weights)`` multiplies the same x by
+sibling layers' weights (q/k/v, gate/up: the routed layers learn which, hooks/attention.py) in one
+launch, each product the bits a launch of its own gives. ``counts`` tallies the paths ("kernel": launches,
+"fused": products served by another layer's launch, "mlx") for ``mlx-spec bench``.
 
 Why (bench/results/kernels/h200-host-split*.json, H200): MLX-CUDA plans every 2+-row matmul with
 cuBLASLt on the host, ~25 us a call against ~8 us for this kernel's launch, and a 16-position
@@ -20,7 +22,7 @@ On by default where the kernel runs (MLX built with CUDA, GPU default device); o
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -30,13 +32,18 @@ from .attention import kernel_mode
 ENV = "MLX_SPEC_PROJECTION_KERNEL"
 # (x, w) -> (kernel, keyword arguments) or None: cuda_matmul.plan's contract
 Planner = Callable[[mx.array, mx.array], Optional[Tuple[Any, Dict[str, Any]]]]
+# (x, [w, ...]) -> the same for one launch over several weights: cuda_matmul.plan_many's contract
+ManyPlanner = Callable[[mx.array, Sequence[mx.array]], Optional[Tuple[Any, Dict[str, Any]]]]
 
 
 class Projections:
     """``(x, weight) -> x @ weight.T`` for routed ``nn.Linear`` layers, or None (the layer's own matmul)."""
 
-    def __init__(self, planner: Planner = cuda_matmul.plan, name: str = "cuda_matmul.mm"):
+    def __init__(self, planner: Planner = cuda_matmul.plan, name: str = "cuda_matmul.mm",
+                 planner_many: Optional[ManyPlanner] = cuda_matmul.plan_many):
         self.planner = planner
+        self.planner_many = planner_many
+        self.max_weights = cuda_matmul.MAX_WEIGHTS
         self.name = name
         self.rows = (2, cuda_matmul.MAX_ROWS)  # the routed layers ask only for inputs of these many rows
         self.enabled = True
@@ -51,6 +58,16 @@ class Projections:
         kernel, args = launch
         return kernel(inputs=[x, w], **args)[0]
 
+    def many(self, x: mx.array, ws: Sequence[mx.array]) -> Optional[List[mx.array]]:
+        """[x @ w.T for w in ws] from one launch, or None (each layer then runs on its own)."""
+        launch = self.planner_many(x, ws) if self.enabled and self.planner_many is not None else None
+        if launch is None:
+            return None
+        self.counts["kernel"] += 1
+        self.counts["fused"] += len(ws) - 1
+        kernel, args = launch
+        return kernel(inputs=[x, *ws], **args)
+
     def report(self) -> Dict[str, Any]:
         total = sum(self.counts.values())
         return {"kernel": self.name, "enabled": self.enabled, "calls": dict(self.counts),
@@ -61,13 +78,14 @@ def stand_in() -> Projections:
     """A dispatcher with the kernel's contract on any device (float32 MLX matmul, any float dtype):
     exercises the routing where the kernel cannot run (the CPU tests)."""
 
-    def planner(x: mx.array, w: mx.array) -> Optional[Tuple[Any, Dict[str, Any]]]:
+    def planner_many(x: mx.array, ws: Sequence[mx.array]) -> Optional[Tuple[Any, Dict[str, Any]]]:
         rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
-        if w.ndim != 2 or x.shape[-1] != w.shape[1] or not 2 <= rows <= cuda_matmul.MAX_ROWS:
+        if not 1 <= len(ws) <= cuda_matmul.MAX_WEIGHTS or not 2 <= rows <= cuda_matmul.MAX_ROWS or \
+                any(w.ndim != 2 or x.shape[-1] != w.shape[1] for w in ws):
             return None
-        return (lambda inputs: [cuda_matmul.reference(*inputs)]), {}
+        return (lambda inputs: [cuda_matmul.reference(inputs[0], w) for w in inputs[1:]]), {}
 
-    return Projections(planner, "cuda_matmul.reference")
+    return Projections(lambda x, w: planner_many(x, [w]), "cuda_matmul.reference", planner_many)
 
 
 def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:

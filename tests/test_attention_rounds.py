@@ -107,11 +107,13 @@ def decode(host: Any, target: Any, prompts: List[List[int]], batch: bool) -> Tup
 
 def check_calls(kernel: StandIn, disp: attention.Dispatcher, policy: Any = None) -> None:
     """The stand-in saw only 2..32-query calls; one-token steps took MLX's path. The projections'
-    stand-in took every call it was asked for (only 2..32-row ones reach it)."""
+    stand-in took every call it was asked for (only 2..32-row ones reach it), sibling projections (q/k/v,
+    gate/up) in shared launches once learned."""
     assert kernel.calls and all(2 <= L <= 32 for L, *_ in kernel.calls)
     assert disp.counts["kernel"] == len(kernel.calls) and disp.counts["mlx: queries"] > 0, disp.counts
     if policy is not None:
-        assert policy.projections.counts["kernel"] > 0 and policy.projections.counts["mlx"] == 0, policy.projections.counts
+        counts = policy.projections.counts
+        assert counts["kernel"] > 0 and counts["fused"] > 0 and counts["mlx"] == 0, counts
 
 
 @pytest.mark.parametrize("padded", ["on", "off"])

@@ -84,6 +84,64 @@ def test_bias_declines_and_other_layer_kinds() -> None:
     assert host_attention.route_projections(nn.Sequential(q), disp) == 0 and type(q) is nn.QuantizedLinear
 
 
+def blocks(model: nn.Module, n: int) -> List[mx.array]:
+    """A 40-token prefill, then ``n`` 16-position blocks: every logit."""
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([[2 + i % 50 for i in range(40)]]), cache=cache)]
+    return out + [model(mx.array([[(7 * b + i) % 60 for i in range(16)]]), cache=cache) for b in range(n)]
+
+
+def sib(layer: nn.Module) -> Any:
+    return layer._spec_sib
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_sibling_projections_fuse_after_two_alike_forwards(bias: bool) -> None:
+    """q/k/v and gate/up are learned as siblings (the same x, one after another) and then made by one
+    launch each, every product landing in its own layer (with its own bias): logits bit-equal to nn.Linear's."""
+    config = tm.llama_config(num_hidden_layers=2, attention_bias=bias, mlp_bias=bias)
+    mx.random.seed(6)
+    routed_model, other = tm.build_model(config), tm.build_model(config)
+    other.update(routed_model.parameters())
+    disp = projections.stand_in()
+    host_attention.route_projections(routed_model, disp)
+    want, got = blocks(other, 5), blocks(routed_model, 5)
+    for w, g in zip(want, got):
+        assert mx.array_equal(w, g).item()
+    for layer in routed_model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        assert host_attention._same(sib(a.q_proj).group, (a.k_proj, a.v_proj))
+        assert host_attention._same(sib(m.gate_proj).group, (m.up_proj,))
+        assert not sib(a.o_proj).group and not sib(m.down_proj).group and not sib(a.k_proj).group
+    # Blocks 1-2 learn; blocks 3-5 fuse: per layer one launch for q/k/v, one for gate/up, o and down alone.
+    layers, n = 2, 2 * 7 + 1
+    assert disp.counts == {"kernel": 2 * n + 3 * (layers * 4 + 1), "fused": 3 * layers * 3}, disp.counts
+    assert host_attention.unroute_projections(routed_model) == n
+    assert not any(hasattr(m, "_spec_sib") for m in linears(routed_model))
+
+
+def test_fusing_stops_where_the_pattern_breaks() -> None:
+    """A follower called with another x gets its own product; its leader launches alone from then on."""
+    mx.random.seed(7)
+    q, k = nn.Linear(32, 48, bias=True), nn.Linear(32, 16, bias=True)
+    holder = nn.Sequential(q, k)
+    disp = projections.stand_in()
+    host_attention.route_projections(holder, disp)
+    for _ in range(3):
+        x = mx.random.normal((4, 32))
+        q(x), k(x)
+    assert host_attention._same(sib(q).group, (k,)) and disp.counts["fused"] == 1  # the third pair: one launch
+    x, y = mx.random.normal((4, 32)), mx.random.normal((4, 32))
+    want_q, want_k = x @ q.weight.T + q.bias, y @ k.weight.T + k.bias
+    assert mx.allclose(q(x), want_q, atol=1e-5).item()  # launches q and k over x
+    assert sib(k).held is not None  # k's product waits for k(x)
+    assert mx.allclose(k(y), want_k, atol=1e-5).item()  # another x: not the held product
+    assert sib(q).off and not sib(q).group and sib(k).held is None
+    before = dict(disp.counts)
+    q(x), k(x)
+    assert disp.counts["kernel"] == before["kernel"] + 2 and disp.counts["fused"] == before["fused"]
+
+
 @pytest.mark.parametrize("shape_x, shape_w, dtype, why", [
     ((1, 4096), (64, 4096), mx.bfloat16, "one row"),
     ((33, 64), (64, 64), mx.bfloat16, "33 rows"),
@@ -101,6 +159,17 @@ def test_the_kernel_declines_what_it_does_not_take(shape_x: Any, shape_w: Any, d
     assert cuda_matmul.plan(mixed, mx.zeros((64, 64), mx.bfloat16)) is None
     with pytest.raises(ValueError, match="2..32 rows"):
         cuda_matmul.mm(x, w)
+    assert cuda_matmul.plan_many(x, [w, w]) is None
+
+
+def test_fused_launches_decline_mixed_or_too_many_weights() -> None:
+    x, w = mx.zeros((4, 64), mx.bfloat16), mx.zeros((32, 64), mx.bfloat16)
+    assert cuda_matmul.plan_many(x, [w] * (cuda_matmul.MAX_WEIGHTS + 1)) is None
+    assert cuda_matmul.plan_many(x, []) is None
+    assert cuda_matmul.plan_many(x, [w, mx.zeros((32, 48), mx.bfloat16)]) is None  # another K
+    assert cuda_matmul.plan_many(x, [w, w.astype(mx.float16)]) is None
+    with pytest.raises(ValueError, match="1..4 weights"):
+        cuda_matmul.mm_many(x, [w, mx.zeros((32, 48), mx.bfloat16)])
 
 
 def test_reference_is_the_product() -> None:
