@@ -94,6 +94,14 @@ CHAINS = {"q/o": [(4096, 4096)], "gate/up+down": [(14336, 4096), (4096, 14336)],
 VARIANTS = [(2, 8, 1), (4, 4, 2), (4, 4, 4), (4, 8, 4), (8, 4, 2), (4, 16, 2), (2, 4, 4), (4, 2, 4)]
 
 
+def per_call(t: Dict[str, float], calls: int) -> Dict[str, float]:
+    """``split``'s ms per chain as us per call."""
+    return {"build_us": round(t["build_ms"] * 1e3 / calls, 2), "encode_us": round(t["encode_ms"] * 1e3 / calls, 2),
+            "sync_us": round(t["sync_ms"] * 1e3 / calls, 2),
+            # the device's time once it, not the encoding it runs behind, is the slower
+            "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / calls, 2)}
+
+
 def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: int = 6) -> List[Dict[str, Any]]:
     """Dependent chains of projections (each call's input the previous call's output), ``copies`` distinct
     weights in turn so that the device's L2 holds none of them: per call build / encode / device time,
@@ -124,12 +132,7 @@ def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: i
                     ways += [(f"kernel_g{g}_s{s}_u{u}", chain(lambda x, w, v=(g, s, u): cuda_matmul.mm(x, w, v)))
                              for g, s, u in VARIANTS]
             for how, f in ways:
-                t = split(f, lambda: None, iters)  # ms per chain
-                row[how] = {"build_us": round(t["build_ms"] * 1e3 / calls, 2),
-                            "encode_us": round(t["encode_ms"] * 1e3 / calls, 2),
-                            "sync_us": round(t["sync_ms"] * 1e3 / calls, 2),
-                            # the device's time once it, not the encoding it runs behind, is the slower
-                            "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / calls, 2)}
+                row[how] = per_call(split(f, lambda: None, iters), calls)
             out.append(row)
             print(json.dumps(row), flush=True)
     return out
@@ -161,11 +164,7 @@ def fused_costs(dtype: mx.Dtype, length: int, iters: int, copies: int = 6) -> Li
 
             row: Dict[str, Any] = {"layer": name, "rows": rows, "links": length}
             for how in ("kernel", "fused"):
-                t = split(chain(how == "fused"), lambda: None, iters)
-                row[how] = {"build_us": round(t["build_ms"] * 1e3 / length, 2),
-                            "encode_us": round(t["encode_ms"] * 1e3 / length, 2),
-                            "sync_us": round(t["sync_ms"] * 1e3 / length, 2),
-                            "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / length, 2)}
+                row[how] = per_call(split(chain(how == "fused"), lambda: None, iters), length)
             out.append(row)
             print(json.dumps(row), flush=True)
     return out
