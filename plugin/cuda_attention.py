@@ -16,10 +16,10 @@ merges the partial softmaxes (a warp per row); with one split the first kernel w
 Measured on the H200 (bench/README.md, bench/results/kernels/): faster than SDPA "causal" from ~4k keys
 (2.3x in chained calls at 16k), slower at 512 keys, where launch costs dominate.
 
-Compiled once per (head dim, dtype, variant) by NVRTC (MLX caches the module; the three are constants in the source): shapes, strides, key
-length, offset and padding are runtime arguments, so new key lengths compile nothing. The CUDA sources live in
-cuda_attention_src.py. Only mlx.core is imported; nothing CUDA-specific runs at import time, and ``available()``
-is False on CPU and Metal. plugin/attention.py decides per call whether decoding uses it.
+Compiled once per (head dim, dtype, variant) by NVRTC (MLX caches the module; the three are constants
+in the source): shapes, strides, key length, offset and padding are runtime arguments, so new key
+lengths compile nothing. The CUDA sources live in cuda_attention_src.py. Only mlx.core is imported;
+nothing CUDA-specific runs at import time, and ``available()`` is False on CPU and Metal. plugin/attention.py decides per call whether decoding uses it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _kernels(dtype: mx.Dtype, head_dim: int, variant: str) -> Tuple[object, obje
         bf = dtype == mx.bfloat16
         vt = VARIANTS[variant]
         warp = vt.combine == "warp"
-        typ = f"typedef {'__nv_bfloat16' if bf else '__half'} T; constexpr bool BF = {str(bf).lower()};\n"
+        typ = src.dtype_consts(bf)
         consts = typ + f"constexpr int D = {head_dim}, KB = {tile_keys(head_dim, variant)}, ST = {vt.stages};\n"
         tag = f"{'bf' if bf else 'f'}{head_dim}"
         main = mx.fast.cuda_kernel(

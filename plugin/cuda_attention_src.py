@@ -5,6 +5,11 @@ tile, ST pipeline stages, BF whether T is bfloat16). Kept apart so that the Pyth
 import re
 
 
+def dtype_consts(bf16: bool) -> str:
+    """The source line naming the element type T (and BF, whether it is bfloat16) of a kernel instance."""
+    return f"typedef {'__nv_bfloat16' if bf16 else '__half'} T; constexpr bool BF = {str(bf16).lower()};\n"
+
+
 def compact(code: str) -> str:
     """The source without comments and indentation: MLX copies and hashes it at every launch."""
     lines = (re.sub(r"\s*//.*$", "", line).strip() for line in code.splitlines())

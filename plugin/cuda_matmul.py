@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cuda_attention import available
-from .cuda_attention_src import MMA16816, compact
+from .cuda_attention_src import MMA16816, compact, dtype_consts
 
 MAX_ROWS = 32
 DTYPES = (mx.bfloat16, mx.float16)
@@ -152,8 +152,7 @@ def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: i
     key = (dtype, row_tiles, groups, splits, unroll, weights)
     if key not in _KERNELS:  # NVRTC compiles each at its first launch; MLX caches the module
         bf = dtype == mx.bfloat16
-        consts = (f"typedef {'__nv_bfloat16' if bf else '__half'} T; constexpr bool BF = {str(bf).lower()};\n"
-                  f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n")
+        consts = (dtype_consts(bf) + f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n")
         _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}_w{weights}",
             input_names=["x"] + [f"w{i}" for i in range(weights)], output_names=[f"y{i}" for i in range(weights)],
