@@ -21,6 +21,9 @@
 #   bash bench/h200_attention.sh matmul              # the projection kernel against MLX's matmul (bench/gpu_matmul_check.py)
 #   bash bench/h200_attention.sh host-split          # build / encode / device per forward, MLX's matmuls and the
 #                                                    #   projection kernel in one process (bench/host_split.py)
+#   bash bench/h200_attention.sh host-split-compiled # the target's forwards plain and compiled (plugin/compiled.py)
+#   bash bench/h200_attention.sh cache-write         # K/V writes at a device-scalar offset (bench/cache_write_cost.py)
+#   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json; copy them to
 # bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
 set -euo pipefail
@@ -35,7 +38,7 @@ py -c "import mlx.core as mx; assert mx.cuda.is_available(), 'MLX-CUDA is not st
 FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16384 --widths 1,2,4,8,16,32
           --block 16 --dflash-layers 5 --iters 10 --kernel both)
 BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
-       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired)
+       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired --compiled-forward "${COMPILED:-auto}")
 what=${1:-}; shift || true
 case "$what" in
   check)
@@ -65,5 +68,9 @@ case "$what" in
     py bench/gpu_matmul_check.py --out "$OUT/h200-matmul-check.json" | tail -12 ;;
   host-split)
     py bench/host_split.py --keys 4096,16384 --linear mlx,kernel --json "$OUT/h200-host-split-projections.json" | tail -8 ;;
-  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split)"; exit 2 ;;
+  host-split-compiled)
+    py bench/host_split.py --keys 4096,16384 --linear kernel --compiled both --json "$OUT/h200-host-split-compiled.json" | tail -8 ;;
+  cache-write)
+    py bench/cache_write_cost.py | tee "$OUT/h200-cache-write.txt" ;;
+  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split | host-split-compiled | cache-write)"; exit 2 ;;
 esac

@@ -39,7 +39,7 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
-from mlx_speculative.plugin import attention, cache_policy, cuda_attention, cuda_matmul, projections  # noqa: E402
+from mlx_speculative.plugin import attention, cache_policy, compiled, cuda_attention, cuda_matmul, projections  # noqa: E402
 from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
 
@@ -81,9 +81,10 @@ def split(build: Callable[[], Any], after: Callable[[], None], iters: int) -> Di
             "host_share": round((med[0] + med[1]) / med[3], 3)}
 
 
-def target_split(model: nn.Module, keys: int, widths: List[int], iters: int, bucket: Optional[int]) -> Dict[str, Any]:
+def target_split(model: nn.Module, keys: int, widths: List[int], iters: int, bucket: Optional[int],
+                 policy_forward: Optional[Callable[..., Any]] = None) -> Dict[str, Any]:
     cache = kernels._filled_caches(model, keys, bucket)
-    out = {str(n): split(*kernels.target_step(model, cache, n), iters) for n in widths}
+    out = {str(n): split(*kernels.target_step(model, cache, n, policy_forward), iters) for n in widths}
     mx.clear_cache()
     return out
 
@@ -167,6 +168,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--linear", type=lambda t: t.split(","), default=["mlx"],
                    help="comma list of mlx, gather (2-32-row projections through mx.gather_mm), kernel "
                         "(routed through plugin/projections.py), each timed in turn in this process")
+    p.add_argument("--compiled", choices=["off", "on", "both"], default="off",
+                   help="the target's multi-position forwards through plugin/compiled.py (mx.compile of its own "
+                        "forward; both: plain and compiled in turn, rows '<linear>+compiled')")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--cpu", action="store_true", help="run on the CPU (checks the script; kernel off)")
     p.add_argument("--json", help="write the results here")
@@ -188,6 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("--linear kernel: the projection kernel needs MLX built with CUDA and the GPU as the default "
                          f"device; this process runs on {mx.default_device()} (allowed here: mlx, gather)")
     proj = projections.Projections() if "kernel" in a.linear else None
+    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache)
 
     def use(how: str) -> None:
         for model in (target.model, drafter.model):
@@ -213,15 +218,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         report["by_keys"][str(keys)] = {}
         for how in a.linear:
             use(how)
-            row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET),
-                   "dflash_round": drafter_split(drafter, keys, a.block, a.iters)}
-            report["by_keys"][str(keys)][how] = row
-            print(keys, how, json.dumps(row), flush=True)
+            if a.compiled != "on":
+                row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET),
+                       "dflash_round": drafter_split(drafter, keys, a.block, a.iters)}
+                report["by_keys"][str(keys)][how] = row
+                print(keys, how, json.dumps(row), flush=True)
+            if a.compiled != "off":
+                row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, fwd)}
+                report["by_keys"][str(keys)][how + "+compiled"] = row
+                print(keys, how + "+compiled", json.dumps(row), flush=True)
     use("mlx")
     if disp is not None:
         report["attention"] = disp.report()
     if proj is not None:
         report["projections"] = proj.report()
+    if a.compiled != "off":
+        report["compiled_forward"] = fwd.report()
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -58,6 +58,11 @@ class CachePolicy:
     # the loaded target's nn.Linear layers through it (``hooks.attention.route_projections``), and
     # drafters route their own models. None: mlx's matmuls.
     projections: Optional[Callable[..., Any]] = None
+    # A forward for the target's decode-batch calls (rounds' verify forwards), ``(model, inputs [B, W], cache,
+    # layers) -> (logits, {layer: hidden}) or None``: the same function as the host's own forward (e.g. the
+    # model's code compiled, plugin/compiled.py), leaving the caches as that would. None, or an answer of
+    # None: the host's own forward runs.
+    forward: Optional[Callable[..., Any]] = None
 
     def make_cache(self, model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
         return make_prompt_cache(model, max_kv_size=max_kv_size)

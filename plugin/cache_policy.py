@@ -45,7 +45,7 @@ decoding is attached to the target; plain decoding keeps mlx-lm's caches.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
@@ -55,6 +55,7 @@ from ..hooks.batch import forward
 from ..hooks.state import CachePolicy
 from ..hooks.transaction import BatchTrimHandler, TrimHandler
 from .attention import ROUTED_MIN_KEYS, Dispatcher, dispatcher_for
+from .compiled import forward_for as compiled_for
 from .projections import Projections, projections_for
 
 DEFAULT_BUCKET = 256
@@ -231,12 +232,14 @@ class ShapeStablePolicy(CachePolicy):
     shape_stable = True
 
     def __init__(self, bucket: int = DEFAULT_BUCKET, prewarm_tokens: Optional[int] = None,
-                 attention: Optional[Dispatcher] = None, projections: Optional[Projections] = None):
+                 attention: Optional[Dispatcher] = None, projections: Optional[Projections] = None,
+                 forward: Optional[Callable[..., Any]] = None):
         if bucket < 1:
             raise ValueError(f"padded cache bucket: got {bucket}; expected a positive integer")
         self.bucket = bucket
         self.attention = attention  # the short-query kernel's dispatcher (plugin/attention.py), or None
         self.projections = projections  # the verify-width matmul's dispatcher (plugin/projections.py), or None
+        self.forward = forward  # compiled verify forwards (plugin/compiled.py), or None
         self.block_size: Optional[int] = None  # the drafter's block: the widths ``prepare`` warms
         tokens = os.environ.get("MLX_SPEC_PREWARM_TOKENS", DEFAULT_PREWARM_TOKENS) if prewarm_tokens is None else prewarm_tokens
         self.prewarm_tokens = int(tokens)
@@ -319,9 +322,11 @@ class RoutedPolicy(CachePolicy):
 def policy_for(mode: Optional[str] = None, attention_mode: Optional[str] = None) -> Optional[CachePolicy]:
     """The shape-stable policy where the mode (``MLX_SPEC_PADDED_CACHE``) says so, carrying the attention
     dispatcher where ``MLX_SPEC_ATTENTION_KERNEL`` (``attention_mode``) says so and the projection dispatcher
-    where ``MLX_SPEC_PROJECTION_KERNEL`` says so; None: mlx-lm's caches, attention and matmuls."""
+    where ``MLX_SPEC_PROJECTION_KERNEL`` says so, and compiled verify forwards (plugin/compiled.py) where
+    ``MLX_SPEC_COMPILED_FORWARD`` says so; None: mlx-lm's caches, attention and matmuls."""
     if resolve_mode(mode):
-        return ShapeStablePolicy(attention=dispatcher_for(attention_mode), projections=projections_for())
+        return ShapeStablePolicy(attention=dispatcher_for(attention_mode), projections=projections_for(),
+                                 forward=compiled_for(PaddedKVCache))
     attention = dispatcher_for(attention_mode, min_keys=ROUTED_MIN_KEYS)
     projections = projections_for()
     return RoutedPolicy(attention, projections) if attention is not None or projections is not None else None

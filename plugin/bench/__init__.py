@@ -96,6 +96,9 @@ def add_command(subparsers: Any) -> None:
                      help="the verify-width matmul kernel for this project's host's 2-32-row projections "
                           "(plugin/projections.py; auto: on where MLX runs on CUDA; on elsewhere is an error); "
                           "kernel_costs' *_kernel_off figures then use MLX's matmuls too")
+    run.add_argument("--compiled-forward", default="auto", choices=["auto", "on", "off"],
+                     help="compiled verify forwards (plugin/compiled.py: the target's own forward through mx.compile, "
+                          "padded caches; auto: on where MLX runs on CUDA); kernel_costs' *_kernel_off figures are plain")
     run.add_argument("--cost-keys", default=None, metavar="L[,L...]|none",
                      help="also time the bare forwards (kernel_costs in the JSON) at these key lengths, besides each "
                           "prompt's key length at mid-decode (prompt + max-tokens/2, rounded up to 256), e.g. 8192,16384 (default: 8192,16384 on CUDA, none elsewhere; "
@@ -158,7 +161,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         synthetic_target=args.synthetic_target, model=args.model, draft_model=args.draft_model, kind=args.kind,
         block_sizes=args.block_sizes, taus=taus, adaptive_taus=[t for t in args.adaptive_at if t is not None],
         prompt_lengths=args.prompt_lengths, max_tokens=args.max_tokens, padded=args.padded_cache, bucket=args.bucket,
-        kernel=args.kernel, projection_kernel=args.projection_kernel, quantize_bits=args.quantize_target,
+        kernel=args.kernel, projection_kernel=args.projection_kernel, compiled_forward=args.compiled_forward,
+        quantize_bits=args.quantize_target,
         mlx_lm_spec=not args.no_mlx_lm_spec, draft_layers=args.draft_layers, dflash_layers=args.dflash_layers,
         seed=args.seed, cpu=args.cpu, drafters=args.drafter, prompts_file=args.prompts_file,
         max_prompts=args.max_prompts, cost_keys=extra_keys, paired=args.paired,

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ...hooks import attention as host_attention
 from ...hooks.state import CachePolicy, LoadedTarget
-from .. import attention, cache_policy, projections
+from .. import attention, cache_policy, compiled, projections
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import summarize
 from . import kernels, real, synthetic
@@ -45,6 +45,7 @@ class BenchSettings:
     bucket: int = cache_policy.DEFAULT_BUCKET
     kernel: str = "auto"  # the short-query attention kernel (plugin/attention.py): auto | on | off
     projection_kernel: str = "auto"  # the verify-width matmul kernel (plugin/projections.py): auto | on | off
+    compiled_forward: str = "auto"  # compiled verify forwards (plugin/compiled.py), padded caches only: auto | on | off
     quantize_bits: Optional[int] = None  # the target's weights quantized (group size 64) after loading
     mlx_lm_spec: bool = True
     draft_layers: int = 2
@@ -182,9 +183,12 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         projections.projections_for(s.projection_kernel, "--projection-kernel")
     policy: Optional[CachePolicy] = None
     if padded:
-        policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp, projections=proj)
+        policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp, projections=proj,
+                                                forward=compiled.forward_for(cache_policy.PaddedKVCache,
+                                                                             s.compiled_forward, "--compiled-forward"))
     elif disp is not None or proj is not None:
         policy = cache_policy.RoutedPolicy(disp, proj)
+    fwd = policy.forward if policy is not None else None
     real.check(s)
     texts = real.read_prompts(s.prompts_file)[:s.max_prompts or None] if s.prompts_file else None
     t_start = time.perf_counter()
@@ -214,6 +218,8 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         unrouted: not even the routed layers' size check)."""
         if disp is not None:
             disp.enabled = on
+        if fwd is not None:
+            fwd.enabled = on
         for model in routed if proj is not None else []:
             host_attention.route_projections(model, proj) if on else host_attention.unroute_projections(model)
 
@@ -325,20 +331,24 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
     extra_keys = s.cost_keys if s.cost_keys is not None else \
         (kernels.EXTRA_KEYS_CUDA if cache_policy.backend() == "cuda" else [])
     bucket = s.bucket if padded else None
-    costs = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress)
-    if disp is not None or proj is not None:  # the same bare forwards on MLX's attention and matmuls
+    costs = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress,
+                                 policy_forward=fwd)
+    if disp is not None or proj is not None or fwd is not None:  # the same bare forwards: MLX's attention and matmuls, not compiled
         kernels_on(False)
-        off = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress)
+        off = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress,
+                                   policy_forward=fwd)
         kernels_on(True)
         for mine, theirs in [(costs, off)] + [(costs["by_key_length"][L], c) for L, c in off["by_key_length"].items()]:
             mine["target_forward_ms_kernel_off"] = theirs["target_forward_ms"]
             mine["draft_ms_kernel_off"] = theirs["draft_ms"]
     costs["attention"] = "kernel" if disp is not None else "mlx"
     costs["projections"] = "kernel" if proj is not None else "mlx"
+    costs["target_forward"] = "compiled" if fwd is not None else "plain"
     on_progress("done\n")
     info_att = {"kernel": "on" if disp is not None else "off", "mode": s.kernel,
             "dispatcher": disp.report() if disp is not None else None,
             "projections": proj.report() if proj is not None else None,
+            "compiled_forward": fwd.report() if fwd is not None else None,
             "calls_by_method": {name: dict(c) for name, c in calls.items()} if disp is not None else None}
     report = summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start,
                        costs, info_att)

@@ -47,12 +47,14 @@ def _filled_caches(model: Any, key_length: int, bucket: Optional[int]) -> List[A
 Graph = Tuple[Callable[[], mx.array], Callable[[], None]]  # (build the forward's graph, undo its cache writes)
 
 
-def target_step(model: Any, cache: List[Any], n: int) -> Graph:
-    """A forward over ``n`` positions after the cache's and its log-softmax rows ([n, V]); undo trims them."""
+def target_step(model: Any, cache: List[Any], n: int, policy_forward: Optional[Callable[..., Any]] = None) -> Graph:
+    """A forward over ``n`` positions after the cache's and its log-softmax rows ([n, V]); undo trims them.
+    ``policy_forward``: a cache policy's forward (plugin/compiled.py), tried first as the round's verify does."""
     toks = mx.array([[3 + (i % 50) for i in range(n)]], dtype=mx.uint32)
 
     def build() -> mx.array:
-        logits = forward(model, toks, cache, [])[0][0].astype(mx.float32)  # [n, V]
+        got = policy_forward(model, toks, cache, []) if policy_forward is not None else None
+        logits = (got or forward(model, toks, cache, []))[0][0].astype(mx.float32)  # [n, V]
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def undo() -> None:
@@ -63,13 +65,14 @@ def target_step(model: Any, cache: List[Any], n: int) -> Graph:
 
 
 def target_forward_ms(model: Any, key_length: int, widths: List[int], iters: int,
-                      bucket: Optional[int] = None) -> Dict[int, Dict[str, float]]:
+                      bucket: Optional[int] = None, policy_forward: Optional[Callable[..., Any]] = None
+                      ) -> Dict[int, Dict[str, float]]:
     """width -> {"ms": forward + its log-softmax rows, "build_ms": the graph built on the CPU},
     after ``key_length`` cached positions (a padded cache when ``bucket``)."""
     cache = _filled_caches(model, key_length, bucket)
     out: Dict[int, Dict[str, float]] = {}
     for n in widths:
-        build, undo = target_step(model, cache, n)
+        build, undo = target_step(model, cache, n, policy_forward)
         builds: List[float] = []
 
         def fwd() -> mx.array:
@@ -212,10 +215,12 @@ def prompt_key_lengths(lengths: List[List[int]], max_tokens: int) -> List[int]:
 
 def kernel_costs(model: Any, drafters: Dict[str, Any], methods: List[Any], run_keys: List[int],
                  extra_keys: List[int], bucket: Optional[int], iters: int = 10,
-                 on_progress: Callable[[str], None] = lambda msg: None) -> Dict[str, Any]:
+                 on_progress: Callable[[str], None] = lambda msg: None,
+                 policy_forward: Optional[Callable[..., Any]] = None) -> Dict[str, Any]:
     """Bare, warm, synchronised forward costs at every key length of ``run_keys`` and ``extra_keys``:
     the target over 1, 16, 32 positions and each block, and each drafter's blocks. ``bucket``: padded
-    caches. The top-level fields repeat the median run key length's."""
+    caches; ``policy_forward``: the cache policy's forward for the target (compiled verify forwards). The
+    top-level fields repeat the median run key length's."""
     spec = [m for m in methods if m.family == "spec" and m.block]
     widths = sorted({1, 16, 32} | {m.block for m in spec})
     kinds = {k: sorted({m.block for m in spec if m.kind == k}) for k in sorted({m.kind for m in spec}) if k in drafters}
@@ -223,7 +228,7 @@ def kernel_costs(model: Any, drafters: Dict[str, Any], methods: List[Any], run_k
     keys = sorted(set(run_keys) | set(extra_keys))
     for i, L in enumerate(keys):
         on_progress(f"bare forward costs (kernel bound) {i + 1}/{len(keys)}: {L} keys")
-        target_ms = target_forward_ms(model, L, widths, iters, bucket)  # one cache fill for every width
+        target_ms = target_forward_ms(model, L, widths, iters, bucket, policy_forward)  # one cache fill for every width
         draft_ms: Dict[str, Dict[int, float]] = {}
         for kind, blocks in kinds.items():
             drafter, draft_lm, _ = drafters[kind]

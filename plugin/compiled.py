@@ -1,0 +1,196 @@
+"""Compiled verify forwards: the target's own forward traced by ``mx.compile``, one trace per shape.
+
+    policy.forward(model, inputs, cache, layers) -> (logits [1, W, V], {layer: [1, W, H]}) or None
+
+Why: on MLX-CUDA a speculative round waits for the host to build the verify forward's graph (Python
+runs the model's code op by op) and to encode it; nothing hides that time, since the next round
+depends on this round's outcome. Measured on the H200 (Llama-3-8B shape, bench/results/kernels/
+h200-host-split*.json) the build alone is ~4.9 ms of a ~13 ms 16-position forward at 4k keys. A
+compiled function builds nothing in Python once traced: MLX replays the recorded graph in C++.
+
+How: ``CompiledForward`` traces the model's ordinary ``__call__`` (no copied model code) over stand-in
+caches (``TraceCache``) holding the ``PaddedKVCache`` buffers, whose ``offset`` is a device scalar: the
+model's rope reads it, the new keys and values go into the buffers at it (``put_along_axis``), and
+the mask is built and described from it (``hooks.attention.MaskSpec``, so the attention kernel takes it
+from its bounds). So one trace serves every offset; ``mx.compile`` traces again for a new input width or
+buffer length and keeps each. Buffers grow in steps of ``grow`` positions here (the plain path's bucket
+is 256), so that long requests meet few new lengths. The offset reaches the device as a view into a
+device-resident ``arange`` (no host array: a fresh one costs a managed-memory migration on MLX-CUDA).
+After the call the real caches take the updated buffers and ``offset += W``: the state the plain forward
+leaves (positions past the offset are never read, as after ``trim``).
+
+Takes: one row, ``widths`` positions (the verify widths), every cache a ``PaddedKVCache`` at one offset;
+anything else answers None and the host's own forward runs. A trace that raises (model code that needs
+an int offset) marks that model as not compiled, with the reason in ``failed``, and it runs plainly from
+then on: nothing is lost, as the real caches are written only after a successful call.
+
+Exactness: the same primitives on the same values (fp32 on the CPU: bit-equal to the plain forward, the
+tests); fused elementwise kernels keep each op's dtype. Off by default on CPU and Metal (nothing to
+gain where the host is not the bottleneck); ``MLX_SPEC_COMPILED_FORWARD`` = auto | on | off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..hooks import taps
+from ..hooks.attention import MaskSpec, describe
+from .cuda_attention import available
+
+ENV = "MLX_SPEC_COMPILED_FORWARD"
+MODES = ("auto", "on", "off")
+DEFAULT_WIDTHS = (2, 4, 8, 16, 32)  # the padded policy's verify widths (powers of two)
+DEFAULT_GROW = 1024
+log = logging.getLogger("mlx_speculative")
+
+Forward = Tuple[mx.array, Dict[int, mx.array]]
+
+
+class TraceCache:
+    """A ``PaddedKVCache``'s buffers as the model's code sees them inside the trace; ``offset`` is a device scalar."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        # put_along_axis at offset + arange(W), not slice_update with an array start: on MLX-CUDA 0.32 the
+        # dynamic slice update costs ~88 us a call at 16k keys (64 calls a forward: 5.7 ms against 0.67 ms,
+        # bench/cache_write_cost.py,
+        # bench/results/kernels/h200-cache-write.txt); both write the buffer in place, the same values
+        idx = (self.offset + mx.arange(keys.shape[2], dtype=mx.int32))[None, None, :, None]  # [1, 1, W, 1]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)  # [1, H, S, D]
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+        if window_size is not None:
+            raise ValueError("a compiled forward does not support sliding-window attention")
+        span = self.keys.shape[2]
+        end = self.offset + N
+        rows = (self.offset + mx.arange(N))[:, None]
+        mask = rows >= mx.arange(span)[None]  # [N, span]: the buffer's tail is "future" positions
+        return describe(mask, MaskSpec(N, span, 0, end, self.offset, span))
+
+
+def grown(buffer: mx.array, end: int, step: int) -> mx.array:
+    """``buffer`` [B, H, S, D] itself when it holds ``end`` positions, else padded with zeros to a multiple of ``step``."""
+    have = buffer.shape[2]
+    if have >= end:
+        return buffer
+    B, H, _, D = buffer.shape
+    return mx.concatenate([buffer, mx.zeros((B, H, -(-end // step) * step - have, D), buffer.dtype)], axis=2)
+
+
+_POSITIONS: List[mx.array] = []
+
+
+def positions(n: int) -> mx.array:
+    """A device-resident int32 ``arange`` of at least ``n`` entries (doubled as needed)."""
+    if not _POSITIONS or _POSITIONS[0].shape[0] < n:
+        size = max(n, 2 * _POSITIONS[0].shape[0] if _POSITIONS else 1 << 16)
+        made = mx.arange(size, dtype=mx.int32)
+        mx.eval(made)
+        _POSITIONS[:] = [made]
+    return _POSITIONS[0]
+
+
+class CompiledForward:
+    """The policy's forward for verify-width calls: ``mx.compile`` of the model's own forward, per (model, layers)."""
+
+    def __init__(self, cache_type: type, widths: Sequence[int] = DEFAULT_WIDTHS, grow: int = DEFAULT_GROW):
+        if grow < 1:
+            raise ValueError(f"compiled forward grow: got {grow}; expected a positive integer")
+        self.cache_type = cache_type  # the caches it takes (plugin/cache_policy.py's PaddedKVCache)
+        self.widths = frozenset(widths)
+        self.grow = grow
+        self.enabled = True  # False: every call answers None (the bench's on/off in one process)
+        self.counts: Counter = Counter()
+        self.failed: Dict[int, str] = {}  # id(model) -> why its trace failed
+        self._fns: Dict[Tuple[int, Tuple[int, ...]], Tuple[Any, Callable[..., List[mx.array]]]] = {}  # (weakref, fn)
+
+    def __call__(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int]) -> Optional[Forward]:
+        why = self.declines(model, inputs, cache)
+        if why:
+            self.counts[f"plain: {why}"] += 1
+            return None
+        W, offset = inputs.shape[1], cache[0].offset
+        buffers = [grown(a, offset + W, self.grow) for c in cache for a in (c.keys, c.values)]
+        fn = self._compiled(model, tuple(layers))
+        try:
+            out = fn(inputs.astype(mx.uint32), positions(offset + 1)[offset], *buffers)
+        except Exception as e:  # noqa: BLE001 - model code the trace cannot follow: plain from now on
+            self.failed[id(model)] = f"{type(e).__name__}: {e}"
+            self.counts["plain: trace failed"] += 1
+            log.warning("compiled forward off for %s: %s", type(model).__name__, self.failed[id(model)])
+            return None
+        self.counts["compiled"] += 1
+        n = len(layers)
+        for i, c in enumerate(cache):
+            c.keys, c.values = out[1 + n + 2 * i], out[2 + n + 2 * i]
+            c.offset = offset + W
+        return out[0], dict(zip(layers, out[1:1 + n]))
+
+    def declines(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any]) -> str:
+        """Why this call takes the host's own forward ("" where the compiled one takes it)."""
+        if not self.enabled:
+            return "off"
+        if id(model) in self.failed:
+            return "trace failed"
+        if not isinstance(inputs, mx.array) or inputs.ndim != 2 or inputs.shape[1] not in self.widths:
+            return "width"
+        if inputs.shape[0] != 1:
+            return "rows"
+        if not cache or any(type(c) is not self.cache_type or c.keys is None for c in cache):
+            return "caches"
+        offset = cache[0].offset
+        if any(c.offset != offset or c.keys.shape[0] != 1 for c in cache):
+            return "caches"
+        return ""
+
+    def _compiled(self, model: nn.Module, layers: Tuple[int, ...]) -> Callable[..., List[mx.array]]:
+        key = (id(model), layers)
+        entry = self._fns.get(key)
+        if entry is not None and entry[0]() is model:
+            return entry[1]
+        ref = weakref.ref(model)
+
+        def run(inputs: mx.array, offset: mx.array, *buffers: mx.array) -> List[mx.array]:
+            m = ref()
+            caches = [TraceCache(buffers[2 * i], buffers[2 * i + 1], offset) for i in range(len(buffers) // 2)]
+            with taps.record(layers) as rec:
+                logits = m(inputs, cache=caches)
+            missing = [i for i in layers if not rec[i]]
+            if missing:
+                raise ValueError(f"tapped layers {missing} recorded nothing")
+            captured = [mx.concatenate(rec[i], axis=1) if len(rec[i]) > 1 else rec[i][0] for i in layers]
+            return [logits, *captured, *(a for c in caches for a in (c.keys, c.values))]
+
+        fn = mx.compile(run)
+        self._fns[key] = (ref, fn)
+        return fn
+
+    def report(self) -> Dict[str, Any]:
+        total = sum(self.counts.values())
+        return {"enabled": self.enabled, "widths": sorted(self.widths), "grow": self.grow, "calls": dict(self.counts),
+                "compiled_share": round(self.counts["compiled"] / total, 4) if total else None,
+                "failed": list(self.failed.values())}
+
+
+def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
+    """Whether verify forwards are compiled: ``mode`` (or $MLX_SPEC_COMPILED_FORWARD); auto = on MLX-CUDA."""
+    mode = (mode or os.environ.get(ENV) or "auto").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(MODES)}")
+    return available() if mode == "auto" else mode == "on"
+
+
+def forward_for(cache_type: type, mode: Optional[str] = None, source: str = ENV) -> Optional[CompiledForward]:
+    """A ``CompiledForward`` over ``cache_type`` caches where the mode says so, else None (the host's own forward)."""
+    return CompiledForward(cache_type) if resolve_mode(mode, source) else None

@@ -1,0 +1,188 @@
+"""Compiled verify forwards (plugin/compiled.py) compute the plain forward's function, token for token.
+
+Direct: for llama and qwen3 targets (fp32, CPU) the compiled forward over a padded cache gives the plain
+forward's logits, tapped hidden states and cache contents bit for bit, at widths 2..32 and offsets that
+cross the buffer's growth steps, one trace serving every offset; with the attention routed through the
+kernel's stand-in the described bounds (device scalars) reach it. It declines what it cannot take (one
+position, other widths, batches, other caches, uneven offsets, switched off), and a model whose code
+needs an int offset falls back with its caches untouched. Rounds: greedy speculative decoding with the
+policy's compiled forward (draft model, n-gram, DFlash with its tapped layers; alone and batched, where
+batches take the plain forward) equals mlx-lm's plain decoding with zero, partial and full acceptance.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from conftest import make_host
+from mlx_speculative.hooks import attention as host_attention
+from mlx_speculative.hooks import taps
+from mlx_speculative.hooks.batch import forward
+from mlx_speculative.plugin import cache_policy, compiled
+from test_attention_dispatch import dispatcher
+from test_attention_rounds import PROMPTS, decode, long_prompt, models  # noqa: F401 - models: the fixture
+
+
+def prefilled(model: Any, n: int, bucket: int = 16) -> List[Any]:
+    cache = cache_policy.make_padded_cache(model, bucket=bucket)
+    prompt = mx.array([[7 + i % 40 for i in range(n)]], dtype=mx.uint32)
+    mx.eval(forward(model, prompt, cache, [])[0])
+    return cache
+
+
+def same_cache(a: List[Any], b: List[Any]) -> bool:
+    """Equal offsets and equal keys/values at every position up to them (the buffers' lengths may differ)."""
+    for x, y in zip(a, b):
+        if x.offset != y.offset:
+            return False
+        n = x.offset
+        if not (mx.array_equal(x.keys[..., :n, :], y.keys[..., :n, :]) and
+                mx.array_equal(x.values[..., :n, :], y.values[..., :n, :])):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_equals_plain_forward(arch: str, models: Dict[str, Any]) -> None:
+    model = models[arch]["plain"]
+    layers = [0, 2]
+    taps.install_taps(model, layers)
+    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, grow=32)
+    plain_cache = prefilled(model, 21)
+    comp_cache = [copy.copy(c) for c in plain_cache]
+    for step, W in enumerate([2, 16, 4, 32, 8, 16, 16]):  # offsets 21 .. 115: across growth steps of 32
+        toks = mx.array([[3 + (step * 7 + i) % 50 for i in range(W)]], dtype=mx.uint32)
+        want, want_h = forward(model, toks, plain_cache, layers)
+        got, got_h = fwd(model, toks, comp_cache, layers)
+        assert mx.array_equal(got, want), (arch, W, mx.abs(got - want).max().item())
+        assert sorted(got_h) == layers and all(mx.array_equal(got_h[i], want_h[i]) for i in layers)
+        assert same_cache(comp_cache, plain_cache)
+        assert comp_cache[0].keys.shape[2] % 32 == 0
+        if step == 3:  # a rejected tail: both trimmed alike, the next forward overwrites it
+            for c in plain_cache + comp_cache:
+                c.trim(5)
+    assert fwd.counts["compiled"] == 7 and not fwd.failed
+    assert len(fwd._fns) == 1  # one compiled function per (model, layers): mx.compile keeps each shape's trace
+
+
+def test_bounds_reach_the_attention_kernel_as_device_scalars(models: Dict[str, Any]) -> None:
+    """The routed attention takes the compiled forward's described masks: key length and offset are arrays
+    in the trace, and the kernel's stand-in computes the plain forward's logits from them."""
+    model, _ = load(str(models["llama"]["target"]))
+    disp, kernel = dispatcher()
+    host_attention.route(model, disp)
+    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, grow=64)
+    plain_cache = prefilled(model, 40)
+    comp_cache = [copy.copy(c) for c in plain_cache]
+    for W in (16, 16, 8, 16):  # buffers 48 -> 64 -> 128 (grown in steps of 64), the last call replays (16, 128)
+        toks = mx.array([[5 + i for i in range(W)]], dtype=mx.uint32)
+        want = forward(model, toks, plain_cache, [])[0]
+        got = fwd(model, toks, comp_cache, [])[0]
+        assert mx.allclose(got, want, atol=1e-5), mx.abs(got - want).max().item()
+    traced = [c for c in kernel.calls if isinstance(c[2], mx.array)]
+    assert traced and all(isinstance(c[3], mx.array) for c in traced)  # key_len and offset: device scalars
+    assert len(traced) == 4 * 3  # traced once per shape (16, 64), (16, 128), (8, 128), four layers each
+
+
+def test_declines_what_it_cannot_take(models: Dict[str, Any]) -> None:
+    model = models["llama"]["plain"]
+    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache)
+    cache = prefilled(model, 10)
+    toks = lambda w, b=1: mx.zeros((b, w), dtype=mx.uint32)  # noqa: E731
+    assert fwd(model, toks(1), cache, []) is None and fwd(model, toks(3), cache, []) is None
+    assert fwd(model, toks(4, 2), cache, []) is None
+    assert fwd(model, toks(4), [KVCache() for _ in cache], []) is None
+    uneven = [copy.copy(c) for c in cache]
+    uneven[1].offset -= 1
+    assert fwd(model, toks(4), uneven, []) is None
+    fwd.enabled = False
+    assert fwd(model, toks(4), cache, []) is None
+    assert fwd.counts == {"plain: width": 2, "plain: rows": 1, "plain: caches": 2, "plain: off": 1}, fwd.counts
+    assert all(c.offset == 10 for c in cache)
+    with pytest.raises(ValueError, match="grow: got 0"):
+        compiled.CompiledForward(cache_policy.PaddedKVCache, grow=0)
+
+
+class IntOffsetModel(llama.Model):
+    """A model whose code needs its cache offset as a Python int (what a trace cannot follow)."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kw: Any) -> mx.array:
+        if cache is not None and int(cache[0].offset) < 0:
+            raise AssertionError("unreachable")
+        return super().__call__(inputs, cache=cache, **kw)
+
+
+def test_trace_failure_falls_back_untouched(models: Dict[str, Any]) -> None:
+    model = models["llama"]["plain"]
+    odd = IntOffsetModel(model.args)
+    odd.update(model.parameters())
+    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache)
+    cache = prefilled(odd, 12)
+    before = [(c.keys, c.values, c.offset) for c in cache]
+    toks = mx.zeros((1, 4), dtype=mx.uint32)
+    assert fwd(odd, toks, cache, []) is None
+    assert all(k is c.keys and v is c.values and n == c.offset for (k, v, n), c in zip(before, cache))
+    assert id(odd) in fwd.failed and "eval" in fwd.failed[id(odd)].lower()
+    assert fwd(odd, toks, cache, []) is None and fwd.counts["plain: trace failed"] == 2
+    assert fwd(model, toks, prefilled(model, 12), []) is not None  # another model still compiles
+
+
+def test_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled.ENV, "off")
+    assert compiled.forward_for(cache_policy.PaddedKVCache) is None
+    monkeypatch.setenv(compiled.ENV, "on")
+    assert isinstance(compiled.forward_for(cache_policy.PaddedKVCache), compiled.CompiledForward)
+    monkeypatch.setenv(compiled.ENV, "auto")  # CPU: off
+    assert compiled.forward_for(cache_policy.PaddedKVCache) is None
+    monkeypatch.setenv(compiled.ENV, "fast")
+    with pytest.raises(ValueError, match="MLX_SPEC_COMPILED_FORWARD: got 'fast'; allowed: auto, on, off"):
+        compiled.forward_for(cache_policy.PaddedKVCache)
+
+
+def compiled_host(monkeypatch: pytest.MonkeyPatch, speculative: Dict[str, Any], path: Path) -> Tuple[Any, Any]:
+    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(compiled.ENV, "on")
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
+    host = make_host(dict(speculative, block_size=5, adaptive=False))
+    target = host.load(str(path))
+    assert isinstance(target.cache_policy.forward, compiled.CompiledForward)
+    return host, target
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_draft_model_rounds_equal_plain_decoding(arch: str, models: Dict[str, Any],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    m = models[arch]
+    host, target = compiled_host(monkeypatch, {"draft_model": str(m["drafter"])}, m["target"])
+    fwd = target.cache_policy.forward
+    refs = [m["refs"][tuple(p)] for p in PROMPTS]
+    totals = {"zero": 0, "partial": 0, "full": 0}
+    tokens, t = decode(host, target, PROMPTS, batch=False)
+    assert tokens == refs and fwd.counts["compiled"] == t["rounds"] > 0, (fwd.counts, t)
+    for key in totals:
+        totals[key] += t[key]
+    assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
+    tokens, t = decode(host, target, PROMPTS, batch=True)  # batches: the plain forward
+    assert tokens == refs and fwd.counts["plain: rows"] > 0 and not fwd.failed
+
+
+def test_ngram_and_dflash_rounds_equal_plain_decoding(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    m = models["llama"]
+    host, target = compiled_host(monkeypatch, {"kind": "ngram"}, m["target"])
+    prompt = long_prompt()
+    tokens, totals = decode(host, target, [prompt], batch=False)
+    assert tokens == [m["refs"][tuple(prompt)]] and target.cache_policy.forward.counts["compiled"] == totals["rounds"] > 0
+    host, target = compiled_host(monkeypatch, {"draft_model": str(models["dflash"]), "kind": "dflash"}, m["target"])
+    fwd = target.cache_policy.forward
+    tokens, totals = decode(host, target, PROMPTS, batch=False)  # the verify also taps layers 0 and 2
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
+    assert fwd.counts["compiled"] == totals["rounds"] > 0 and not fwd.failed, fwd.counts
+    assert {k[1] for k in fwd._fns} == {(0, 2)}
