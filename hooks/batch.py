@@ -213,7 +213,7 @@ class DecodeBatch:
         width = inputs.shape[0] if isinstance(inputs, mx.array) else len(inputs)
         if width != len(self.rows):
             raise ValueError(f"expected {len(self.rows)} rows of inputs; got {width}")
-        policy_forward = self.target.cache_policy.forward
+        policy_forward = getattr(self.target.cache_policy, "forward", None)
         if policy_forward is not None and isinstance(inputs, mx.array):
             got = policy_forward(self.target.model, inputs, self.cache, self.capture_layers)
             if got is not None:

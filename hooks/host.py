@@ -93,10 +93,14 @@ class Host:
     @staticmethod
     def apply_policy(target: LoadedTarget, policy: Optional[CachePolicy]) -> None:
         """Make ``policy`` (``host_cache_policy``'s answer; None: keep mlx-lm's) the target's: its attention
-        and projection dispatchers route this model's layers only (hooks/attention.py), then it prepares."""
+        and projection dispatchers route this model's layers only (hooks/attention.py), the layers it will
+        record are tapped, then it prepares."""
         if policy is not None:
             target.cache_policy = policy
         attention.route_policy(target.model, target.cache_policy)
+        layers = sorted(getattr(target.cache_policy, "capture_layers", ()))
+        if layers:  # the layers its rounds will record, as new_state taps them for a request
+            taps.install_taps(target.model, layers)
         prepare = getattr(target.cache_policy, "prepare", None)
         if prepare is not None:
             prepare(target.model)

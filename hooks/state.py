@@ -63,6 +63,9 @@ class CachePolicy:
     # model's code compiled, plugin/compiled.py), leaving the caches as that would. None, or an answer of
     # None: the host's own forward runs.
     forward: Optional[Callable[..., Any]] = None
+    # Decoder layers whose outputs the plugin's rounds record (its drafter's captures): the host taps them
+    # (hooks/taps.py) before ``prepare``, so a policy can warm its forward with them at load.
+    capture_layers: Sequence[int] = ()
 
     def make_cache(self, model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
         return make_prompt_cache(model, max_kv_size=max_kv_size)

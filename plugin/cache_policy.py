@@ -45,7 +45,7 @@ decoding is attached to the target; plain decoding keeps mlx-lm's caches.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
@@ -263,7 +263,10 @@ class ShapeStablePolicy(CachePolicy):
         meet no attention shape for the first time. Returns the number of forwards."""
         top = pow2_width(max(2, block_size or default_block))
         widths = [1 << i for i in range(top.bit_length())]
-        return prewarm(model, self.prewarm_tokens, widths, self.bucket)
+        runs = prewarm(model, self.prewarm_tokens, widths, self.bucket)
+        if self.forward is not None and hasattr(self.forward, "grow"):
+            runs += prewarm_compiled(model, self.forward, self.prewarm_tokens, widths, self.capture_layers)
+        return runs
 
 
 class RoutedKVCache(KVCache):
@@ -359,6 +362,31 @@ def prewarm(
                 c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dt)
                 c.offset = span - q
             mx.eval(forward(model, mx.zeros((1, q), dtype=mx.uint32), caches, [])[0])
+            runs += 1
+    mx.clear_cache()
+    return runs
+
+
+def prewarm_compiled(model: Any, fwd: Any, max_tokens: int, widths: Iterable[int], layers: Sequence[int] = ()) -> int:
+    """Trace ``fwd`` (plugin/compiled.py's ``CompiledForward``) for every (width, buffer length) up to
+    ``max_tokens`` positions, capturing ``layers`` (tapped already), so that requests meet no trace there.
+    Returns the number of forwards; none where the model's caches are not all padded ones."""
+    caches = make_padded_cache(model)
+    if max_tokens <= 0 or any(type(c) is not PaddedKVCache for c in caches):
+        return 0
+    forward(model, mx.zeros((1, 1), dtype=mx.uint32), caches, [])  # learn each layer's K/V shapes
+    shapes = [(c.keys.shape, c.values.shape, c.keys.dtype) for c in caches]
+    runs = 0
+    for length in range(fwd.grow, -(-max(fwd.grow, max_tokens) // fwd.grow) * fwd.grow + 1, fwd.grow):
+        for q in sorted(w for w in set(widths) if w in fwd.widths and w <= length):
+            for c, (ks, vs, dt) in zip(caches, shapes):
+                c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dt)
+                c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dt)
+                c.offset = length - q
+            got = fwd(model, mx.zeros((1, q), dtype=mx.uint32), caches, list(layers))
+            if got is None:  # declined or failed: the plain forward serves this model
+                return runs
+            mx.eval(got[0])
             runs += 1
     mx.clear_cache()
     return runs

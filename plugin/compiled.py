@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 import weakref
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -80,12 +82,14 @@ class TraceCache:
 
 
 def grown(buffer: mx.array, end: int, step: int) -> mx.array:
-    """``buffer`` [B, H, S, D] itself when it holds ``end`` positions, else padded with zeros to a multiple of ``step``."""
+    """``buffer`` [B, H, S, D] padded with zeros to the multiple of ``step`` that holds ``end`` positions (itself
+    when it is one): the lengths this path meets are multiples of ``step`` (the plain path's are of its bucket)."""
     have = buffer.shape[2]
-    if have >= end:
+    want = -(-max(have, end) // step) * step
+    if have == want:
         return buffer
     B, H, _, D = buffer.shape
-    return mx.concatenate([buffer, mx.zeros((B, H, -(-end // step) * step - have, D), buffer.dtype)], axis=2)
+    return mx.concatenate([buffer, mx.zeros((B, H, want - have, D), buffer.dtype)], axis=2)
 
 
 _POSITIONS: List[mx.array] = []
@@ -104,7 +108,8 @@ def positions(n: int) -> mx.array:
 class CompiledForward:
     """The policy's forward for verify-width calls: ``mx.compile`` of the model's own forward, per (model, layers)."""
 
-    def __init__(self, cache_type: type, widths: Sequence[int] = DEFAULT_WIDTHS, grow: int = DEFAULT_GROW):
+    def __init__(self, cache_type: type, widths: Sequence[int] = DEFAULT_WIDTHS, grow: Optional[int] = None):
+        grow = DEFAULT_GROW if grow is None else grow
         if grow < 1:
             raise ValueError(f"compiled forward grow: got {grow}; expected a positive integer")
         self.cache_type = cache_type  # the caches it takes (plugin/cache_policy.py's PaddedKVCache)
@@ -113,6 +118,8 @@ class CompiledForward:
         self.enabled = True  # False: every call answers None (the bench's on/off in one process)
         self.counts: Counter = Counter()
         self.failed: Dict[int, str] = {}  # id(model) -> why its trace failed
+        self.trace_ms: List[float] = []  # host time of each call that traced a new shape
+        self._shapes: set = set()  # (id(model), layers, width, buffer length) traced
         self._fns: Dict[Tuple[int, Tuple[int, ...]], Tuple[Any, Callable[..., List[mx.array]]]] = {}  # (weakref, fn)
 
     def __call__(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int]) -> Optional[Forward]:
@@ -123,6 +130,8 @@ class CompiledForward:
         W, offset = inputs.shape[1], cache[0].offset
         buffers = [grown(a, offset + W, self.grow) for c in cache for a in (c.keys, c.values)]
         fn = self._compiled(model, tuple(layers))
+        shape = (id(model), tuple(layers), W, buffers[0].shape[2])
+        t = time.perf_counter()
         try:
             out = fn(inputs.astype(mx.uint32), positions(offset + 1)[offset], *buffers)
         except Exception as e:  # noqa: BLE001 - model code the trace cannot follow: plain from now on
@@ -131,6 +140,9 @@ class CompiledForward:
             log.warning("compiled forward off for %s: %s", type(model).__name__, self.failed[id(model)])
             return None
         self.counts["compiled"] += 1
+        if shape not in self._shapes:
+            self._shapes.add(shape)
+            self.trace_ms.append((time.perf_counter() - t) * 1e3)
         n = len(layers)
         for i, c in enumerate(cache):
             c.keys, c.values = out[1 + n + 2 * i], out[2 + n + 2 * i]
@@ -180,6 +192,9 @@ class CompiledForward:
         total = sum(self.counts.values())
         return {"enabled": self.enabled, "widths": sorted(self.widths), "grow": self.grow, "calls": dict(self.counts),
                 "compiled_share": round(self.counts["compiled"] / total, 4) if total else None,
+                "traces": len(self.trace_ms),
+                "trace_ms_median": round(statistics.median(self.trace_ms), 2) if self.trace_ms else None,
+                "trace_ms_max": round(max(self.trace_ms), 2) if self.trace_ms else None,
                 "failed": list(self.failed.values())}
 
 

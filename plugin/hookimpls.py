@@ -49,6 +49,7 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     block = settings.block_size or drafter.default_block_size
     if policy is not None:
         policy.block_size = block  # the host warms the policy's shapes after routing attention (prepare)
+        policy.capture_layers = tuple(drafter.capture_layers())  # tapped by the host before prepare
     return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy)
 
 

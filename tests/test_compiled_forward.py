@@ -22,13 +22,14 @@ from mlx_lm import load
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from conftest import make_host
+from conftest import make_host, no_stop
 from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import taps
 from mlx_speculative.hooks.batch import forward
+from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.plugin import cache_policy, compiled
 from test_attention_dispatch import dispatcher
-from test_attention_rounds import PROMPTS, decode, long_prompt, models  # noqa: F401 - models: the fixture
+from test_attention_rounds import MAX_TOKENS, PROMPTS, decode, long_prompt, models  # noqa: F401 - models: the fixture
 
 
 def prefilled(model: Any, n: int, bucket: int = 16) -> List[Any]:
@@ -186,3 +187,44 @@ def test_ngram_and_dflash_rounds_equal_plain_decoding(models: Dict[str, Any], mo
     assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
     assert fwd.counts["compiled"] == totals["rounds"] > 0 and not fwd.failed, fwd.counts
     assert {k[1] for k in fwd._fns} == {(0, 2)}
+
+
+def test_prewarm_traces_every_shape_at_load(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host taps the policy's capture layers before ``prepare``, which traces each (width, buffer length)
+    up to the prewarm tokens with them: a DFlash request within them meets no new trace."""
+    m = models["llama"]
+    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(compiled.ENV, "on")
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "256")  # the padded cache's first bucket: 256 positions
+    monkeypatch.setattr(compiled, "DEFAULT_GROW", 128)
+    host = make_host({"draft_model": str(models["dflash"]), "kind": "dflash", "block_size": 5, "adaptive": False})
+    target = host.load(str(m["target"]))
+    fwd = target.cache_policy.forward
+    assert tuple(target.cache_policy.capture_layers) == (0, 2) and fwd.grow == 128
+    assert all(getattr(type(taps.decoder_layers(target.model)[i]), "_spec_tapped", False) for i in (0, 2))
+    # widths 2, 4, 8 (block 5 -> 8) at buffer lengths 128 and 256
+    assert len(fwd.trace_ms) == 6 and fwd.counts["compiled"] == 6 and not fwd.failed, fwd.report()
+    tokens, totals = decode(host, target, [PROMPTS[0]], batch=False)  # 7 + 20 positions: buffers of 256
+    assert tokens == [m["refs"][tuple(PROMPTS[0])]] and totals["rounds"] > 0
+    assert len(fwd.trace_ms) == 6 and fwd.counts["compiled"] == 6 + totals["rounds"], fwd.report()
+
+
+def test_a_row_joins_a_batch_after_compiled_rounds(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request decoding alone (compiled verify forwards, its buffers grown by them) is joined by a second
+    one: the batch merges its caches and goes on plainly; both equal plain decoding."""
+    m = models["llama"]
+    host, target = compiled_host(monkeypatch, {"draft_model": str(m["drafter"])}, m["target"])
+    scheduler = Scheduler(host, target)
+    first = scheduler.submit(PROMPTS[1], no_stop(MAX_TOKENS))
+    got: Dict[int, List[int]] = {first.id: []}
+    for _ in range(4):
+        for request, event in scheduler.step():
+            got[request.id].append(event.token)
+    assert target.cache_policy.forward.counts["compiled"] > 0
+    second = scheduler.submit(PROMPTS[0], no_stop(MAX_TOKENS))
+    got[second.id] = []
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            got[request.id].append(event.token)
+    assert got[first.id] == m["refs"][tuple(PROMPTS[1])] and got[second.id] == m["refs"][tuple(PROMPTS[0])]
+    assert target.cache_policy.forward.counts["plain: rows"] > 0

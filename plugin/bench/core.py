@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ...hooks import attention as host_attention
+from ...hooks import taps
 from ...hooks.state import CachePolicy, LoadedTarget
 from .. import attention, cache_policy, compiled, projections
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
@@ -258,6 +259,10 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         on_progress(f"pre-warming padded shapes up to {max_len} keys")
         t = time.perf_counter()
         policy.prewarm_tokens = max_len
+        if fwd is not None:  # the compiled verify forwards' traces too, with the layers the rounds record
+            policy.capture_layers = sorted({i for d in drafters.values() for i in d[0].capture_layers()})
+            if policy.capture_layers:
+                taps.install_taps(target.model, policy.capture_layers)
         policy.prewarm(target.model, cap)
         if "draft_model" in drafters:
             cache_policy.prewarm(drafters["draft_model"][1], max_len, [1, 2], s.bucket)
