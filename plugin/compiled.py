@@ -19,6 +19,9 @@ device-resident ``arange`` (no host array: a fresh one costs a managed-memory mi
 After the call the real caches take the updated buffers and ``offset += W``: the state the plain forward
 leaves (positions past the offset are never read, as after ``trim``).
 
+``call`` does the same for any function over padded caches: the DFlash drafter's block and context appends
+(drafters/dflash, through its policy). ``plugin/cache_policy.prewarm_compiled`` traces at load.
+
 Takes: one row, ``widths`` positions (the verify widths), every cache a ``PaddedKVCache`` at one offset;
 anything else answers None and the host's own forward runs. A trace that raises (model code that needs
 an int offset) marks that model as not compiled, with the reason in ``failed``, and it runs plainly from
@@ -37,7 +40,7 @@ import statistics
 import time
 import weakref
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,7 +72,15 @@ class TraceCache:
         idx = (self.offset + mx.arange(keys.shape[2], dtype=mx.int32))[None, None, :, None]  # [1, 1, W, 1]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)  # [1, H, S, D]
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
+        self.offset = self.offset + keys.shape[2]
         return self.keys, self.values
+
+    def size(self) -> mx.array:
+        return self.offset
+
+    def trim(self, n: int) -> int:
+        self.offset = self.offset - n
+        return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
         if window_size is not None:
@@ -106,7 +117,8 @@ def positions(n: int) -> mx.array:
 
 
 class CompiledForward:
-    """The policy's forward for verify-width calls: ``mx.compile`` of the model's own forward, per (model, layers)."""
+    """The policy's forward for verify-width calls: ``mx.compile`` of the model's own forward, per (model, layers);
+    ``call`` compiles any function over padded caches the same way (drafters: their blocks and context appends)."""
 
     def __init__(self, cache_type: type, widths: Sequence[int] = DEFAULT_WIDTHS, grow: Optional[int] = None):
         grow = DEFAULT_GROW if grow is None else grow
@@ -117,48 +129,70 @@ class CompiledForward:
         self.grow = grow
         self.enabled = True  # False: every call answers None (the bench's on/off in one process)
         self.counts: Counter = Counter()
-        self.failed: Dict[int, str] = {}  # id(model) -> why its trace failed
+        self.failed: Dict[int, str] = {}  # id(owner model) -> why its trace failed
         self.trace_ms: List[float] = []  # host time of each call that traced a new shape
-        self._shapes: set = set()  # (id(model), layers, width, buffer length) traced
-        self._fns: Dict[Tuple[int, Tuple[int, ...]], Tuple[Any, Callable[..., List[mx.array]]]] = {}  # (weakref, fn)
+        self._shapes: set = set()  # (id(owner), key, input shapes, buffer length) traced
+        self._fns: Dict[tuple, Tuple[Any, Callable[..., List[mx.array]]]] = {}  # (id(owner), key, n) -> (weakref, fn)
 
     def __call__(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int]) -> Optional[Forward]:
-        why = self.declines(model, inputs, cache)
+        if not isinstance(inputs, mx.array) or inputs.ndim != 2 or inputs.shape[1] not in self.widths:
+            self.counts["plain: width"] += 1
+            return None
+        if inputs.shape[0] != 1:
+            self.counts["plain: rows"] += 1
+            return None
+        layers = tuple(layers)
+
+        def fn(m: nn.Module, caches: List[TraceCache], tokens: mx.array) -> List[mx.array]:
+            with taps.record(layers) as rec:
+                logits = m(tokens, cache=caches)
+            missing = [i for i in layers if not rec[i]]
+            if missing:
+                raise ValueError(f"tapped layers {missing} recorded nothing")
+            return [logits] + [mx.concatenate(rec[i], axis=1) if len(rec[i]) > 1 else rec[i][0] for i in layers]
+
+        W = inputs.shape[1]
+        out = self.call(("forward", layers), model, fn, cache, [inputs.astype(mx.uint32)], W, W, "compiled")
+        return None if out is None else (out[0], dict(zip(layers, out[1:])))
+
+    def call(self, key: Hashable, owner: nn.Module, fn: Callable[..., List[mx.array]], cache: Sequence[Any],
+             arrays: Sequence[mx.array], writes: int, advance: int, name: str) -> Optional[List[mx.array]]:
+        """``fn(owner, caches, *arrays) -> [arrays]`` compiled per (owner, key), run over ``cache``'s buffers
+        (stand-ins whose offset is a device scalar): its outputs, or None where it declines (counted under
+        "plain: <why>"; an owner whose trace failed runs plainly from then on). ``writes``: positions past the
+        offset ``fn`` writes (the buffers grow to hold them); ``advance``: positions the caches keep."""
+        why = self.declines(owner, cache)
         if why:
             self.counts[f"plain: {why}"] += 1
             return None
-        W, offset = inputs.shape[1], cache[0].offset
-        buffers = [grown(a, offset + W, self.grow) for c in cache for a in (c.keys, c.values)]
-        fn = self._compiled(model, tuple(layers))
-        shape = (id(model), tuple(layers), W, buffers[0].shape[2])
+        offset = cache[0].offset
+        buffers = [grown(a, offset + writes, self.grow) for c in cache for a in (c.keys, c.values)]
+        compiled = self._compiled(owner, key, fn, len(arrays))
+        shape = (id(owner), key, tuple(tuple(a.shape) for a in arrays), buffers[0].shape[2])
         t = time.perf_counter()
         try:
-            out = fn(inputs.astype(mx.uint32), positions(offset + 1)[offset], *buffers)
+            out = compiled(positions(offset + 1)[offset], *arrays, *buffers)
         except Exception as e:  # noqa: BLE001 - model code the trace cannot follow: plain from now on
-            self.failed[id(model)] = f"{type(e).__name__}: {e}"
+            self.failed[id(owner)] = f"{type(e).__name__}: {e}"
             self.counts["plain: trace failed"] += 1
-            log.warning("compiled forward off for %s: %s", type(model).__name__, self.failed[id(model)])
+            log.warning("compiled forward off for %s: %s", type(owner).__name__, self.failed[id(owner)])
             return None
-        self.counts["compiled"] += 1
+        self.counts[name] += 1
         if shape not in self._shapes:
             self._shapes.add(shape)
             self.trace_ms.append((time.perf_counter() - t) * 1e3)
-        n = len(layers)
+        n = len(out) - len(buffers)
         for i, c in enumerate(cache):
-            c.keys, c.values = out[1 + n + 2 * i], out[2 + n + 2 * i]
-            c.offset = offset + W
-        return out[0], dict(zip(layers, out[1:1 + n]))
+            c.keys, c.values = out[n + 2 * i], out[n + 2 * i + 1]
+            c.offset = offset + advance
+        return out[:n]
 
-    def declines(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any]) -> str:
-        """Why this call takes the host's own forward ("" where the compiled one takes it)."""
+    def declines(self, owner: nn.Module, cache: Sequence[Any]) -> str:
+        """Why a call over ``cache`` runs plainly ("" where the compiled path takes it)."""
         if not self.enabled:
             return "off"
-        if id(model) in self.failed:
+        if id(owner) in self.failed:
             return "trace failed"
-        if not isinstance(inputs, mx.array) or inputs.ndim != 2 or inputs.shape[1] not in self.widths:
-            return "width"
-        if inputs.shape[0] != 1:
-            return "rows"
         if not cache or any(type(c) is not self.cache_type or c.keys is None for c in cache):
             return "caches"
         offset = cache[0].offset
@@ -166,27 +200,23 @@ class CompiledForward:
             return "caches"
         return ""
 
-    def _compiled(self, model: nn.Module, layers: Tuple[int, ...]) -> Callable[..., List[mx.array]]:
-        key = (id(model), layers)
-        entry = self._fns.get(key)
-        if entry is not None and entry[0]() is model:
+    def _compiled(self, owner: nn.Module, key: Hashable, fn: Callable[..., List[mx.array]], n: int
+                  ) -> Callable[..., List[mx.array]]:
+        full = (id(owner), key, n)
+        entry = self._fns.get(full)
+        if entry is not None and entry[0]() is owner:
             return entry[1]
-        ref = weakref.ref(model)
+        ref = weakref.ref(owner)
 
-        def run(inputs: mx.array, offset: mx.array, *buffers: mx.array) -> List[mx.array]:
-            m = ref()
+        def run(offset: mx.array, *flat: mx.array) -> List[mx.array]:
+            arrays, buffers = flat[:n], flat[n:]
             caches = [TraceCache(buffers[2 * i], buffers[2 * i + 1], offset) for i in range(len(buffers) // 2)]
-            with taps.record(layers) as rec:
-                logits = m(inputs, cache=caches)
-            missing = [i for i in layers if not rec[i]]
-            if missing:
-                raise ValueError(f"tapped layers {missing} recorded nothing")
-            captured = [mx.concatenate(rec[i], axis=1) if len(rec[i]) > 1 else rec[i][0] for i in layers]
-            return [logits, *captured, *(a for c in caches for a in (c.keys, c.values))]
+            outs = fn(ref(), caches, *arrays)
+            return [*outs, *(a for c in caches for a in (c.keys, c.values))]
 
-        fn = mx.compile(run)
-        self._fns[key] = (ref, fn)
-        return fn
+        made = mx.compile(run)
+        self._fns[full] = (ref, made)
+        return made
 
     def report(self) -> Dict[str, Any]:
         total = sum(self.counts.values())

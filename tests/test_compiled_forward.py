@@ -186,7 +186,9 @@ def test_ngram_and_dflash_rounds_equal_plain_decoding(models: Dict[str, Any], mo
     tokens, totals = decode(host, target, PROMPTS, batch=False)  # the verify also taps layers 0 and 2
     assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
     assert fwd.counts["compiled"] == totals["rounds"] > 0 and not fwd.failed, fwd.counts
-    assert {k[1] for k in fwd._fns} == {(0, 2)}
+    # the drafter's blocks and its context appends of a round (not the prompt's: more than 32 positions) too
+    assert fwd.counts["compiled dflash block"] == totals["rounds"] and fwd.counts["compiled dflash context"] > 0
+    assert {k[1] for k in fwd._fns} == {("forward", (0, 2)), ("dflash block",), ("dflash context",)}
 
 
 def test_prewarm_traces_every_shape_at_load(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,11 +204,15 @@ def test_prewarm_traces_every_shape_at_load(models: Dict[str, Any], monkeypatch:
     fwd = target.cache_policy.forward
     assert tuple(target.cache_policy.capture_layers) == (0, 2) and fwd.grow == 128
     assert all(getattr(type(taps.decoder_layers(target.model)[i]), "_spec_tapped", False) for i in (0, 2))
-    # widths 2, 4, 8 (block 5 -> 8) at buffer lengths 128 and 256
-    assert len(fwd.trace_ms) == 6 and fwd.counts["compiled"] == 6 and not fwd.failed, fwd.report()
+    # the target: widths 2, 4, 8 (block 5 -> 8) at buffer lengths 128 and 256; the drafter (its own calls,
+    # plugin/compiled.py's call; its block 16 prewarms): appends of 1..16 and blocks of 2..16 with and without
+    # widths, at each
+    assert fwd.counts["compiled"] == 6 and fwd.counts["compiled dflash block"] == 16, fwd.report()
+    assert fwd.counts["compiled dflash context"] == 10 and len(fwd.trace_ms) == 6 + 16 + 10 and not fwd.failed
     tokens, totals = decode(host, target, [PROMPTS[0]], batch=False)  # 7 + 20 positions: buffers of 256
     assert tokens == [m["refs"][tuple(PROMPTS[0])]] and totals["rounds"] > 0
-    assert len(fwd.trace_ms) == 6 and fwd.counts["compiled"] == 6 + totals["rounds"], fwd.report()
+    assert len(fwd.trace_ms) == 32 and fwd.counts["compiled"] == 6 + totals["rounds"], fwd.report()
+    assert fwd.counts["compiled dflash block"] == 16 + totals["rounds"]
 
 
 def test_a_row_joins_a_batch_after_compiled_rounds(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,6 +48,9 @@ class DFlashDrafter(Drafter):
         # context counts to powers of two, so that rounds meet few attention shapes.
         self.cache_policy = cache_policy
         self.shape_stable = bool(getattr(cache_policy, "shape_stable", False))
+        # The policy's compiled calls (plugin/compiled.py) for single rows over its padded caches, or None.
+        compiler = getattr(cache_policy, "forward", None) if self.shape_stable else None
+        self.compiler = compiler if hasattr(compiler, "call") else None
         # (the target's last layer, its final norm) when a tap reads the last layer's output.
         self.final_norm: Optional[Tuple[int, Callable[[mx.array], mx.array]]] = None
 
@@ -60,6 +63,34 @@ class DFlashDrafter(Drafter):
 
     def new_batch(self) -> DraftBatch:
         return DFlashBatch(self)
+
+    def append_context(self, caches: List[Any], feats: mx.array) -> None:
+        """The context K/V of ``feats`` [B, n, taps*H] appended to ``caches`` (``Model.append_context``),
+        compiled for one row of up to 32 positions where the policy compiles (a round's new context)."""
+        n = feats.shape[1]
+        if self.compiler is None or feats.shape[0] != 1 or n > 32 or self.compiler.call(
+                ("dflash context",), self, _append, caches, [feats], n, n, "compiled dflash context") is None:
+            self.model.append_context(feats, caches)
+
+    def block(self, caches: List[Any], tokens: mx.array, widths: Optional[mx.array] = None) -> mx.array:
+        """The block's final hidden states [B, T, H] for ``tokens`` [B, T] over the context in ``caches``
+        (``Model.__call__``), compiled for one row where the policy compiles."""
+        if self.compiler is not None and tokens.shape[0] == 1:
+            arrays = [tokens] if widths is None else [tokens, widths]
+            got = self.compiler.call(("dflash block",), self, _block, caches, arrays, tokens.shape[1], 0,
+                                     "compiled dflash block")
+            if got is not None:
+                return got[0]
+        return self.model(self.embed(tokens), caches, widths)
+
+
+def _append(d: DFlashDrafter, caches: List[Any], feats: mx.array) -> List[mx.array]:
+    d.model.append_context(feats, caches)
+    return []
+
+
+def _block(d: DFlashDrafter, caches: List[Any], tokens: mx.array, widths: Optional[mx.array] = None) -> List[mx.array]:
+    return [d.model(d.embed(tokens), caches, widths)]
 
 
 # -- detection and validation -----------------------------------------------------------------
@@ -246,7 +277,33 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
                 c.offset = span - w  # the block, written after the context, ends the bucket: ``span`` keys
             mx.eval(model(emb[:, :w], caches, mx.array([w - 1])))
             runs += 1
+    if drafter.compiler is not None:
+        runs += prewarm_compiled(drafter, caches, shapes, max_tokens, widths)
     mx.clear_cache()
+    return runs
+
+
+def prewarm_compiled(drafter: DFlashDrafter, caches: List[Any], shapes: List[Any], max_tokens: int,
+                     widths: List[int]) -> int:
+    """The compiled calls' traces (plugin/compiled.py) at every buffer length up to ``max_tokens``: each block
+    width, with and without per-row widths, and each power-of-two context append up to the block."""
+    grow, dtype = drafter.compiler.grow, drafter.model.norm.weight.dtype
+    taps = len(drafter.args.target_layer_ids) * drafter.args.hidden_size
+    runs = 0
+    for length in range(grow, -(-max(grow, max_tokens) // grow) * grow + 1, grow):
+        for w in [1] + widths:
+            calls = [lambda w=w: drafter.append_context(caches, mx.zeros((1, w, taps), dtype))]
+            if w > 1:
+                tokens = mx.zeros((1, w), dtype=mx.uint32)
+                calls += [lambda t=tokens: drafter.block(caches, t), lambda t=tokens, w=w: drafter.block(caches, t, mx.array([w - 1]))]
+            for call in calls:
+                for c, (ks, vs) in zip(caches, shapes):
+                    c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dtype)
+                    c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dtype)
+                    c.offset = length - w
+                out = call()
+                mx.eval([c.keys for c in caches] + ([out] if out is not None else []))
+                runs += 1
     return runs
 
 

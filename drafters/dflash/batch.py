@@ -103,7 +103,7 @@ class DFlashBatch(DraftBatch):
             feats = mx.concatenate([feats, mx.zeros((feats.shape[0], padded - width, feats.shape[2]), feats.dtype)], axis=1)
             width = padded
         with CacheTransaction(caches) as txn:
-            self.drafter.model.append_context(feats, caches)
+            self.drafter.append_context(caches, feats)
             txn.commit(counts, written=width)
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
@@ -115,7 +115,7 @@ class DFlashBatch(DraftBatch):
         width = 1 << (W - 1).bit_length() if d.shape_stable else W
         block = mx.array([[r.pending] + [d.mask_token_id] * (width - 1) for r in rows], dtype=mx.uint32)  # [B, width]
         widths = None if width == W and min(max_drafts) == k else mx.array([m + 1 for m in max_drafts])
-        h = d.model(d.embed(block), self.cache, widths)  # [B, width, H]
+        h = d.block(self.cache, block, widths)  # [B, width, H]
         self.forwards += 1
         logits = d.head(h[:, 1:W]).astype(mx.float32)  # [B, k, V]
         greedy = [r.sampling.greedy for r in rows]

@@ -240,7 +240,7 @@ class Attention(nn.Module):
         Row b sees slots [lp_b, end + w_b): its context from its left padding (batched caches), then its
         block up to its width; slots past them are a shape-stable cache's padding."""
         windowed = self.window is not None
-        if lp is None and widths is None and S == end + T and not windowed:
+        if lp is None and widths is None and isinstance(end, int) and S == end + T and not windowed:
             return None
         cols = mx.arange(S)[None]  # [1, S]
         lp_b = (lp if lp is not None else mx.zeros((1,), mx.int32))[:, None]  # [B|1, 1]

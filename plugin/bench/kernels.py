@@ -111,12 +111,11 @@ def dflash_context(drafter: Any, key_length: int, new_context: int = 7) -> Tuple
 def dflash_round(drafter: Any, caches: List[Any], new: mx.array, block: int) -> Graph:
     """A DFlash round's draft: the new context appended, the block through the drafter, the shared head's
     argmax ([1, block - 1]); undo trims the appended context."""
-    inner = drafter.model
     toks = mx.array([[5] * block], dtype=mx.uint32)
 
     def build() -> mx.array:
-        inner.append_context(new, caches)
-        h = inner(drafter.embed(toks), caches)
+        drafter.append_context(caches, new)  # as a round does: compiled where the policy compiles
+        h = drafter.block(caches, toks)
         return mx.argmax(drafter.head(h[:, 1:block]).astype(mx.float32), axis=-1)
 
     def undo() -> None:
