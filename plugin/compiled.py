@@ -130,6 +130,7 @@ class CompiledForward:
         self.enabled = True  # False: every call answers None (the bench's on/off in one process)
         self.counts: Counter = Counter()
         self.failed: Dict[int, str] = {}  # id(owner model) -> why its trace failed
+        self._failed_refs: Dict[int, Any] = {}  # id(owner) -> its weakref (an id is reused once an owner is freed)
         self.trace_ms: List[float] = []  # host time of each call that traced a new shape
         self._shapes: set = set()  # (id(owner), key, input shapes, buffer length) traced
         self._fns: Dict[tuple, Tuple[Any, Callable[..., List[mx.array]]]] = {}  # (id(owner), key, n) -> (weakref, fn)
@@ -174,6 +175,7 @@ class CompiledForward:
             out = compiled(positions(offset + 1)[offset], *arrays, *buffers)
         except Exception as e:  # noqa: BLE001 - model code the trace cannot follow: plain from now on
             self.failed[id(owner)] = f"{type(e).__name__}: {e}"
+            self._failed_refs[id(owner)] = weakref.ref(owner)
             self.counts["plain: trace failed"] += 1
             log.warning("compiled forward off for %s: %s", type(owner).__name__, self.failed[id(owner)])
             return None
@@ -191,7 +193,7 @@ class CompiledForward:
         """Why a call over ``cache`` runs plainly ("" where the compiled path takes it)."""
         if not self.enabled:
             return "off"
-        if id(owner) in self.failed:
+        if id(owner) in self.failed and self._failed_refs[id(owner)]() is owner:
             return "trace failed"
         if not cache or any(type(c) is not self.cache_type or c.keys is None for c in cache):
             return "caches"
