@@ -24,7 +24,8 @@
 #   bash bench/h200_attention.sh host-split-compiled # the target's forwards plain and compiled (plugin/compiled.py)
 #   bash bench/h200_attention.sh cache-write         # K/V writes at a device-scalar offset (bench/cache_write_cost.py)
 #   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off)
-# Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json; copy them to
+# Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json (an e2e run's
+# printed lines also to h200-attention-e2e-RUN.log, which comes back when the call runs out of time); copy them to
 # bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
 set -euo pipefail
 OUT=${OUT:-h200-out}
@@ -51,7 +52,7 @@ case "$what" in
   e2e)  # e2e on|off RUN [LENGTHS]
     k=$1; run=$2; lengths=${3:-512,2048,8192,16384}
     py "${BENCH[@]}" --prompt-lengths "$lengths" --kernel "$k" \
-      --json "$OUT/h200-attention-e2e-${lengths//,/-}-kernel-$k-$run.json" | tail -30 ;;
+      --json "$OUT/h200-attention-e2e-${lengths//,/-}-kernel-$k-$run.json" | tee "$OUT/h200-attention-e2e-$run.log" | tail -30 ;;
   e2e-4bit)  # e2e-4bit on|off [LENGTHS]
     k=$1; lengths=${2:-2048,8192}
     py "${BENCH[@]}" --prompt-lengths "$lengths" --quantize-target 4 --kernel "$k" \
