@@ -254,6 +254,11 @@ class ShapeStablePolicy(CachePolicy):
     def verify_width(self, n: int) -> int:
         return pow2_width(n)
 
+    @staticmethod
+    def widths(block_size: int) -> List[int]:
+        """The verify widths rounds of ``block_size`` positions meet: 1, 2, 4, .. up to its power of two."""
+        return [1 << i for i in range(pow2_width(max(2, block_size)).bit_length())]
+
     def prepare(self, model: Any) -> None:
         """The host applied the policy (attention routed): warm the shapes rounds will meet."""
         self.prewarm(model, self.block_size)
@@ -261,8 +266,7 @@ class ShapeStablePolicy(CachePolicy):
     def prewarm(self, model: Any, block_size: Optional[int], default_block: int = 16) -> int:
         """One forward per (query width, key bucket) up to ``prewarm_tokens`` keys, so that rounds
         meet no attention shape for the first time. Returns the number of forwards."""
-        top = pow2_width(max(2, block_size or default_block))
-        widths = [1 << i for i in range(top.bit_length())]
+        widths = self.widths(block_size or default_block)
         runs = prewarm(model, self.prewarm_tokens, widths, self.bucket)
         if self.forward is not None and hasattr(self.forward, "grow"):
             runs += prewarm_compiled(model, self.forward, self.prewarm_tokens, widths, self.capture_layers)

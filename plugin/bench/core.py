@@ -259,11 +259,14 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         on_progress(f"pre-warming padded shapes up to {max_len} keys")
         t = time.perf_counter()
         policy.prewarm_tokens = max_len
-        if fwd is not None:  # the compiled verify forwards' traces too, with the layers the rounds record
-            policy.capture_layers = sorted({i for d in drafters.values() for i in d[0].capture_layers()})
-            if policy.capture_layers:
-                taps.install_taps(target.model, policy.capture_layers)
+        # the compiled verify forwards' traces too, with the layers each kind's rounds record (a trace per set)
+        layer_sets = sorted({tuple(d[0].capture_layers()) for d in drafters.values()}) if fwd is not None else []
+        for layers in layer_sets:
+            taps.install_taps(target.model, layers)
+        policy.capture_layers = layer_sets[0] if layer_sets else ()
         policy.prewarm(target.model, cap)
+        for layers in layer_sets[1:]:
+            cache_policy.prewarm_compiled(target.model, fwd, max_len, policy.widths(cap), layers)
         if "draft_model" in drafters:
             cache_policy.prewarm(drafters["draft_model"][1], max_len, [1, 2], s.bucket)
         if "dflash" in drafters:

@@ -196,9 +196,12 @@ def format_table(report: Dict[str, Any]) -> str:
         by_key = costs.get("by_key_length") or {str(costs["key_length"]): costs}  # older reports: one key length
         extra = ", ".join(map(str, costs.get("extra_key_lengths") or [])) or "none"
         projections = costs.get("projections", "mlx")
+        compiled = costs.get("target_forward") == "compiled"
         lines.append(f"bare forwards, ms ({costs['cache']}, attention {costs.get('attention', 'mlx')}, projections "
-                     f"{projections}; the prompts' key lengths at mid-decode, rounded up to 256, and --cost-keys {extra}):")
+                     f"{projections}{', forwards compiled' if compiled else ''}; the prompts' key lengths at mid-decode, "
+                     f"rounded up to 256, and --cost-keys {extra}):")
         off = "MLX's attention and matmuls" if projections == "kernel" else "MLX's attention"
+        off += ", not compiled" if compiled else ""
         for L in sorted(by_key, key=int):
             lines.append(f"  {L:>6} keys: {_costs_line(by_key[L])}")
             if by_key[L].get("target_forward_ms_kernel_off"):
