@@ -361,14 +361,20 @@ def prewarm(
             if others:  # mixed caches: only reachable shapes, from a fresh cache each time
                 caches = make_padded_cache(model, bucket=bucket)
                 padded = [c for c in caches if isinstance(c, PaddedKVCache)]
-            for c, (ks, vs, dt) in zip(padded, shapes):
-                c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dt)
-                c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dt)
-                c.offset = span - q
+            zeroed(padded, shapes, span, span - q)
             mx.eval(forward(model, mx.zeros((1, q), dtype=mx.uint32), caches, [])[0])
             runs += 1
     mx.clear_cache()
     return runs
+
+
+def zeroed(caches: Sequence[Any], shapes: Sequence[Any], length: int, offset: int) -> None:
+    """Give each cache zero buffers of ``length`` positions (``shapes``: its (keys shape, values shape, dtype))
+    and ``offset``: the state a forward warming that key length starts from."""
+    for c, (ks, vs, dt) in zip(caches, shapes):
+        c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dt)
+        c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dt)
+        c.offset = offset
 
 
 def prewarm_compiled(model: Any, fwd: Any, max_tokens: int, widths: Iterable[int], layers: Sequence[int] = ()) -> int:
@@ -383,10 +389,7 @@ def prewarm_compiled(model: Any, fwd: Any, max_tokens: int, widths: Iterable[int
     runs = 0
     for length in range(fwd.grow, -(-max(fwd.grow, max_tokens) // fwd.grow) * fwd.grow + 1, fwd.grow):
         for q in sorted(w for w in set(widths) if w in fwd.widths and w <= length):
-            for c, (ks, vs, dt) in zip(caches, shapes):
-                c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dt)
-                c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dt)
-                c.offset = length - q
+            zeroed(caches, shapes, length, length - q)
             got = fwd(model, mx.zeros((1, q), dtype=mx.uint32), caches, list(layers))
             if got is None:  # declined or failed: the plain forward serves this model
                 return runs

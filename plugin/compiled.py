@@ -66,9 +66,8 @@ class TraceCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         # put_along_axis at offset + arange(W), not slice_update with an array start: on MLX-CUDA 0.32 the
-        # dynamic slice update costs ~88 us a call at 16k keys (64 calls a forward: 5.7 ms against 0.67 ms,
-        # bench/cache_write_cost.py,
-        # bench/results/kernels/h200-cache-write.txt); both write the buffer in place, the same values
+        # dynamic slice update costs ~86 us a call at 17k positions (64 calls a forward: 5.5 ms against 0.57 ms,
+        # bench/cache_write_cost.py -> bench/results/kernels/h200-cache-write.txt); the same values either way
         idx = (self.offset + mx.arange(keys.shape[2], dtype=mx.int32))[None, None, :, None]  # [1, 1, W, 1]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)  # [1, H, S, D]
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)

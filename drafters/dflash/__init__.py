@@ -271,10 +271,7 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
         for w in widths:
             if w > span:
                 continue
-            for c, (ks, vs) in zip(caches, shapes):
-                c.keys = mx.zeros((ks[0], ks[1], span, ks[3]), dtype)
-                c.values = mx.zeros((vs[0], vs[1], span, vs[3]), dtype)
-                c.offset = span - w  # the block, written after the context, ends the bucket: ``span`` keys
+            _zeroed(caches, shapes, span, span - w, dtype)  # the block, written after the context, ends the bucket
             mx.eval(model(emb[:, :w], caches, mx.array([w - 1])))
             runs += 1
     if drafter.compiler is not None:
@@ -292,20 +289,22 @@ def prewarm_compiled(drafter: DFlashDrafter, caches: List[Any], shapes: List[Any
     runs = 0
     for length in range(grow, -(-max(grow, max_tokens) // grow) * grow + 1, grow):
         for w in [1] + widths:
-            calls = [lambda w=w: drafter.append_context(caches, mx.zeros((1, w, taps), dtype))]
-            if w > 1:
-                tokens = mx.zeros((1, w), dtype=mx.uint32)
-                calls += [lambda t=tokens: drafter.block(caches, t), lambda t=tokens, w=w: drafter.block(caches, t, mx.array([w - 1]))]
-            for call in calls:
-                for c, (ks, vs) in zip(caches, shapes):
-                    c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dtype)
-                    c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dtype)
-                    c.offset = length - w
-                out = call()
-                mx.eval([c.keys for c in caches] + ([out] if out is not None else []))
+            _zeroed(caches, shapes, length, length - w, dtype)
+            drafter.append_context(caches, mx.zeros((1, w, taps), dtype))
+            mx.eval([c.keys for c in caches])
+            runs += 1
+            for per_row in ([None, mx.array([w - 1])] if w > 1 else []):
+                _zeroed(caches, shapes, length, length - w, dtype)
+                mx.eval(drafter.block(caches, mx.zeros((1, w), dtype=mx.uint32), per_row), [c.keys for c in caches])
                 runs += 1
     return runs
 
+
+def _zeroed(caches: List[Any], shapes: List[Any], length: int, offset: int, dtype: mx.Dtype) -> None:
+    for c, (ks, vs) in zip(caches, shapes):
+        c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dtype)
+        c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dtype)
+        c.offset = offset
 
 family = DrafterFamily(
     name="dflash",
