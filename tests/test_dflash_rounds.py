@@ -21,7 +21,8 @@ from mlx_speculative.drafters.dflash import DFlashBatch, tiny
 from mlx_speculative.drafters.dflash.features import target_features
 from mlx_speculative.hooks import taps
 from mlx_speculative.hooks import tiny_models as tm
-from mlx_speculative.plugin.cache_policy import ShapeStablePolicy
+from mlx_speculative.plugin.cache_policy import PaddedKVCache, ShapeStablePolicy
+from mlx_speculative.plugin.compiled import CompiledForward
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 PROMPT = "the cache layer block round target fast slow small large"
@@ -87,18 +88,23 @@ def forced_tokens(case: str, truth: List[int], vocab: int) -> tuple[List[int], i
     return drafts, j
 
 
-def run_plan(models: Dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch, bucket: Optional[int] = None) -> None:
+def run_plan(models: Dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch, bucket: Optional[int] = None,
+             compiled: bool = False) -> Dict[str, Any]:
     host = make_host({"draft_model": str(models["drafter"]), "block_size": BLOCK})
     target = host.load(str(models[arch]))
     drafter = target.attachments["speculative"].drafter
     if bucket:  # padded context caches and power-of-two blocks (CUDA's default policy), small buckets
         drafter.cache_policy, drafter.shape_stable = ShapeStablePolicy(bucket, prewarm_tokens=0), True
+    if compiled:  # and the policy's compiled calls: the target's verify, the drafter's block and appends
+        policy = drafter.cache_policy
+        policy.forward = drafter.compiler = CompiledForward(PaddedKVCache, grow=16)
+        target.cache_policy = policy  # the requests' caches padded, their verify forwards compiled
     layers = drafter.capture_layers()
     prompt = encode(target, PROMPT)
     ref = greedy_reference(target.model, prompt, 80)
     vocab = 384
     plan = iter(PLAN)
-    seen: Dict[str, Any] = {"rounds": 0}
+    seen: Dict[str, Any] = {"rounds": 0, "compiled": drafter.compiler}
     original = DFlashBatch.propose
     heads: List[mx.array] = []  # the drafter's logits per round (greedy proposals carry no q)
     head = drafter.head
@@ -142,7 +148,9 @@ def run_plan(models: Dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
     stats = result.report["speculative"]
     assert seen["rounds"] == stats.rounds >= len(PLAN)
     assert stats.rounds_by_acceptance["zero"] == 3 and stats.rounds_by_acceptance["partial"] == 3
+    assert stats.rounds_by_acceptance["full"] >= 3
     assert set(stats.block_sizes) == {BLOCK}  # pinned
+    return seen
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
@@ -154,6 +162,14 @@ def test_forced_acceptance_keeps_captures_and_context_exact(
 
 def test_padded_context_cache_is_exact(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     run_plan(models, "llama", monkeypatch, bucket=8)  # crosses several buckets; padding masked out
+
+
+def test_compiled_calls_are_exact(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same plan with the policy's compiled calls (plugin/compiled.py): padded target caches and compiled
+    verify forwards, the drafter's block and context appends compiled, buffers grown in steps of 16."""
+    fwd = run_plan(models, "llama", monkeypatch, bucket=8, compiled=True)["compiled"]
+    assert fwd.counts["compiled"] >= len(PLAN) and fwd.counts["compiled dflash block"] >= len(PLAN), fwd.counts
+    assert fwd.counts["compiled dflash context"] > 0 and not fwd.failed
 
 
 def test_drafter_failure_rolls_back_and_falls_back(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -247,7 +247,7 @@ class Attention(nn.Module):
         w_b = widths[:, None] if widths is not None else T
         mask = ((cols >= lp_b) & (cols < end + w_b))[:, None, None, :]  # [B|1, 1, 1, S]
         if windowed:
-            start_b = start if isinstance(start, int) else start[:, None]  # int | [B, 1]
+            start_b = start if isinstance(start, int) else start.reshape(-1, 1)  # int | [B|1, 1] (a compiled call: [])
             q_pos = start_b + mx.arange(T)[None]  # [B|1, T]
             key_pos = cols - lp_b  # [B|1, S]: a slot's position in its row
             return mask & ((q_pos[:, :, None] - key_pos[:, None, :]) < self.window)[:, None]  # [B|1, 1, T, S]
