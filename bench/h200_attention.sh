@@ -23,7 +23,10 @@
 #                                                    #   projection kernel in one process (bench/host_split.py)
 #   bash bench/h200_attention.sh host-split-compiled # the target's forwards plain and compiled (plugin/compiled.py)
 #   bash bench/h200_attention.sh cache-write         # K/V writes at a device-scalar offset (bench/cache_write_cost.py)
-#   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off)
+#   bash bench/h200_attention.sh qmatmul             # MLX's 4-bit matmul by rows against its bytes (bench/quantized_matmul_cost.py)
+#   (TAG=-x names the 4-bit runs' JSONs ...-x.json)
+#   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off;
+#   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json (an e2e run's
 # printed lines also to h200-attention-e2e-RUN.log, which comes back when the call runs out of time); copy them to
 # bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
@@ -39,7 +42,8 @@ py -c "import mlx.core as mx; assert mx.cuda.is_available(), 'MLX-CUDA is not st
 FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16384 --widths 1,2,4,8,16,32
           --block 16 --dflash-layers 5 --iters 10 --kernel both)
 BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
-       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired --compiled-forward "${COMPILED:-auto}")
+       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired --compiled-forward "${COMPILED:-auto}"
+       --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys 4096,8192,16384)
 what=${1:-}; shift || true
 case "$what" in
   check)
@@ -48,7 +52,7 @@ case "$what" in
     py "${FORWARDS[@]}" --cache padded --json "$OUT/h200-attention-forwards-padded.json"
     py "${FORWARDS[@]}" --cache kvcache --block 0 --json "$OUT/h200-attention-forwards-kvcache.json" ;;
   forwards-4bit)
-    py "${FORWARDS[@]}" --cache padded --quantize-target 4 --json "$OUT/h200-attention-forwards-padded-4bit.json" ;;
+    py "${FORWARDS[@]}" --cache padded --quantize-target 4 --json "$OUT/h200-attention-forwards-padded-4bit${TAG:-}.json" ;;
   e2e)  # e2e on|off RUN [LENGTHS]
     k=$1; run=$2; lengths=${3:-512,2048,8192,16384}
     py "${BENCH[@]}" --prompt-lengths "$lengths" --kernel "$k" \
@@ -56,7 +60,7 @@ case "$what" in
   e2e-4bit)  # e2e-4bit on|off [LENGTHS]
     k=$1; lengths=${2:-2048,8192}
     py "${BENCH[@]}" --prompt-lengths "$lengths" --quantize-target 4 --kernel "$k" \
-      --json "$OUT/h200-attention-e2e-4bit-${lengths//,/-}-kernel-$k.json" | tail -30 ;;
+      --json "$OUT/h200-attention-e2e-4bit-${lengths//,/-}-kernel-$k${TAG:-}.json" | tail -30 ;;
   e2e-kvcache)  # e2e-kvcache on|off RUN [LENGTHS]
     k=$1; run=$2; lengths=${3:-512,2048,8192,16384}
     py "${BENCH[@]}" --prompt-lengths "$lengths" --kernel "$k" --padded-cache off \
@@ -73,5 +77,7 @@ case "$what" in
     py bench/host_split.py --keys 4096,16384 --linear kernel --compiled both --json "$OUT/h200-host-split-compiled.json" | tail -8 ;;
   cache-write)
     py bench/cache_write_cost.py | tee "$OUT/h200-cache-write.txt" ;;
-  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split | host-split-compiled | cache-write)"; exit 2 ;;
+  qmatmul)
+    py bench/quantized_matmul_cost.py --json "$OUT/h200-quantized-matmul-cost.json" ;;
+  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split | host-split-compiled | cache-write | qmatmul)"; exit 2 ;;
 esac

@@ -192,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("--linear kernel: the projection kernel needs MLX built with CUDA and the GPU as the default "
                          f"device; this process runs on {mx.default_device()} (allowed here: mlx, gather)")
     proj = projections.Projections() if "kernel" in a.linear else None
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache)
+    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS))  # 1: a plain step compiled
 
     def use(how: str) -> None:
         for model in (target.model, drafter.model):
@@ -224,7 +224,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 report["by_keys"][str(keys)][how] = row
                 print(keys, how, json.dumps(row), flush=True)
             if a.compiled != "off":
-                row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, fwd)}
+                drafter.compiler = fwd  # the drafter's block and context append compiled, as under a compiling policy
+                row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, fwd),
+                       "dflash_round": drafter_split(drafter, keys, a.block, a.iters)}
+                drafter.compiler = None
                 report["by_keys"][str(keys)][how + "+compiled"] = row
                 print(keys, how + "+compiled", json.dumps(row), flush=True)
     use("mlx")

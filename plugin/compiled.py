@@ -237,6 +237,11 @@ def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
     return available() if mode == "auto" else mode == "on"
 
 
-def forward_for(cache_type: type, mode: Optional[str] = None, source: str = ENV) -> Optional[CompiledForward]:
-    """A ``CompiledForward`` over ``cache_type`` caches where the mode says so, else None (the host's own forward)."""
-    return CompiledForward(cache_type) if resolve_mode(mode, source) else None
+def forward_for(cache_type: type, mode: Optional[str] = None, source: str = ENV,
+                widths: Sequence[int] = DEFAULT_WIDTHS) -> Optional[CompiledForward]:
+    """A ``CompiledForward`` over ``cache_type`` caches where the mode says so, else None (the host's own forward).
+    ``widths``: the input widths it takes (1 too: the host's one-token plain steps compiled)."""
+    bad = [w for w in widths if not 1 <= w <= 32]
+    if bad or not widths:
+        raise ValueError(f"compiled forward widths: got {list(widths)}; allowed: integers from 1 to 32")
+    return CompiledForward(cache_type, widths) if resolve_mode(mode, source) else None

@@ -117,6 +117,29 @@ def test_host_split(tmp_path: Path) -> None:
         mx.set_default_device(device)
 
 
+def test_host_split_compiled(tmp_path: Path) -> None:
+    """bench/host_split.py --compiled both: plain and compiled rows, the drafter's round compiled too."""
+    report = run("host_split", ["--synthetic-target", "tiny", "--cpu", "--keys", "40", "--widths", "1,4", "--block", "4",
+                                "--iters", "2", "--linear", "mlx", "--compiled", "both"], tmp_path / "c.json")
+    assert set(report["by_keys"]["40"]) == {"mlx", "mlx+compiled"}
+    row = report["by_keys"]["40"]["mlx+compiled"]
+    assert set(row["target"]) == {"1", "4"} and row["dflash_round"]["sync_ms"] > 0
+    calls = report["compiled_forward"]["calls"]
+    assert calls["compiled"] > 0 and calls["compiled dflash block"] > 0 and not report["compiled_forward"]["failed"]
+
+
+def test_quantized_matmul_cost(tmp_path: Path) -> None:
+    """bench/quantized_matmul_cost.py: MLX's 4-bit matmul and the dequantized bf16 one timed by rows, with the
+    quantized weights' bytes (4 bits + a bf16 scale and bias per 64) and their bound."""
+    report = run("quantized_matmul_cost", ["--cpu", "--shapes", "k_proj/v_proj", "--rows", "1,8", "--chain", "2",
+                                           "--iters", "1"], tmp_path / "q.json")
+    row = report["shapes"]["k_proj/v_proj"]
+    assert row["quantized_bytes"] == 1024 * 4096 // 2 + 2 * 2 * 1024 * 4096 // 64
+    assert set(row["quantized_ms"]) == set(row["dequantized_bf16_ms"]) == {"1", "8"} and row["bound_ms"] > 0
+    with pytest.raises(SystemExit, match="--shapes: got nope"):
+        script("quantized_matmul_cost").main(["--cpu", "--shapes", "nope"])
+
+
 def test_demo_target_sweep(tmp_path: Path) -> None:
     """bench/demo_target_sweep.py: a tiny variant trains on the training files less the validation split and
     reports bits per byte on both splits; --variant refuses what TargetOptions does not have."""

@@ -56,10 +56,10 @@ def test_compiled_equals_plain_forward(arch: str, models: Dict[str, Any]) -> Non
     model = models[arch]["plain"]
     layers = [0, 2]
     taps.install_taps(model, layers)
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, grow=32)
+    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS), grow=32)
     plain_cache = prefilled(model, 21)
     comp_cache = [copy.copy(c) for c in plain_cache]
-    for step, W in enumerate([2, 16, 4, 32, 8, 16, 16]):  # offsets 21 .. 115: across growth steps of 32
+    for step, W in enumerate([2, 16, 4, 32, 8, 16, 16, 1]):  # offsets 21 .. 116: across growth steps of 32
         toks = mx.array([[3 + (step * 7 + i) % 50 for i in range(W)]], dtype=mx.uint32)
         want, want_h = forward(model, toks, plain_cache, layers)
         got, got_h = fwd(model, toks, comp_cache, layers)
@@ -70,7 +70,7 @@ def test_compiled_equals_plain_forward(arch: str, models: Dict[str, Any]) -> Non
         if step == 3:  # a rejected tail: both trimmed alike, the next forward overwrites it
             for c in plain_cache + comp_cache:
                 c.trim(5)
-    assert fwd.counts["compiled"] == 7 and not fwd.failed
+    assert fwd.counts["compiled"] == 8 and not fwd.failed
     assert len(fwd._fns) == 1  # one compiled function per (model, layers): mx.compile keeps each shape's trace
 
 
@@ -141,6 +141,9 @@ def test_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compiled.forward_for(cache_policy.PaddedKVCache) is None
     monkeypatch.setenv(compiled.ENV, "on")
     assert isinstance(compiled.forward_for(cache_policy.PaddedKVCache), compiled.CompiledForward)
+    assert compiled.forward_for(cache_policy.PaddedKVCache, widths=[1, 16]).widths == {1, 16}
+    with pytest.raises(ValueError, match=r"compiled forward widths: got \[0, 64\]; allowed: integers from 1 to 32"):
+        compiled.forward_for(cache_policy.PaddedKVCache, widths=[0, 64])
     monkeypatch.setenv(compiled.ENV, "auto")  # CPU: off
     assert compiled.forward_for(cache_policy.PaddedKVCache) is None
     monkeypatch.setenv(compiled.ENV, "fast")

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import encode, greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.base import Proposal
-from mlx_speculative.drafters.dflash import DFlashBatch, tiny
+from mlx_speculative.drafters.dflash import DFlashBatch, DFlashDrafter, tiny
 from mlx_speculative.drafters.dflash.features import target_features
 from mlx_speculative.hooks import taps
 from mlx_speculative.hooks import tiny_models as tm
@@ -162,6 +162,24 @@ def test_forced_acceptance_keeps_captures_and_context_exact(
 
 def test_padded_context_cache_is_exact(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     run_plan(models, "llama", monkeypatch, bucket=8)  # crosses several buckets; padding masked out
+
+
+def test_chunked_context_appends_are_exact(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's context longer than a chunk goes in chunks and a power-of-two tail (the counts prewarm made)."""
+    from mlx_speculative.drafters.dflash import batch as dflash_batch
+
+    monkeypatch.setattr(dflash_batch, "CONTEXT_CHUNK", 4)
+    sizes: List[int] = []
+    append = dflash_batch.DFlashBatch._append
+    monkeypatch.setattr(dflash_batch.DFlashBatch, "_append",
+                        lambda self, caches, feats, counts: sizes.append(feats.shape[1]) or append(self, caches, feats, counts))
+    appended: List[int] = []
+    monkeypatch.setattr(DFlashDrafter, "append_context",
+                        lambda self, caches, feats, _orig=DFlashDrafter.append_context:
+                        appended.append(feats.shape[1]) or _orig(self, caches, feats))
+    run_plan(models, "llama", monkeypatch, bucket=8)
+    assert sizes[0] > 4 and appended[:sizes[0] // 4] == [4] * (sizes[0] // 4), (sizes, appended)
+    assert all(n <= 4 and n & (n - 1) == 0 for n in appended), appended
 
 
 def test_compiled_calls_are_exact(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

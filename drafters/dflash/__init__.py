@@ -24,7 +24,7 @@ from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFami
 from ..checkpoint import load_into, read_tensors
 from ..compat import check_tokenizer, config_value
 from ...hooks import attention, loading
-from .batch import DFlashBatch
+from .batch import CONTEXT_CHUNK, DFlashBatch
 from ..target_parts import target_embedding_and_head
 from .features import final_norm_tap
 from .model import MUSE_ASSISTANT, UNSUPPORTED_ARCHITECTURES, Model, ModelArgs, canonical_name, config_layout
@@ -242,7 +242,7 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     return drafter
 
 
-CONTEXT_PREWARM = 512  # padded context counts pre-warmed: 1, 2, 4 .. 512 (a catch-up after a pause)
+CONTEXT_PREWARM = CONTEXT_CHUNK  # context counts pre-warmed: 1, 2, 4 .. 512 (longer appends go in chunks of 512)
 
 
 def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:

@@ -19,6 +19,8 @@ from ...hooks.transaction import CacheTransaction
 from ..base import DraftBatch, DraftState, Proposal, Verified
 from .features import target_features
 
+CONTEXT_CHUNK = 512  # the longest context append: longer ones go in chunks (DFlashBatch._append)
+
 if TYPE_CHECKING:
     from . import DFlashDrafter
 
@@ -97,13 +99,18 @@ class DFlashBatch(DraftBatch):
     def _append(self, caches: List[Any], feats: mx.array, counts: List[int]) -> None:
         """Append [B, width, F] features, keeping counts[b] positions of row b."""
         width = feats.shape[1]
+        chunk = width
         if self.drafter.shape_stable and width > 1:
-            # A catch-up after plain steps feeds any count; each new count would build new kernels.
-            padded = 1 << (width - 1).bit_length()
+            # A prompt or a catch-up after plain steps feeds any count, and each new count builds new kernels
+            # on CUDA: chunks of CONTEXT_CHUNK and a power-of-two tail, the counts prewarm() made at load.
+            tail = width % CONTEXT_CHUNK if width > CONTEXT_CHUNK else width
+            padded = width - tail + (1 << (tail - 1).bit_length() if tail else 0)
+            chunk = min(padded, CONTEXT_CHUNK)
             feats = mx.concatenate([feats, mx.zeros((feats.shape[0], padded - width, feats.shape[2]), feats.dtype)], axis=1)
             width = padded
         with CacheTransaction(caches) as txn:
-            self.drafter.append_context(caches, feats)
+            for start in range(0, width, chunk):
+                self.drafter.append_context(caches, feats[:, start:start + chunk])  # [B, <= chunk, F]
             txn.commit(counts, written=width)
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:

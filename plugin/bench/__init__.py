@@ -99,6 +99,9 @@ def add_command(subparsers: Any) -> None:
     run.add_argument("--compiled-forward", default="auto", choices=["auto", "on", "off"],
                      help="compiled verify forwards (plugin/compiled.py: the target's own forward through mx.compile, "
                           "padded caches; auto: on where MLX runs on CUDA); kernel_costs' *_kernel_off figures are plain")
+    run.add_argument("--compiled-widths", type=_ints, default=[2, 4, 8, 16, 32], metavar="W[,W...]",
+                     help="the input widths the compiled forwards take (default: the verify widths 2,4,8,16,32; "
+                          "add 1 for the host's one-token plain steps too)")
     run.add_argument("--cost-keys", default=None, metavar="L[,L...]|none",
                      help="also time the bare forwards (kernel_costs in the JSON) at these key lengths, besides each "
                           "prompt's key length at mid-decode (prompt + max-tokens/2, rounded up to 256), e.g. 8192,16384 (default: 8192,16384 on CUDA, none elsewhere; "
@@ -162,6 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         block_sizes=args.block_sizes, taus=taus, adaptive_taus=[t for t in args.adaptive_at if t is not None],
         prompt_lengths=args.prompt_lengths, max_tokens=args.max_tokens, padded=args.padded_cache, bucket=args.bucket,
         kernel=args.kernel, projection_kernel=args.projection_kernel, compiled_forward=args.compiled_forward,
+        compiled_widths=tuple(args.compiled_widths),
         quantize_bits=args.quantize_target,
         mlx_lm_spec=not args.no_mlx_lm_spec, draft_layers=args.draft_layers, dflash_layers=args.dflash_layers,
         seed=args.seed, cpu=args.cpu, drafters=args.drafter, prompts_file=args.prompts_file,

@@ -47,6 +47,7 @@ class BenchSettings:
     kernel: str = "auto"  # the short-query attention kernel (plugin/attention.py): auto | on | off
     projection_kernel: str = "auto"  # the verify-width matmul kernel (plugin/projections.py): auto | on | off
     compiled_forward: str = "auto"  # compiled verify forwards (plugin/compiled.py), padded caches only: auto | on | off
+    compiled_widths: Tuple[int, ...] = compiled.DEFAULT_WIDTHS  # the input widths compiled (1: plain steps too)
     quantize_bits: Optional[int] = None  # the target's weights quantized (group size 64) after loading
     mlx_lm_spec: bool = True
     draft_layers: int = 2
@@ -186,7 +187,8 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
     if padded:
         policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp, projections=proj,
                                                 forward=compiled.forward_for(cache_policy.PaddedKVCache,
-                                                                             s.compiled_forward, "--compiled-forward"))
+                                                                             s.compiled_forward, "--compiled-forward",
+                                                                             s.compiled_widths))
     elif disp is not None or proj is not None:
         policy = cache_policy.RoutedPolicy(disp, proj)
     fwd = policy.forward if policy is not None else None
@@ -267,6 +269,8 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         policy.prewarm(target.model, cap)
         for layers in layer_sets[1:]:
             cache_policy.prewarm_compiled(target.model, fwd, max_len, policy.widths(cap), layers)
+        if fwd is not None and 1 in fwd.widths:  # the host's plain steps record nothing
+            cache_policy.prewarm_compiled(target.model, fwd, max_len, [1], ())
         if "draft_model" in drafters:
             cache_policy.prewarm(drafters["draft_model"][1], max_len, [1, 2], s.bucket)
         if "dflash" in drafters:
