@@ -26,7 +26,8 @@
 #   bash bench/h200_attention.sh qmatmul             # MLX's 4-bit matmul by rows against its bytes (bench/quantized_matmul_cost.py)
 #   (TAG=-x names the 4-bit runs' JSONs ...-x.json)
 #   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off;
-#   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too)
+#   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too; PAIRED=5 repeats the paired regime 5 times, with
+#   its median: each repeat decodes every method once more per prompt length)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json (an e2e run's
 # printed lines also to h200-attention-e2e-RUN.log, which comes back when the call runs out of time); copy them to
 # bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
@@ -42,7 +43,7 @@ py -c "import mlx.core as mx; assert mx.cuda.is_available(), 'MLX-CUDA is not st
 FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16384 --widths 1,2,4,8,16,32
           --block 16 --dflash-layers 5 --iters 10 --kernel both)
 BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
-       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired --compiled-forward "${COMPILED:-auto}"
+       --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired "${PAIRED:-1}" --compiled-forward "${COMPILED:-auto}"
        --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys 4096,8192,16384)
 what=${1:-}; shift || true
 case "$what" in

@@ -163,3 +163,25 @@ def test_bench_paired_regime(tmp_path: Path) -> None:
                  "--block-sizes", "4", "--prompt-lengths", "64", "--max-tokens", "8", "--no-mlx-lm-spec",
                  "--cost-keys", "none", "--json", str(no_pairs)]) == 0
     assert list(json.loads(no_pairs.read_text())["results"]) == ["fresh", "warm"]
+
+
+def test_bench_repeated_paired_regime(tmp_path: Path) -> None:
+    """--paired 3: the paired regime three times (the order rotated once more each time) and 'paired median',
+    each method's middle run by tok/s per prompt, taken from those three."""
+    from mlx_speculative.hooks.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "draft_model", "--oracle-acceptance", "3",
+                 "--block-sizes", "4", "--prompt-lengths", "64,100", "--max-tokens", "8", "--no-mlx-lm-spec",
+                 "--cost-keys", "none", "--paired", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    regimes = ["paired", "paired 2", "paired 3"]
+    assert list(report["results"]) == ["fresh", "warm", *regimes, "paired median"]
+    assert set(report["regimes"]) == set(report["results"])
+    for name, med in report["results"]["paired median"].items():
+        runs = [report["results"][g][name]["tok_s_per_prompt"] for g in regimes]
+        assert med["tok_s_per_prompt"] == [sorted(x)[1] for x in zip(*runs)], name
+        assert med["prompt_lens"] == report["prompt_lengths"]["paired"]
+        if med["family"] == "spec":
+            assert med["identical_share"] == 1.0 and med["rounds"] > 0
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--prompt-lengths", "64", "--paired", "-1"]) != 0

@@ -108,10 +108,11 @@ def add_command(subparsers: Any) -> None:
                           "'none': none)")
     src.add_argument("--quantize-target", type=int, default=None, choices=[4, 8], metavar="BITS",
                      help="quantize the target's weights after loading (4 or 8 bits, group size 64)")
-    run.add_argument("--paired", action="store_true",
+    run.add_argument("--paired", nargs="?", type=int, const=1, default=0, metavar="N",
                      help="a third regime, paired: every method on the same prompt (the base length), after the "
                           "fresh and warm ones, the order rotating from prompt to prompt: ratios between methods "
-                          "compare like with like")
+                          "compare like with like. N > 1: the paired regime N times, its order rotated once more each "
+                          "time, and 'paired median': each method's middle run per prompt (an odd N)")
     run.add_argument("--no-mlx-lm-spec", action="store_true", help="skip mlx-lm's speculative_generate_step")
     run.add_argument("--cpu", action="store_true", help="run on the CPU")
     run.add_argument("--seed", type=int, default=0)
@@ -136,6 +137,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; expected at least 2")
     extra_keys = _cost_keys(args.cost_keys)
+    if args.paired < 0:
+        raise ValueError(f"--paired: got {args.paired}; expected the number of paired regimes (1 or more)")
     for b in args.block_sizes:
         if not 2 <= b <= 128:
             raise ValueError(f"--block-sizes: got {b}; allowed: 2 to 128")

@@ -25,7 +25,7 @@ from ...hooks import taps
 from ...hooks.state import CachePolicy, LoadedTarget
 from .. import attention, cache_policy, compiled, projections
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
-from .report import summarize
+from .report import paired_medians, summarize
 from . import kernels, real, synthetic
 
 
@@ -58,7 +58,7 @@ class BenchSettings:
     prompts_file: Optional[str] = None  # text prompts instead of random tokens (real.py)
     max_prompts: Optional[int] = None
     cost_keys: Optional[List[int]] = None  # extra key lengths of the bare forward costs; None: 8192,16384 on CUDA
-    paired: bool = False  # a third regime: every method on the same prompt per base
+    paired: int = 0  # paired regimes: every method on the same prompt per base (N > 1: and their median)
 
 
 def _progress(msg: str) -> None:
@@ -313,15 +313,17 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             refs[p, mi] = shared[L]
     # paired: method mi' of prompt p decodes the prompt of the method with the shortest length there
     first = [min(range(n), key=lambda mi: lengths[p][mi]) for p in range(len(lengths))]
-    regimes = ["fresh", "warm"] + (["paired"] if s.paired else [])
+    repeats = int(s.paired)
+    regimes = ["fresh", "warm"] + [f"paired {k + 1}" if k else "paired" for k in range(repeats)]
 
     runs: List[Run] = []
     done = 0
-    for regime in regimes:
+    for k, regime in enumerate(regimes):
+        paired = regime.startswith("paired")
         for p in range(len(lengths)):
-            for mi in (order[p] if regime != "paired" else [(j + p) % n for j in range(n)]):
+            for mi in (order[p] if not paired else [(j + p + k - 2) % n for j in range(n)]):
                 m = methods[mi]
-                src = first[p] if regime == "paired" else mi  # whose prompt (and reference) this run takes
+                src = first[p] if paired else mi  # whose prompt (and reference) this run takes
                 done += 1
                 L = lengths[p][src]
                 on_progress(f"{regime} {done}/{len(regimes) * total} {m.name} prompt {L}")
@@ -339,6 +341,8 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
                 runs.append(r)
                 tau = f" tau {1 + r.spec['accepted_tokens'] / r.spec['rounds']:.2f}" if r.spec and r.spec["rounds"] else ""
                 print(f"[run] {regime} L={L} {m.name}: {r.tok_s:.1f} tok/s{tau}", flush=True)
+    if repeats > 1:
+        runs += paired_medians(runs)
     run_keys = kernels.prompt_key_lengths(lengths, s.max_tokens)
     extra_keys = s.cost_keys if s.cost_keys is not None else \
         (kernels.EXTRA_KEYS_CUDA if cache_policy.backend() == "cuda" else [])

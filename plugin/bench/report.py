@@ -18,7 +18,24 @@ from .methods import Method, Run
 
 REGIMES = {"fresh": "key lengths never run before in this process", "warm": "the same lengths replayed",
            "paired": "every method on the same prompt per base (the shortest of its fresh lengths), after the fresh "
-                     "and warm regimes, the order rotating from prompt to prompt: ratios compare like with like"}
+                     "and warm regimes, the order rotating from prompt to prompt: ratios compare like with like",
+           "paired median": "each method's middle run (by tok/s) per prompt over the paired regimes"}
+
+
+def regime_note(regime: str) -> str:
+    if regime.startswith("paired ") and regime[7:].isdigit():
+        return f"the paired regime again (time {regime[7:]}), its order rotated once more"
+    return REGIMES[regime]
+
+
+def paired_medians(runs: List[Run]) -> List[Run]:
+    """Each method's middle run by tok/s per prompt over the paired regimes, as the regime 'paired median'."""
+    groups: Dict[Tuple[str, int], List[Run]] = {}
+    for r in runs:
+        if r.regime == "paired" or (r.regime.startswith("paired ") and r.regime[7:].isdigit()):
+            groups.setdefault((r.method, r.prompt_len), []).append(r)
+    return [dataclasses.replace(sorted(rs, key=lambda r: r.tok_s)[len(rs) // 2], regime="paired median")
+            for rs in groups.values()]
 
 
 def _per_position(spec: Dict[str, Any], drafted: List[int]) -> List[float]:
@@ -40,7 +57,7 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
 
     results: Dict[str, Any] = {}
     keys = kernels.prompt_key_lengths(lengths, s.max_tokens)  # [prompts], as kernel_costs timed them
-    present = [g for g in REGIMES if any(r.regime == g for r in runs)]
+    present = list(dict.fromkeys(r.regime for r in runs))  # in the order they ran, 'paired median' last
     for regime in present:
         rows: Dict[str, Any] = {}
         for m in methods:
@@ -120,7 +137,7 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
         "padded_cache": {"on": padded, "bucket": s.bucket, "prewarm_seconds": round(prewarm_s, 2)},
         "attention": attention or {"kernel": "off"},
         "prompt_lengths": {"bases": s.prompt_lengths, "per_method": {m.name: [lengths[p][i] for p in range(len(lengths))] for i, m in enumerate(methods)}},
-        "regimes": {g: REGIMES[g] for g in present},
+        "regimes": {g: regime_note(g) for g in present},
         "kernel_costs": costs,
         "results": results,
         "wall_seconds": round(wall_s, 1),
