@@ -185,3 +185,4 @@ def test_bench_repeated_paired_regime(tmp_path: Path) -> None:
         if med["family"] == "spec":
             assert med["identical_share"] == 1.0 and med["rounds"] > 0
     assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--prompt-lengths", "64", "--paired", "-1"]) != 0
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--prompt-lengths", "64", "--compiled-widths", "0"]) != 0

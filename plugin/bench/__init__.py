@@ -137,6 +137,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; expected at least 2")
     extra_keys = _cost_keys(args.cost_keys)
+    if not args.compiled_widths or not all(1 <= w <= 32 for w in args.compiled_widths):
+        raise ValueError(f"--compiled-widths: got {args.compiled_widths}; allowed: integers from 1 to 32")
     if args.paired < 0:
         raise ValueError(f"--paired: got {args.paired}; expected the number of paired regimes (1 or more)")
     for b in args.block_sizes:

@@ -30,10 +30,12 @@ def regime_note(regime: str) -> str:
 
 def paired_medians(runs: List[Run]) -> List[Run]:
     """Each method's middle run by tok/s per prompt over the paired regimes, as the regime 'paired median'."""
-    groups: Dict[Tuple[str, int], List[Run]] = {}
+    groups: Dict[Tuple[str, int], List[Run]] = {}  # (method, prompt index) -> its paired runs
+    seen: Dict[Tuple[str, str], int] = {}  # (regime, method) -> its runs so far: the next one's prompt index
     for r in runs:
         if r.regime == "paired" or (r.regime.startswith("paired ") and r.regime[7:].isdigit()):
-            groups.setdefault((r.method, r.prompt_len), []).append(r)
+            p = seen[r.regime, r.method] = seen.get((r.regime, r.method), -1) + 1
+            groups.setdefault((r.method, p), []).append(r)
     return [dataclasses.replace(sorted(rs, key=lambda r: r.tok_s)[len(rs) // 2], regime="paired median")
             for rs in groups.values()]
 
