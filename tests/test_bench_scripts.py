@@ -93,8 +93,9 @@ def test_dflash_block_profile(tmp_path: Path) -> None:
     assert r["keys"] == 40 and min(r["append_ms"], r["head_ms"], r["block_ms"]) > 0
     assert r["bytes"]["context_kv"] > 0 and r["bytes"]["drafter"] > r["bytes"]["context_kv"]
     total = sum(r["bytes"].values())
-    assert r["read_bound_ms"] == pytest.approx(total / (report["copy_gb_s"] * 1e9) * 1e3, rel=0.02)
-    assert r["read_share"] == pytest.approx(r["read_bound_ms"] / r["block_ms"], rel=0.02)
+    # the JSON rounds both to 3 decimals (the bandwidth to 1): a tiny drafter's bound is ~0.01 ms
+    assert r["read_bound_ms"] == pytest.approx(total / (report["copy_gb_s"] * 1e9) * 1e3, rel=0.02, abs=1e-3)
+    assert r["read_share"] == pytest.approx(r["read_bound_ms"] / r["block_ms"], rel=0.02, abs=2e-3)
 
 
 def test_host_split(tmp_path: Path) -> None:
