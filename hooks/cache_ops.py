@@ -1,4 +1,5 @@
-"""Small helpers shared by the cache-transaction handlers (``transaction``, ``rotating``, ``recurrent``)."""
+"""Small helpers shared by the cache-transaction handlers (``transaction``, ``rotating``, ``recurrent``), and
+``zeroed`` for the prewarms (plugin/cache_policy.py, drafters)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def handle(x: Optional[mx.array]) -> Optional[mx.array]:
     """A new array object sharing ``x``'s data: in-place writes (``a[i] = v``, ``a += 1``) to it
     copy instead of reaching ``x``, so a reference kept at begin stays the start state."""
     return None if x is None else mx.stop_gradient(x)
+
+
+def zeroed(caches: Sequence[Any], shapes: Sequence[Any], length: int, offset: int) -> None:
+    """Give each cache zero buffers of ``length`` positions (``shapes``: its (keys shape, values shape, dtype))
+    and ``offset``: the state a forward warming that key length starts from."""
+    for c, (ks, vs, dt) in zip(caches, shapes):
+        c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dt)
+        c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dt)
+        c.offset = offset
 
 
 def uniform(n: Lengths) -> Optional[int]:

@@ -52,6 +52,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from ..hooks.attention import MaskSpec, describe
 from ..hooks.batch import forward
+from ..hooks.cache_ops import zeroed
 from ..hooks.state import CachePolicy
 from ..hooks.transaction import BatchTrimHandler, TrimHandler
 from .attention import ROUTED_MIN_KEYS, Dispatcher, dispatcher_for
@@ -366,15 +367,6 @@ def prewarm(
             runs += 1
     mx.clear_cache()
     return runs
-
-
-def zeroed(caches: Sequence[Any], shapes: Sequence[Any], length: int, offset: int) -> None:
-    """Give each cache zero buffers of ``length`` positions (``shapes``: its (keys shape, values shape, dtype))
-    and ``offset``: the state a forward warming that key length starts from."""
-    for c, (ks, vs, dt) in zip(caches, shapes):
-        c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dt)
-        c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dt)
-        c.offset = offset
 
 
 def prewarm_compiled(model: Any, fwd: Any, max_tokens: int, widths: Iterable[int], layers: Sequence[int] = ()) -> int:

@@ -24,6 +24,7 @@ from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFami
 from ..checkpoint import load_into, read_tensors
 from ..compat import check_tokenizer, config_value
 from ...hooks import attention, loading
+from ...hooks.cache_ops import zeroed
 from .batch import CONTEXT_CHUNK, DFlashBatch
 from ..target_parts import target_embedding_and_head
 from .features import final_norm_tap
@@ -266,12 +267,12 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
             c.trim(c.offset)
         runs += 1
     model.append_context(mx.zeros((1, 1, taps), dtype), caches)
-    shapes = [(c.keys.shape, c.values.shape) for c in caches]
+    shapes = [(c.keys.shape, c.values.shape, dtype) for c in caches]
     for span in range(bucket, -(-max(bucket, max_tokens) // bucket) * bucket + 1, bucket):
         for w in widths:
             if w > span:
                 continue
-            _zeroed(caches, shapes, span, span - w, dtype)  # the block, written after the context, ends the bucket
+            zeroed(caches, shapes, span, span - w)  # the block, written after the context, ends the bucket
             mx.eval(model(emb[:, :w], caches, mx.array([w - 1])))
             runs += 1
     if drafter.compiler is not None:
@@ -289,22 +290,16 @@ def prewarm_compiled(drafter: DFlashDrafter, caches: List[Any], shapes: List[Any
     runs = 0
     for length in range(grow, -(-max(grow, max_tokens) // grow) * grow + 1, grow):
         for w in [1] + widths:
-            _zeroed(caches, shapes, length, length - w, dtype)
+            zeroed(caches, shapes, length, length - w)
             drafter.append_context(caches, mx.zeros((1, w, taps), dtype))
             mx.eval([c.keys for c in caches])
             runs += 1
             for per_row in ([None, mx.array([w - 1])] if w > 1 else []):
-                _zeroed(caches, shapes, length, length - w, dtype)
+                zeroed(caches, shapes, length, length - w)
                 mx.eval(drafter.block(caches, mx.zeros((1, w), dtype=mx.uint32), per_row), [c.keys for c in caches])
                 runs += 1
     return runs
 
-
-def _zeroed(caches: List[Any], shapes: List[Any], length: int, offset: int, dtype: mx.Dtype) -> None:
-    for c, (ks, vs) in zip(caches, shapes):
-        c.keys = mx.zeros((ks[0], ks[1], length, ks[3]), dtype)
-        c.values = mx.zeros((vs[0], vs[1], length, vs[3]), dtype)
-        c.offset = offset
 
 family = DrafterFamily(
     name="dflash",
