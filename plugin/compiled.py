@@ -241,7 +241,11 @@ def forward_for(cache_type: type, mode: Optional[str] = None, source: str = ENV,
                 widths: Sequence[int] = DEFAULT_WIDTHS) -> Optional[CompiledForward]:
     """A ``CompiledForward`` over ``cache_type`` caches where the mode says so, else None (the host's own forward).
     ``widths``: the input widths it takes (1 too: the host's one-token plain steps compiled)."""
-    bad = [w for w in widths if not 1 <= w <= 32]
-    if bad or not widths:
-        raise ValueError(f"compiled forward widths: got {list(widths)}; allowed: integers from 1 to 32")
+    check_widths(widths)
     return CompiledForward(cache_type, widths) if resolve_mode(mode, source) else None
+
+
+def check_widths(widths: Sequence[int], source: str = "compiled forward widths") -> None:
+    """The input widths a ``CompiledForward`` may take: 1 to 32 (the verify widths and one-token steps)."""
+    if not widths or not all(1 <= w <= 32 for w in widths):
+        raise ValueError(f"{source}: got {list(widths)}; allowed: integers from 1 to 32")

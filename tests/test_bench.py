@@ -165,7 +165,7 @@ def test_bench_paired_regime(tmp_path: Path) -> None:
     assert list(json.loads(no_pairs.read_text())["results"]) == ["fresh", "warm"]
 
 
-def test_bench_repeated_paired_regime(tmp_path: Path) -> None:
+def test_bench_repeated_paired_regime(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--paired 3: the paired regime three times (the order rotated once more each time) and 'paired median',
     each method's middle run by tok/s per prompt, taken from those three."""
     from mlx_speculative.hooks.cli import main
@@ -184,5 +184,8 @@ def test_bench_repeated_paired_regime(tmp_path: Path) -> None:
         assert med["prompt_lens"] == report["prompt_lengths"]["paired"]
         if med["family"] == "spec":
             assert med["identical_share"] == 1.0 and med["rounds"] > 0
+    capsys.readouterr()
     assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--prompt-lengths", "64", "--paired", "-1"]) != 0
+    assert "--paired: got -1; expected the number of paired regimes" in capsys.readouterr().err
     assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--prompt-lengths", "64", "--compiled-widths", "0"]) != 0
+    assert "--compiled-widths: got [0]; allowed: integers from 1 to 32" in capsys.readouterr().err

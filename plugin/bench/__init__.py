@@ -123,6 +123,7 @@ def add_command(subparsers: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from ..compiled import check_widths
     from .core import BenchSettings, run_bench
     from .report import format_table, plot, write_json
 
@@ -137,10 +138,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; expected at least 2")
     extra_keys = _cost_keys(args.cost_keys)
-    if not args.compiled_widths or not all(1 <= w <= 32 for w in args.compiled_widths):
-        raise ValueError(f"--compiled-widths: got {args.compiled_widths}; allowed: integers from 1 to 32")
+    check_widths(args.compiled_widths, "--compiled-widths")
     if args.paired < 0:
-        raise ValueError(f"--paired: got {args.paired}; expected the number of paired regimes (1 or more)")
+        raise ValueError(f"--paired: got {args.paired}; expected the number of paired regimes (0: none)")
     for b in args.block_sizes:
         if not 2 <= b <= 128:
             raise ValueError(f"--block-sizes: got {b}; allowed: 2 to 128")
