@@ -218,18 +218,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         report["by_keys"][str(keys)] = {}
         for how in a.linear:
             use(how)
-            if a.compiled != "on":
-                row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET),
+            for f in {"off": [None], "on": [fwd], "both": [None, fwd]}[a.compiled]:
+                drafter.compiler = f  # the drafter's block and context append compiled with the target's forwards
+                row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, f),
                        "dflash_round": drafter_split(drafter, keys, a.block, a.iters)}
-                report["by_keys"][str(keys)][how] = row
-                print(keys, how, json.dumps(row), flush=True)
-            if a.compiled != "off":
-                drafter.compiler = fwd  # the drafter's block and context append compiled, as under a compiling policy
-                row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, fwd),
-                       "dflash_round": drafter_split(drafter, keys, a.block, a.iters)}
-                drafter.compiler = None
-                report["by_keys"][str(keys)][how + "+compiled"] = row
-                print(keys, how + "+compiled", json.dumps(row), flush=True)
+                name = how if f is None else how + "+compiled"
+                report["by_keys"][str(keys)][name] = row
+                print(keys, name, json.dumps(row), flush=True)
+            drafter.compiler = None
     use("mlx")
     if disp is not None:
         report["attention"] = disp.report()

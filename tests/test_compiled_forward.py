@@ -1,7 +1,7 @@
 """Compiled verify forwards (plugin/compiled.py) compute the plain forward's function, token for token.
 
 Direct: for llama and qwen3 targets (fp32, CPU) the compiled forward over a padded cache gives the plain
-forward's logits, tapped hidden states and cache contents bit for bit, at widths 2..32 and offsets that
+forward's logits, tapped hidden states and cache contents bit for bit, at widths 1..32 and offsets that
 cross the buffer's growth steps, one trace serving every offset; with the attention routed through the
 kernel's stand-in the described bounds (device scalars) reach it. It declines what it cannot take (one
 position, other widths, batches, other caches, uneven offsets, switched off), and a model whose code
