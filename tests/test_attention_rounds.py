@@ -190,3 +190,42 @@ def test_dflash_rounds_through_the_dispatcher(padded: str, models: Dict[str, Any
     top = lambda x: x if isinstance(x, int) else max(x.tolist())  # noqa: E731
     blocks = [c for c in kernel.calls if isinstance(c[3], int) and c[3] >= top(c[2]) - 1]  # not causal
     assert blocks and any(isinstance(c[1], mx.array) for c in blocks)  # batched rows' left padding
+
+
+def test_dflash_chunked_context_alone_and_batched(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padded caches: a prompt's context longer than a chunk (4 here, 512 by default) goes in chunks and a
+    power-of-two tail (in a batch, each row's as it joins). The rounds, alone and batched, still equal plain
+    decoding, and the drafter drafts the same tokens as from one append (the same rounds and acceptance)."""
+    from mlx_speculative.drafters.dflash import DFlashDrafter
+    from mlx_speculative.drafters.dflash import batch as dflash_batch
+
+    appended: List[Tuple[int, int]] = []  # (rows, positions) of each context append
+    original = DFlashDrafter.append_context
+    monkeypatch.setattr(DFlashDrafter, "append_context", lambda self, caches, feats:
+                        appended.append(feats.shape[:2]) or original(self, caches, feats))
+    drafts: List[List[int]] = []  # every row's draft tokens, round by round: what the context makes
+    propose = dflash_batch.DFlashBatch.propose
+
+    def recorded(self: Any, rows: List[Any], max_drafts: List[int]) -> List[Any]:
+        out = propose(self, rows, max_drafts)
+        drafts.extend(p.tokens.tolist() if isinstance(p.tokens, mx.array) else list(p.tokens) for p in out)
+        return out
+
+    monkeypatch.setattr(dflash_batch.DFlashBatch, "propose", recorded)
+    m = models["llama"]
+    host, target, _, _ = routed_host(monkeypatch, "on", {"draft_model": str(models["dflash"]), "kind": "dflash"},
+                                     m["target"])
+    refs = [m["refs"][tuple(p)] for p in PROMPTS]
+    for batch in (False, True):
+        drafts.clear()
+        _, whole = decode(host, target, PROMPTS, batch)  # prompts shorter than 512: one append each
+        whole_drafts = list(drafts)
+        monkeypatch.setattr(dflash_batch, "CONTEXT_CHUNK", 4)
+        appended.clear()
+        drafts.clear()
+        tokens, totals = decode(host, target, PROMPTS, batch)
+        monkeypatch.setattr(dflash_batch, "CONTEXT_CHUNK", 512)
+        assert tokens == refs and totals["rounds"] > 0, batch
+        assert totals == whole and drafts == whole_drafts and drafts, (batch, totals, whole)
+        assert all(n <= 4 and n & (n - 1) == 0 for _, n in appended), appended
+        assert appended.count((1, 4)) >= 2  # a 7- and a 12-token prompt: several chunks each
