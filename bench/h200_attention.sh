@@ -79,6 +79,6 @@ case "$what" in
   cache-write)
     py bench/cache_write_cost.py | tee "$OUT/h200-cache-write.txt" ;;
   qmatmul)
-    py bench/quantized_matmul_cost.py --json "$OUT/h200-quantized-matmul-cost.json" ;;
+    py bench/quantized_matmul_cost.py --skeleton --json "$OUT/h200-quantized-matmul-cost${TAG:-}.json" ;;
   *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split | host-split-compiled | cache-write | qmatmul)"; exit 2 ;;
 esac

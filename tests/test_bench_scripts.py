@@ -131,9 +131,13 @@ def test_host_split_compiled(tmp_path: Path) -> None:
 
 def test_quantized_matmul_cost(tmp_path: Path) -> None:
     """bench/quantized_matmul_cost.py: MLX's 4-bit matmul and the dequantized bf16 one timed by rows, with the
-    quantized weights' bytes (4 bits + a bf16 scale and bias per 64) and their bound."""
+    quantized weights' bytes (4 bits + a bf16 scale and bias per 64) and their bound; --skeleton: the layers'
+    matmuls in a forward's order, both forms, by rows."""
     report = run("quantized_matmul_cost", ["--cpu", "--shapes", "k_proj/v_proj", "--rows", "1,8", "--chain", "2",
-                                           "--iters", "1"], tmp_path / "q.json")
+                                           "--iters", "1", "--skeleton"], tmp_path / "q.json")
+    sk = report["skeleton"]
+    assert sk["layers"] == 2 and set(sk["quantized_ms"]) == set(sk["bf16_ms"]) == {"1", "8"}
+    assert min(sk["quantized_ms"].values()) > 0 and min(sk["bf16_ms"].values()) > 0
     row = report["shapes"]["k_proj/v_proj"]
     assert row["quantized_bytes"] == 1024 * 4096 // 2 + 2 * 2 * 1024 * 4096 // 64
     assert set(row["quantized_ms"]) == set(row["dequantized_bf16_ms"]) == {"1", "8"} and row["bound_ms"] > 0
