@@ -46,8 +46,10 @@ def bandwidth_gbs(mib: int = 1024) -> float:
     return 2 * a.nbytes / ms / 1e6  # read + write
 
 
-def skeleton(layers: int, rows: List[int], iters: int, dims: Any) -> Dict[str, Any]:
-    """ms per synchronous graph of ``layers`` layers' matmuls in a forward's order, 4-bit and bf16, by rows."""
+def skeleton(layers: int, rows: List[int], iters: int, dims: Any,
+             kernels: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """ms per synchronous graph of ``layers`` layers' matmuls in a forward's order, 4-bit and bf16, by rows.
+    ``kernels``: {name: (x, (w, scales, biases)) -> y} timed too at 2 rows and more (bench/gpu_qmatmul_check.py)."""
     hidden, inter, kv = dims
     shapes = {"q": (hidden, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, hidden),
               "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
@@ -75,11 +77,16 @@ def skeleton(layers: int, rows: List[int], iters: int, dims: Any) -> Dict[str, A
     qmm = lambda x, w: mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4)  # noqa: E731
     bmm = lambda x, w: x @ w.T  # noqa: E731
     out: Dict[str, Any] = {"layers": layers, "quantized_ms": {}, "bf16_ms": {}}
+    for name in kernels or {}:
+        out[f"{name}_ms"] = {}
     for m in rows:
         x = (mx.random.normal((1, m, hidden)) * 0.1).astype(mx.bfloat16)
         mx.eval(x)
         out["quantized_ms"][str(m)] = round(timed(lambda: forward(x, qmm, q_layers), iters), 3)
         out["bf16_ms"][str(m)] = round(timed(lambda: forward(x, bmm, d_layers), iters), 3)
+        for name, f in (kernels or {}).items():
+            if m >= 2:
+                out[f"{name}_ms"][str(m)] = round(timed(lambda: forward(x, f, q_layers), iters), 3)
     return out
 
 

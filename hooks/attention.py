@@ -25,8 +25,10 @@ instance of THAT model (exactly that class: quantized and other layers keep thei
 ``__call__`` asks the dispatcher first, for inputs of ``dispatcher.rows`` = (min, max) rows where it has
 that attribute, and runs ``nn.Linear.__call__`` when it answers None; the bias is added after the
 dispatcher's product. A dispatcher with ``many(x, weights)`` also gets sibling layers multiplying the
-same x (q/k/v, gate/up: learned from the calls, see ``_Learner``) in one launch. Nothing is assigned to
-``mlx.nn`` or to any other model.
+same x (q/k/v, gate/up: learned from the calls, see ``_Learner``) in one launch. A dispatcher whose
+``routes_quantized`` is true also gets the model's ``nn.QuantizedLinear`` instances (exactly that class):
+their ``__call__`` asks ``dispatcher.quantized(x, layer)`` first and runs ``nn.QuantizedLinear.__call__``
+when it answers None. Nothing is assigned to ``mlx.nn`` or to any other model.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def routed(model: nn.Module) -> int:
 
 Projections = Callable[[mx.array, mx.array], Optional[mx.array]]  # (x [..., K], weight [N, K]) -> [..., N] | None
 _linear_classes: Dict[int, Tuple[Projections, type]] = {}
+_quantized_classes: Dict[int, Tuple[Any, type]] = {}
 
 
 class _Siblings:
@@ -250,21 +253,55 @@ def _routed_linear(dispatcher: Projections) -> type:
     return made
 
 
+def _routed_quantized(dispatcher: Any) -> type:
+    """The ``nn.QuantizedLinear`` subclass asking ``dispatcher.quantized`` first (one per dispatcher)."""
+    entry = _quantized_classes.get(id(dispatcher))
+    if entry is not None and entry[0] is dispatcher:
+        return entry[1]
+    qlinear = nn.QuantizedLinear.__call__
+
+    def __call__(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
+        if self._spec_min_size <= x.size <= self._spec_max_size:
+            y = dispatcher.quantized(x, self)
+            if y is not None:
+                return y + self["bias"] if "bias" in self else y
+        return qlinear(self, x)
+
+    made = type("QuantizedLinear", (nn.QuantizedLinear,), {"__call__": __call__, "_spec_projections": dispatcher})
+    made.__module__, made.__qualname__ = nn.QuantizedLinear.__module__, nn.QuantizedLinear.__qualname__
+    _quantized_classes[id(dispatcher)] = (dispatcher, made)
+    return made
+
+
+def _routed(m: nn.Module) -> bool:
+    return "_spec_projections" in vars(type(m))
+
+
 def route_projections(model: nn.Module, dispatcher: Optional[Projections]) -> int:
     """Route the ``nn.Linear`` layers of ``model`` (this instance only) through ``dispatcher``; returns how
     many run under it; None routes nothing. Idempotent; a later dispatcher replaces an earlier one."""
     if dispatcher is None:
         return 0
     cls = _routed_linear(dispatcher)
+    qcls = _routed_quantized(dispatcher) if getattr(dispatcher, "routes_quantized", False) else None
     lo, hi = getattr(dispatcher, "rows", (1, 1 << 40))
     n = 0
     for m in model.modules():
-        if type(m) is nn.Linear or "_spec_projections" in vars(type(m)):
+        quantized = isinstance(m, nn.QuantizedLinear) and (type(m) is nn.QuantizedLinear or _routed(m))
+        if quantized:
+            if qcls is None:
+                if _routed(m):  # routed by an earlier dispatcher: back to mlx's class
+                    m.__class__ = nn.QuantizedLinear
+                continue
+            k = m["weight"].shape[1] * 32 // m.bits
+        elif type(m) is nn.Linear or (_routed(m) and isinstance(m, nn.Linear)):
             k = m["weight"].shape[1]
-            m._spec_min_size, m._spec_max_size = lo * k, hi * k  # ints: plain instance attributes
-            m._spec_sib = _Siblings()
-            m.__class__ = cls
-            n += 1
+        else:
+            continue
+        m._spec_min_size, m._spec_max_size = lo * k, hi * k  # ints: plain instance attributes
+        m._spec_sib = _Siblings()
+        m.__class__ = qcls if quantized else cls
+        n += 1
     return n
 
 
@@ -272,13 +309,13 @@ def unroute_projections(model: nn.Module) -> int:
     """Give ``model``'s projections back to ``nn.Linear``; returns how many modules changed."""
     n = 0
     for m in model.modules():
-        if "_spec_projections" in vars(type(m)):
-            m.__class__ = nn.Linear
+        if _routed(m):
+            m.__class__ = nn.QuantizedLinear if isinstance(m, nn.QuantizedLinear) else nn.Linear
             del m._spec_min_size, m._spec_max_size, m._spec_sib
             n += 1
     return n
 
 
 def routed_projections(model: nn.Module) -> int:
-    """How many ``nn.Linear`` layers of ``model`` ask a dispatcher first."""
-    return sum(1 for m in model.modules() if "_spec_projections" in vars(type(m)))
+    """How many ``nn.Linear`` (and ``nn.QuantizedLinear``) layers of ``model`` ask a dispatcher first."""
+    return sum(1 for m in model.modules() if _routed(m))

@@ -17,32 +17,49 @@ round waits for, drops by several milliseconds.
 
 On by default where the kernel runs (MLX built with CUDA, GPU default device); off on CPU and Metal.
 ``MLX_SPEC_PROJECTION_KERNEL`` = auto | on | off overrides (on: an error where the kernel cannot run).
+
+4-bit layers (``nn.QuantizedLinear``, affine, group 32 / 64 / 128): ``quantized(x, layer)`` answers from
+plugin/cuda_qmatmul.py's kernel for 2..32 rows. Off unless ``MLX_SPEC_QUANTIZED_KERNEL=on``: the kernel has
+not yet passed bench/gpu_qmatmul_check.py on the device.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import cuda_matmul
+from . import cuda_matmul, cuda_qmatmul
 from .attention import kernel_mode
 
 ENV = "MLX_SPEC_PROJECTION_KERNEL"
+QUANTIZED_ENV = "MLX_SPEC_QUANTIZED_KERNEL"
 # (x, w) -> (kernel, keyword arguments) or None: cuda_matmul.plan's contract
 Planner = Callable[[mx.array, mx.array], Optional[Tuple[Any, Dict[str, Any]]]]
 # (x, [w, ...]) -> the same for one launch over several weights: cuda_matmul.plan_many's contract
 ManyPlanner = Callable[[mx.array, Sequence[mx.array]], Optional[Tuple[Any, Dict[str, Any]]]]
+# (x, an nn.QuantizedLinear) -> (kernel, keyword arguments) or None; the launch takes [x, weight, scales, biases]
+QuantizedPlanner = Callable[[mx.array, Any], Optional[Tuple[Any, Dict[str, Any]]]]
+
+
+def plan_quantized(x: mx.array, layer: Any) -> Optional[Tuple[Any, Dict[str, Any]]]:
+    """cuda_qmatmul.plan for an ``nn.QuantizedLinear``'s arrays."""
+    return cuda_qmatmul.plan(x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
+                             getattr(layer, "mode", "affine"))
 
 
 class Projections:
     """``(x, weight) -> x @ weight.T`` for routed ``nn.Linear`` layers, or None (the layer's own matmul)."""
 
     def __init__(self, planner: Planner = cuda_matmul.plan, name: str = "cuda_matmul.mm",
-                 planner_many: Optional[ManyPlanner] = cuda_matmul.plan_many):
+                 planner_many: Optional[ManyPlanner] = cuda_matmul.plan_many,
+                 planner_quantized: Optional[QuantizedPlanner] = None):
         self.planner = planner
         self.planner_many = planner_many
+        self.planner_quantized = planner_quantized
+        self.routes_quantized = planner_quantized is not None  # the host routes nn.QuantizedLinear too
         self.max_weights = cuda_matmul.MAX_WEIGHTS
         self.name = name
         self.rows = (2, cuda_matmul.MAX_ROWS)  # the routed layers ask only for inputs of these many rows
@@ -68,15 +85,27 @@ class Projections:
         kernel, args = launch
         return kernel(inputs=[x, *ws], **args)
 
+    def quantized(self, x: mx.array, layer: Any) -> Optional[mx.array]:
+        """x @ dequantize(layer).T for a routed ``nn.QuantizedLinear``, or None (the layer's own)."""
+        launch = self.planner_quantized(x, layer) if self.enabled and self.planner_quantized is not None else None
+        if launch is None:
+            self.counts["mlx"] += 1
+            return None
+        self.counts["kernel"] += 1
+        self.counts["quantized"] += 1
+        kernel, args = launch
+        return kernel(inputs=[x, layer["weight"], layer["scales"], layer["biases"]], **args)[0]
+
     def report(self) -> Dict[str, Any]:
         total = sum(self.counts.values())
         return {"kernel": self.name, "enabled": self.enabled, "calls": dict(self.counts),
                 "kernel_share": round(self.counts["kernel"] / total, 4) if total else None}
 
 
-def stand_in() -> Projections:
+def stand_in(quantized: bool = False) -> Projections:
     """A dispatcher with the kernel's contract on any device (float32 MLX matmul, any float dtype):
-    exercises the routing where the kernel cannot run (the CPU tests)."""
+    exercises the routing where the kernel cannot run (the CPU tests). ``quantized``: 4-bit layers too
+    (cuda_qmatmul.reference)."""
 
     def planner_many(x: mx.array, ws: Sequence[mx.array]) -> Optional[Tuple[Any, Dict[str, Any]]]:
         rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
@@ -85,7 +114,15 @@ def stand_in() -> Projections:
             return None
         return (lambda inputs: [cuda_matmul.reference(inputs[0], w) for w in inputs[1:]]), {}
 
-    return Projections(lambda x, w: planner_many(x, [w]), "cuda_matmul.reference", planner_many)
+    def planner_quantized(x: mx.array, layer: Any) -> Optional[Tuple[Any, Dict[str, Any]]]:
+        rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+        if not 2 <= rows <= cuda_matmul.MAX_ROWS or layer.bits != cuda_qmatmul.BITS or "biases" not in layer or \
+                layer.group_size not in cuda_qmatmul.GROUP_SIZES or getattr(layer, "mode", "affine") != "affine":
+            return None
+        return (lambda inputs: [cuda_qmatmul.reference(*inputs, layer.group_size)]), {}
+
+    return Projections(lambda x, w: planner_many(x, [w]), "cuda_matmul.reference", planner_many,
+                       planner_quantized if quantized else None)
 
 
 def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
@@ -93,6 +130,19 @@ def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
     return kernel_mode(mode, ENV, source, "the projection kernel")
 
 
+def quantized_on() -> bool:
+    """$MLX_SPEC_QUANTIZED_KERNEL = on | off (default off): whether 4-bit layers are routed too."""
+    value = os.environ.get(QUANTIZED_ENV, "off").strip().lower() or "off"
+    if value not in ("on", "off"):
+        raise ValueError(f"{QUANTIZED_ENV}: got {value!r}; allowed: on, off")
+    if value == "on" and not cuda_qmatmul.available():
+        raise ValueError(f"{QUANTIZED_ENV}=on: the 4-bit kernel needs MLX built with CUDA and the GPU as the default "
+                         f"device; allowed here: off")
+    return value == "on"
+
+
 def projections_for(mode: Optional[str] = None, source: str = ENV) -> Optional[Projections]:
     """The CUDA kernel's dispatcher where the mode says so, else None (mlx's matmuls)."""
-    return Projections() if resolve_mode(mode, source) else None
+    if not resolve_mode(mode, source):
+        return None
+    return Projections(planner_quantized=plan_quantized if quantized_on() else None)

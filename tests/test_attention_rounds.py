@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm import load
 
@@ -62,11 +63,11 @@ def long_prompt() -> List[int]:
 
 
 def routed_host(monkeypatch: pytest.MonkeyPatch, padded: str, speculative: Dict[str, Any],
-                path: Path) -> Tuple[Any, Any, attention.Dispatcher, StandIn]:
+                path: Path, quantized: bool = False) -> Tuple[Any, Any, attention.Dispatcher, StandIn]:
     """A host whose speculative plugin hands it a policy carrying the stand-in's dispatcher."""
     kernel = StandIn()
     disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
-    proj = projections.stand_in()  # the projections too, as on MLX-CUDA
+    proj = projections.stand_in(quantized)  # the projections too, as on MLX-CUDA (4-bit layers: MLX_SPEC_QUANTIZED_KERNEL=on)
     monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None, **_: disp)
     monkeypatch.setattr(cache_policy, "projections_for", lambda mode=None, **_: proj)
     monkeypatch.setenv(cache_policy.ENV, padded)
@@ -229,3 +230,30 @@ def test_dflash_chunked_context_alone_and_batched(models: Dict[str, Any], monkey
         assert totals == whole and drafts == whole_drafts and drafts, (batch, totals, whole)
         assert all(n <= 4 and n & (n - 1) == 0 for _, n in appended), appended
         assert appended.count((1, 4)) >= 2  # a 7- and a 12-token prompt: several chunks each
+
+
+@pytest.mark.parametrize("padded", ["on", "off"])
+def test_quantized_target_rounds_equal_plain_decoding(padded: str, models: Dict[str, Any], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-bit target (mlx-lm's convert, affine, group 32) with its 4-bit layers routed too (the kernel's
+    reference in its place): the verify forwards' projections reach it, the one-token steps keep MLX's
+    quantized matmul, and the rounds (alone and batched) equal mlx-lm's greedy decoding of an unrouted copy."""
+    from mlx_lm import convert
+
+    quantized = tmp_path / "llama-4bit"
+    convert(str(models["llama"]["target"]), str(quantized), quantize=True, q_group_size=32, q_bits=4)
+    plain, _ = load(str(quantized))
+    refs = [greedy_reference(plain, p, MAX_TOKENS) for p in PROMPTS]
+    host, target, disp, kernel = routed_host(monkeypatch, padded, {"draft_model": str(models["llama"]["drafter"])},
+                                             quantized, quantized=True)
+    assert sum(1 for m in target.model.modules() if isinstance(m, nn.QuantizedLinear)) == \
+        host_attention.routed_projections(target.model) > 0
+    totals = {"zero": 0, "partial": 0, "full": 0}
+    for batch in (False, True):
+        tokens, t = decode(host, target, PROMPTS, batch)
+        assert tokens == refs, (padded, batch)
+        for key in totals:
+            totals[key] += t[key]
+    counts = target.cache_policy.projections.counts
+    assert counts["quantized"] > 0 and counts["mlx"] == 0, counts
+    assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals

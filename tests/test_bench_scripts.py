@@ -158,3 +158,15 @@ def test_demo_target_sweep(tmp_path: Path) -> None:
         sweep.variant("stepz=3", sweep.pretrain.TargetOptions())
     with pytest.raises(SystemExit, match="steps got 'x'; expected a int"):
         sweep.variant("steps=x", sweep.pretrain.TargetOptions())
+
+
+def test_gpu_qmatmul_check_with_the_reference(tmp_path: Path) -> None:
+    """bench/gpu_qmatmul_check.py's plumbing on the CPU (the reference in the kernel's place): every group size
+    that divides K checked against MLX's quantized matmul, and the skeleton timed with the kernel's column."""
+    out = tmp_path / "q.json"
+    assert script("gpu_qmatmul_check").main(["--reference", "--layers", "1", "--iters", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["kernel"] == "reference"
+    assert {r["group_size"] for r in report["results"]} == {32, 64} and {r["dtype"] for r in report["results"]} == \
+        {"mlx.core.bfloat16", "mlx.core.float16"}
+    assert set(report["skeleton"]["kernel_ms"]) == {"2", "4", "8", "16", "32"} and "1" in report["skeleton"]["quantized_ms"]

@@ -194,3 +194,58 @@ def test_modes_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         projections.projections_for()
     monkeypatch.setenv(projections.ENV, "off")
     assert cache_policy.policy_for() is None  # nothing to route on the CPU
+
+
+def quantized_linears(model: nn.Module) -> List[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.QuantizedLinear)]
+
+
+def test_quantized_layers_route_only_where_the_dispatcher_takes_them() -> None:
+    """A 4-bit model (affine, group 32): a dispatcher that routes 4-bit layers gets its verify-width calls,
+    answered by the kernel's reference, and the forwards match the unrouted copy's; one that does not
+    leaves (or gives back) ``nn.QuantizedLinear``; nothing else changes class."""
+    config = tm.llama_config(num_hidden_layers=2)
+    mx.random.seed(4)
+    routed_model, other = tm.build_model(config), tm.build_model(config)
+    other.update(routed_model.parameters())
+    for m in (routed_model, other):
+        nn.quantize(m, group_size=32, bits=4)
+    qcall = nn.QuantizedLinear.__call__
+    want = forwards(other)
+    n = len(quantized_linears(routed_model))
+    assert n == 2 * 7 + 1 and not linears(routed_model)
+    assert host_attention.route_projections(routed_model, projections.stand_in()) == 0  # 4-bit layers not taken
+    assert all(type(m) is nn.QuantizedLinear for m in quantized_linears(routed_model))
+    disp = projections.stand_in(quantized=True)
+    assert host_attention.route_projections(routed_model, disp) == n
+    assert host_attention.routed_projections(routed_model) == n and host_attention.routed_projections(other) == 0
+    got = forwards(routed_model)
+    for w, g in zip(want, got):
+        assert w.shape == g.shape and mx.allclose(w, g, atol=1e-4, rtol=1e-4).item()
+    assert disp.counts == {"kernel": 2 * n, "quantized": 2 * n}, disp.counts  # the 16- and 32-position forwards
+    assert nn.QuantizedLinear.__call__ is qcall and "_spec_projections" not in vars(nn.QuantizedLinear)
+    assert all(type(m) is nn.QuantizedLinear for m in quantized_linears(other))
+    # A 4-bit layer of another kind (8 bits) is asked and declined: mlx's own matmul, the same numbers.
+    eight = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=8)
+    assert host_attention.route_projections(nn.Sequential(eight), disp) == 1
+    x = mx.random.normal((4, 64))
+    assert mx.array_equal(eight(x), qcall(eight, x)).item() and disp.counts["mlx"] == 1
+    # A dispatcher without 4-bit routing gives the layers back; unrouting too.
+    assert host_attention.route_projections(routed_model, projections.stand_in()) == 0
+    assert all(type(m) is nn.QuantizedLinear for m in quantized_linears(routed_model))
+    assert host_attention.route_projections(routed_model, disp) == n
+    assert host_attention.unroute_projections(routed_model) == n
+    assert all(type(m) is nn.QuantizedLinear for m in quantized_linears(routed_model))
+    for w, g in zip(want, forwards(routed_model)):
+        assert mx.array_equal(w, g).item()
+
+
+def test_the_quantized_mode_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(projections.QUANTIZED_ENV, raising=False)
+    assert projections.quantized_on() is False
+    monkeypatch.setenv(projections.QUANTIZED_ENV, "on")
+    with pytest.raises(ValueError, match="allowed here: off"):
+        projections.quantized_on()
+    monkeypatch.setenv(projections.QUANTIZED_ENV, "maybe")
+    with pytest.raises(ValueError, match="allowed: on, off"):
+        projections.quantized_on()
