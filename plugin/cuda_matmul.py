@@ -98,6 +98,10 @@ MAIN = r"""
         }
       }
   }
+"""
+# the S warps' partial sums [S][MT*16][NB] meet in shared memory; row r, column n0 + col goes to yp[r * N + n]
+# (shared with plugin/cuda_qmatmul.py)
+REDUCE = r"""
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* red = reinterpret_cast<float*>(smem_raw);  // [S][MT * 16][P]
 #pragma unroll
@@ -121,6 +125,8 @@ MAIN = r"""
     if (n < N) yp[(long long)r * N + n] = static_cast<T>(acc);
   }
 """
+MAIN += REDUCE
+
 
 _KERNELS: Dict[tuple, object] = {}
 _LAUNCH: Dict[tuple, object] = {}

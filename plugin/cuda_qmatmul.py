@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from .cuda_attention import available
 from .cuda_attention_src import compact, dtype_consts
-from .cuda_matmul import DTYPES, HEADER, MAX_ROWS, shared_bytes
+from .cuda_matmul import DTYPES, HEADER, MAX_ROWS, REDUCE, shared_bytes
 
 BITS = 4
 GROUP_SIZES = (32, 64, 128)  # a lane's 32 codes of a step lie in one group
@@ -38,6 +38,7 @@ GROUP_SIZES = (32, 64, 128)  # a lane's 32 codes of a step lie in one group
 # k + 8 m of rows 16 i + g and 16 i + g + 8. Code pair i = (e_i, e_i+4) meets x pair (k_i, k_i+4): chunk m's
 # first mma takes pairs 0, 1 (a0/a1 rows g/g+8, a2/a3), its second pairs 2, 3; a bijection of the chunk's 8 k.
 MAIN = r"""
+  T* yp = y;
   constexpr int NB = 8 * G;
   constexpr int P = NB + 1;
   long long nrows = 1;
@@ -109,29 +110,8 @@ MAIN = r"""
       }
     }
   }
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* red = reinterpret_cast<float*>(smem_raw);  // [S][MT * 16][P]
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-      float* r0 = red + (warp * MT * 16 + i * 16 + g) * P + j * 8 + t * 2;
-      r0[0] = c[i][j][0];
-      r0[1] = c[i][j][1];
-      r0[8 * P] = c[i][j][2];
-      r0[8 * P + 1] = c[i][j][3];
-    }
-  __syncthreads();
-  const int rows = M < MT * 16 ? M : MT * 16;
-  for (int e = threadIdx.x; e < rows * NB; e += S * 32) {
-    const int r = e / NB, col = e - r * NB;
-    float acc = 0.f;
-#pragma unroll
-    for (int w2 = 0; w2 < S; ++w2) acc += red[(w2 * MT * 16 + r) * P + col];
-    const int n = n0 + col;
-    if (n < N) y[(long long)r * N + n] = static_cast<T>(acc);
-  }
 """
+
 
 # (G, S): column groups of 8 per warp, warps per block (K splits); cuda_matmul's shape, not yet swept for 4 bits
 SHAPE = (2, 8)
@@ -156,7 +136,7 @@ def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, group_siz
         _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"spec_qmm4_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_g{group_size}",
             input_names=["x", "w", "scales", "biases"], output_names=["y"],
-            source=_consts(bf, row_tiles, groups, splits, group_size) + compact(MAIN), header=compact(HEADER),
+            source=_consts(bf, row_tiles, groups, splits, group_size) + compact(MAIN + REDUCE), header=compact(HEADER),
             shared_memory=shared_bytes(row_tiles, groups, splits))
     return _KERNELS[key]
 
