@@ -29,7 +29,8 @@
 #   (MLX_SPEC_QUANTIZED_KERNEL=on routes the 4-bit target's verify-width projections through plugin/cuda_qmatmul.py)
 #   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off;
 #   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too; PAIRED=5 repeats the paired regime 5 times, with
-#   its median: each repeat decodes every method once more per prompt length)
+#   its median: each repeat decodes every method once more per prompt length; SEED=N draws other weights, prompts and
+#   oracle acceptance sequences: with the default 0 every run repeats the same draws, each prompt the same tau)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json (an e2e run's
 # printed lines also to h200-attention-e2e-RUN.log, which comes back when the call runs out of time); copy them to
 # bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
@@ -46,7 +47,7 @@ FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16
           --block 16 --dflash-layers 5 --iters 10 --kernel both)
 BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
        --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired "${PAIRED:-1}" --compiled-forward "${COMPILED:-auto}"
-       --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys 4096,8192,16384)
+       --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys 4096,8192,16384 --seed "${SEED:-0}")
 what=${1:-}; shift || true
 case "$what" in
   check)
