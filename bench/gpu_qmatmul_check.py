@@ -13,6 +13,7 @@ Cost: the matmuls of ``--layers`` llama-8B layers in a forward's order (bench/qu
 skeleton, one synchronous graph), MLX's 4-bit matmul, the same weights dequantized to bf16, and the kernel,
 at 1..32 rows.
 
+``--sweep``: the skeleton also with each kernel shape (G, S) of ``VARIANTS``.
 ``--reference``: the kernel's float32 reference in its place, on any device (checks this script).
 """
 
@@ -36,6 +37,7 @@ from mlx_speculative.plugin import cuda_qmatmul  # noqa: E402
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096), "odd": (1000, 512), "small": (24, 64)}
 ROWS = [2, 3, 4, 7, 8, 15, 16, 17, 24, 31, 32]
+VARIANTS = [(1, 8), (2, 8), (4, 8), (1, 16), (2, 16), (4, 16), (1, 32), (2, 4)]  # (G, S): columns / 8, warps a block
 
 
 def check(dtype: mx.Dtype, qmm: Callable[..., mx.array], shapes: Dict[str, Any], rows_list: List[int],
@@ -66,6 +68,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=32, help="layers in the timed skeleton (default 32)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sweep", action="store_true", help="the skeleton with each (G, S) of VARIANTS too")
     p.add_argument("--reference", action="store_true", help="the reference in the kernel's place (any device)")
     p.add_argument("--out", help="write the results here (JSON)")
     a = p.parse_args(argv)
@@ -85,8 +88,10 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{max(r['error'] for r in results):.2e} (MLX's own worst {max(r['mlx_error'] for r in results):.2e})", flush=True)
     for r in bad[:10]:
         print("FAIL", json.dumps(r), flush=True)
-    kernel = lambda x, w: qmm(x, *w, 64)  # noqa: E731 - the skeleton's weights: group 64
-    costs = skeleton(a.layers, [1, 2, 4, 8, 16, 32], a.iters, dims, {"kernel": kernel})
+    kernels: Dict[str, Callable[..., mx.array]] = {"kernel": lambda x, w: qmm(x, *w, 64)}  # the skeleton's: group 64
+    if a.sweep and not a.reference:
+        kernels.update({f"kernel_g{g}_s{s}": (lambda x, w, v=(g, s): qmm(x, *w, 64, shape=v)) for g, s in VARIANTS})
+    costs = skeleton(a.layers, [1, 2, 4, 8, 16, 32], a.iters, dims, kernels)
     print("skeleton", json.dumps(costs), flush=True)
     report = {"device": str(mx.default_device()), "mlx": mx.__version__, "kernel": "reference" if a.reference else "cuda_qmatmul.qmm",
               "passed": not bad, "cases": len(results), "failures": bad, "results": results, "skeleton": costs}

@@ -25,7 +25,7 @@
 #   bash bench/h200_attention.sh cache-write         # K/V writes at a device-scalar offset (bench/cache_write_cost.py)
 #   bash bench/h200_attention.sh qmatmul             # MLX's 4-bit matmul by rows against its bytes (bench/quantized_matmul_cost.py)
 #   bash bench/h200_attention.sh qcheck              # the 4-bit projection kernel against MLX (bench/gpu_qmatmul_check.py)
-#   (TAG=-x names the 4-bit runs' JSONs ...-x.json)
+#   (TAG=-x names the 4-bit, matmul and qcheck runs' JSONs ...-x.json; SWEEP=1 runs matmul / qcheck with --sweep)
 #   (MLX_SPEC_QUANTIZED_KERNEL=on routes the 4-bit target's verify-width projections through plugin/cuda_qmatmul.py)
 #   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off;
 #   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too; PAIRED=5 repeats the paired regime 5 times, with
@@ -74,7 +74,7 @@ case "$what" in
     py bench/dflash_block_profile.py --keys 4096,16384 --padded --kernel on --json "$OUT/h200-dflash-block-profile-padded-kernel.json" | tail -30
     py bench/dflash_block_profile.py --keys 4096,16384 --padded --json "$OUT/h200-dflash-block-profile-padded.json" | tail -30 ;;
   matmul)
-    py bench/gpu_matmul_check.py --out "$OUT/h200-matmul-check.json" | tail -12 ;;
+    py bench/gpu_matmul_check.py ${SWEEP:+--sweep} --out "$OUT/h200-matmul-check${TAG:-}.json" | tail -12 ;;
   host-split)
     py bench/host_split.py --keys 4096,16384 --linear mlx,kernel --json "$OUT/h200-host-split-projections.json" | tail -8 ;;
   host-split-compiled)
@@ -82,7 +82,7 @@ case "$what" in
   cache-write)
     py bench/cache_write_cost.py | tee "$OUT/h200-cache-write.txt" ;;
   qcheck)
-    py bench/gpu_qmatmul_check.py --out "$OUT/h200-qmatmul-check${TAG:-}.json" | tail -12 ;;
+    py bench/gpu_qmatmul_check.py ${SWEEP:+--sweep} --out "$OUT/h200-qmatmul-check${TAG:-}.json" | tail -12 ;;
   qmatmul)
     py bench/quantized_matmul_cost.py --skeleton --json "$OUT/h200-quantized-matmul-cost${TAG:-}.json" ;;
   *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split | host-split-compiled | cache-write | qmatmul | qcheck)"; exit 2 ;;
