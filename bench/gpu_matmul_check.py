@@ -94,7 +94,7 @@ CHAINS = {"q/o": [(4096, 4096)], "gate/up+down": [(14336, 4096), (4096, 14336)],
 # the second line: more blocks and more warps per SM (bytes in flight: the 16-row chains ran at ~50% of the
 # copy bandwidth with (2, 8, 1), 16 warps an SM)
 VARIANTS = [(2, 8, 1), (4, 4, 2), (4, 4, 4), (4, 8, 4), (8, 4, 2), (4, 16, 2), (2, 4, 4), (4, 2, 4),
-            (1, 8, 1), (1, 16, 1), (2, 16, 1), (1, 16, 2), (2, 16, 2), (1, 32, 1)]
+            (1, 8, 1), (1, 16, 1), (2, 16, 1), (1, 16, 2), (2, 16, 2), (1, 32, 1), (1, 8, 4), (1, 16, 4), (2, 8, 2)]
 
 
 def per_call(t: Dict[str, float], calls: int) -> Dict[str, float]:
