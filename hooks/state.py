@@ -55,7 +55,8 @@ class CachePolicy:
     # only), and drafters route their own models. None: mlx-lm's own attention.
     attention: Optional[Callable[..., Any]] = None
     # A projection dispatcher, (x, weight) -> x @ weight.T or None (mlx's own matmul): the host routes
-    # the loaded target's nn.Linear layers through it (``hooks.attention.route_projections``), and
+    # the loaded target's nn.Linear layers through it (``hooks.attention.route_projections``; its
+    # nn.QuantizedLinear layers too where ``routes_quantized``, asking ``quantized(x, layer)``), and
     # drafters route their own models. None: mlx's matmuls.
     projections: Optional[Callable[..., Any]] = None
     # A forward for the target's decode-batch calls (rounds' verify forwards), ``(model, inputs [B, W], cache,
