@@ -143,8 +143,7 @@ def routed(model: nn.Module) -> int:
 # -- projections ----------------------------------------------------------------------------
 
 Projections = Callable[[mx.array, mx.array], Optional[mx.array]]  # (x [..., K], weight [N, K]) -> [..., N] | None
-_linear_classes: Dict[int, Tuple[Projections, type]] = {}
-_quantized_classes: Dict[int, Tuple[Any, type]] = {}
+_routed_classes: Dict[Tuple[type, int], Tuple[Any, type]] = {}  # (base, id(dispatcher)) -> (dispatcher, class)
 
 
 class _Siblings:
@@ -229,48 +228,39 @@ def _same(a: Tuple[nn.Linear, ...], b: Tuple[nn.Linear, ...]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-def _routed_linear(dispatcher: Projections) -> type:
-    """The ``nn.Linear`` subclass asking ``dispatcher`` first (one per dispatcher)."""
-    entry = _linear_classes.get(id(dispatcher))
+def _routed_class(base: type, dispatcher: Any,
+                  make_project: Callable[[], Callable[[nn.Module, mx.array], Optional[mx.array]]]) -> type:
+    """The subclass of ``base`` (``nn.Linear`` or ``nn.QuantizedLinear``) asking ``project(layer, x)`` first
+    and running ``base.__call__`` when it answers None (one per base and dispatcher; ``make_project`` is
+    called when it is made)."""
+    entry = _routed_classes.get((base, id(dispatcher)))
     if entry is not None and entry[0] is dispatcher:
         return entry[1]
+    own, project = base.__call__, make_project()
 
-    linear = nn.Linear.__call__
-    learner = _Learner(dispatcher)
-
-    def __call__(self: nn.Linear, x: mx.array) -> mx.array:
+    def __call__(self: nn.Module, x: mx.array) -> mx.array:
         # Calls outside the dispatcher's rows (one-token steps, prefill) pay one size check, not a
         # dispatch: x.size is rows x in_features, whose bounds route_projections set on the instance.
         if self._spec_min_size <= x.size <= self._spec_max_size:
-            y = learner.project(self, x)
+            y = project(self, x)
             if y is not None:
                 return y + self["bias"] if "bias" in self else y
-        return linear(self, x)
+        return own(self, x)
 
-    made = type("Linear", (nn.Linear,), {"__call__": __call__, "_spec_projections": dispatcher})
-    made.__module__, made.__qualname__ = nn.Linear.__module__, nn.Linear.__qualname__
-    _linear_classes[id(dispatcher)] = (dispatcher, made)
+    made = type(base.__name__, (base,), {"__call__": __call__, "_spec_projections": dispatcher})
+    made.__module__, made.__qualname__ = base.__module__, base.__qualname__
+    _routed_classes[(base, id(dispatcher))] = (dispatcher, made)
     return made
+
+
+def _routed_linear(dispatcher: Projections) -> type:
+    """The ``nn.Linear`` subclass asking ``dispatcher`` first, sibling layers fused (``_Learner``)."""
+    return _routed_class(nn.Linear, dispatcher, lambda: _Learner(dispatcher).project)
 
 
 def _routed_quantized(dispatcher: Any) -> type:
-    """The ``nn.QuantizedLinear`` subclass asking ``dispatcher.quantized`` first (one per dispatcher)."""
-    entry = _quantized_classes.get(id(dispatcher))
-    if entry is not None and entry[0] is dispatcher:
-        return entry[1]
-    qlinear = nn.QuantizedLinear.__call__
-
-    def __call__(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
-        if self._spec_min_size <= x.size <= self._spec_max_size:
-            y = dispatcher.quantized(x, self)
-            if y is not None:
-                return y + self["bias"] if "bias" in self else y
-        return qlinear(self, x)
-
-    made = type("QuantizedLinear", (nn.QuantizedLinear,), {"__call__": __call__, "_spec_projections": dispatcher})
-    made.__module__, made.__qualname__ = nn.QuantizedLinear.__module__, nn.QuantizedLinear.__qualname__
-    _quantized_classes[id(dispatcher)] = (dispatcher, made)
-    return made
+    """The ``nn.QuantizedLinear`` subclass asking ``dispatcher.quantized`` first."""
+    return _routed_class(nn.QuantizedLinear, dispatcher, lambda: lambda layer, x: dispatcher.quantized(x, layer))
 
 
 def _routed(m: nn.Module) -> bool:
