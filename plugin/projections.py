@@ -25,7 +25,6 @@ not yet passed bench/gpu_qmatmul_check.py on the device.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -97,7 +96,7 @@ class Projections:
         return kernel(inputs=[x, layer["weight"], layer["scales"], layer["biases"]], **args)[0]
 
     def report(self) -> Dict[str, Any]:
-        total = sum(self.counts.values())
+        total = self.counts["kernel"] + self.counts["fused"] + self.counts["mlx"]  # products ("quantized": of the kernel's)
         return {"kernel": self.name, "enabled": self.enabled, "calls": dict(self.counts),
                 "kernel_share": round(self.counts["kernel"] / total, 4) if total else None}
 
@@ -132,13 +131,7 @@ def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
 
 def quantized_on() -> bool:
     """$MLX_SPEC_QUANTIZED_KERNEL = on | off (default off): whether 4-bit layers are routed too."""
-    value = os.environ.get(QUANTIZED_ENV, "off").strip().lower() or "off"
-    if value not in ("on", "off"):
-        raise ValueError(f"{QUANTIZED_ENV}: got {value!r}; allowed: on, off")
-    if value == "on" and not cuda_qmatmul.available():
-        raise ValueError(f"{QUANTIZED_ENV}=on: the 4-bit kernel needs MLX built with CUDA and the GPU as the default "
-                         f"device; allowed here: off")
-    return value == "on"
+    return kernel_mode(None, QUANTIZED_ENV, QUANTIZED_ENV, "the 4-bit kernel", default="off", allowed=("on", "off"))
 
 
 def projections_for(mode: Optional[str] = None, source: str = ENV) -> Optional[Projections]:

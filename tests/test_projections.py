@@ -223,6 +223,7 @@ def test_quantized_layers_route_only_where_the_dispatcher_takes_them() -> None:
     for w, g in zip(want, got):
         assert w.shape == g.shape and mx.allclose(w, g, atol=1e-4, rtol=1e-4).item()
     assert disp.counts == {"kernel": 2 * n, "quantized": 2 * n}, disp.counts  # the 16- and 32-position forwards
+    assert disp.report()["kernel_share"] == 1.0  # "quantized" tallies kernel launches, not more products
     assert nn.QuantizedLinear.__call__ is qcall and "_spec_projections" not in vars(nn.QuantizedLinear)
     assert all(type(m) is nn.QuantizedLinear for m in quantized_linears(other))
     # A 4-bit layer of another kind (8 bits) is asked and declined: mlx's own matmul, the same numbers.
