@@ -26,7 +26,8 @@
 #   bash bench/h200_attention.sh qmatmul             # MLX's 4-bit matmul by rows against its bytes (bench/quantized_matmul_cost.py)
 #   bash bench/h200_attention.sh qcheck              # the 4-bit projection kernel against MLX (bench/gpu_qmatmul_check.py)
 #   (TAG=-x names the 4-bit, matmul and qcheck runs' JSONs ...-x.json; SWEEP=1 runs matmul / qcheck with --sweep)
-#   (MLX_SPEC_QUANTIZED_KERNEL=on routes the 4-bit target's verify-width projections through plugin/cuda_qmatmul.py)
+#   (the 4-bit target's verify-width projections go through plugin/cuda_qmatmul.py; MLX_SPEC_QUANTIZED_KERNEL=off: MLX's)
+#   (qcheck takes gpu_qmatmul_check.py's flags after it: --shapes, --rows, --dtypes, --no-skeleton; WATCHDOG=S dumps and exits)
 #   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off;
 #   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too; PAIRED=5 repeats the paired regime 5 times, with
 #   its median: each repeat decodes every method once more per prompt length; SEED=N draws other weights, prompts and
@@ -82,7 +83,7 @@ case "$what" in
   cache-write)
     py bench/cache_write_cost.py | tee "$OUT/h200-cache-write.txt" ;;
   qcheck)
-    py bench/gpu_qmatmul_check.py ${SWEEP:+--sweep} --out "$OUT/h200-qmatmul-check${TAG:-}.json" | tail -12 ;;
+    py bench/gpu_qmatmul_check.py ${SWEEP:+--sweep} --watchdog "${WATCHDOG:-500}" --out "$OUT/h200-qmatmul-check${TAG:-}.json" "$@" 2>&1 | tee "$OUT/h200-qmatmul-check${TAG:-}.log" | tail -40 ;;
   qmatmul)
     py bench/quantized_matmul_cost.py --skeleton --json "$OUT/h200-quantized-matmul-cost${TAG:-}.json" ;;
   *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split | host-split-compiled | cache-write | qmatmul | qcheck)"; exit 2 ;;

@@ -242,11 +242,24 @@ def test_quantized_layers_route_only_where_the_dispatcher_takes_them() -> None:
 
 
 def test_the_quantized_mode_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto (the default) routes 4-bit layers only where the kernel runs: not here; on is an error here."""
     monkeypatch.delenv(projections.QUANTIZED_ENV, raising=False)
     assert projections.quantized_on() is False
+    for mode in ("auto", "off", " OFF "):
+        monkeypatch.setenv(projections.QUANTIZED_ENV, mode)
+        assert projections.quantized_on() is False
     monkeypatch.setenv(projections.QUANTIZED_ENV, "on")
-    with pytest.raises(ValueError, match="allowed here: off"):
+    with pytest.raises(ValueError, match="allowed here: auto, off"):
         projections.quantized_on()
     monkeypatch.setenv(projections.QUANTIZED_ENV, "maybe")
-    with pytest.raises(ValueError, match="allowed: on, off"):
+    with pytest.raises(ValueError, match="allowed: auto, on, off"):
         projections.quantized_on()
+    # where the kernel runs (as if: the availability check of this project's own module), auto and the
+    # default route 4-bit layers and off does not
+    from mlx_speculative.plugin import cuda_attention
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    for mode, want in (("auto", True), ("off", False), ("on", True)):
+        monkeypatch.setenv(projections.QUANTIZED_ENV, mode)
+        assert projections.quantized_on() is want
+    monkeypatch.delenv(projections.QUANTIZED_ENV)
+    assert projections.quantized_on() is True
