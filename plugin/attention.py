@@ -161,17 +161,14 @@ def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
     return kernel_mode(mode, ENV, source, "the attention kernel")
 
 
-def kernel_mode(mode: Optional[str], env: str, source: str, what: str, default: str = "auto",
-                allowed: Tuple[str, ...] = MODES) -> bool:
-    """A CUDA kernel's auto | on | off setting (of ``allowed``): ``mode``, else $``env``, else ``default``
-    (auto: on where MLX runs on CUDA)."""
-    mode = (mode or os.environ.get(env) or default).strip().lower()
-    if mode not in allowed:
-        raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(allowed)}")
+def kernel_mode(mode: Optional[str], env: str, source: str, what: str) -> bool:
+    """A CUDA kernel's auto | on | off setting: ``mode``, else $``env``, else auto (on where MLX runs on CUDA)."""
+    mode = (mode or os.environ.get(env) or "auto").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(MODES)}")
     if mode == "on" and not cuda_attention.available():
         raise ValueError(f"{source} on: {what} needs MLX built with CUDA and the GPU as the default "
-                         f"device; this process runs on {mx.default_device()} (allowed here: "
-                         f"{', '.join(m for m in allowed if m != 'on')})")
+                         f"device; this process runs on {mx.default_device()} (allowed here: auto, off)")
     return cuda_attention.available() if mode == "auto" else mode == "on"
 
 

@@ -162,7 +162,8 @@ def test_demo_target_sweep(tmp_path: Path) -> None:
 
 def test_gpu_qmatmul_check_with_the_reference(tmp_path: Path) -> None:
     """bench/gpu_qmatmul_check.py's plumbing on the CPU (the reference in the kernel's place): every group size
-    that divides K checked against MLX's quantized matmul, and the skeleton timed with the kernel's column."""
+    that divides K checked against MLX's matmul with the dequantized weight, and the skeleton timed with the
+    kernel's column."""
     out = tmp_path / "q.json"
     assert script("gpu_qmatmul_check").main(["--reference", "--layers", "1", "--iters", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -170,3 +171,18 @@ def test_gpu_qmatmul_check_with_the_reference(tmp_path: Path) -> None:
     assert {r["group_size"] for r in report["results"]} == {32, 64} and {r["dtype"] for r in report["results"]} == \
         {"mlx.core.bfloat16", "mlx.core.float16"}
     assert set(report["skeleton"]["kernel_ms"]) == {"2", "4", "8", "16", "32"} and "1" in report["skeleton"]["quantized_ms"]
+
+
+def test_gpu_qmatmul_check_subsets_and_bad_flags(tmp_path: Path) -> None:
+    """--rows / --dtypes / --no-skeleton narrow the run; a bad --shapes, --rows or --dtypes says what is allowed."""
+    out = tmp_path / "q.json"
+    main = script("gpu_qmatmul_check").main
+    assert main(["--reference", "--rows", "3", "--dtypes", "float16", "--no-skeleton", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {r["x"][0] for r in report["results"] if r["layout"] == "rows"} == {3}
+    assert {r["dtype"] for r in report["results"]} == {"mlx.core.float16"} and report["skeleton"] == {}
+    for flags, message in ((["--shapes", "small,nope"], "--shapes: expected names of q/o, .*; got nope"),
+                           (["--rows", "2,x"], "--rows: expected comma-separated row counts"),
+                           (["--dtypes", "float32"], "--dtypes: expected bfloat16 and/or float16; got float32")):
+        with pytest.raises(SystemExit, match=message):
+            main(["--reference", "--no-skeleton", *flags])
