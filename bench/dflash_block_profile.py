@@ -7,7 +7,8 @@ head; plugin/bench/synthetic.py) after ``keys`` context positions, warm and sync
 ``--iters`` (plugin/bench/kernels.py ``timed``):
 
 - ``append_ms``: ``--new-context`` positions of target features through the fc and each layer's K/V
-  into the context caches (what a round that accepted ``new_context - 1`` drafts appends);
+  into the context caches (what a round that accepted ``new_context - 1`` drafts appends), through
+  ``DFlashDrafter.append_context`` as a round does (compiled where the policy compiles; so is the block);
 - ``layers_ms``: the block through the layers (append + layers, less ``append_ms``);
 - ``head_ms``: the final norm'd B-1 states through the shared head and the argmax;
 - ``block_ms``: all of it in one graph (kernels.dflash_block_ms, what ``mlx-spec bench`` reports).
@@ -81,7 +82,7 @@ def profile(drafter: Any, keys: int, block: int, new_context: int, iters: int, g
     mx.eval([c.keys for c in caches], new, h)
 
     def append() -> List[mx.array]:
-        inner.append_context(new, caches)
+        drafter.append_context(caches, new)  # as a round does: compiled where the policy compiles
         out = [c.keys for c in caches] + [c.values for c in caches]
         mx.eval(out)
         for c in caches:
@@ -89,8 +90,8 @@ def profile(drafter: Any, keys: int, block: int, new_context: int, iters: int, g
         return out
 
     def append_and_layers() -> mx.array:
-        inner.append_context(new, caches)
-        out = inner(drafter.embed(toks), caches)  # [1, B, H]
+        drafter.append_context(caches, new)
+        out = drafter.block(caches, toks)  # [1, B, H]
         mx.eval(out)
         for c in caches:
             c.trim(new_context)
@@ -119,6 +120,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--padded", action="store_true", help="the padded context cache the plugin uses on CUDA")
     p.add_argument("--kernel", choices=["on", "off"], default="off",
                    help="route the drafter's attention through the project's kernel (plugin/attention.py; CUDA only)")
+    p.add_argument("--plugin", action="store_true",
+                   help="the drafter as the plugin runs it (the environment's cache policy, plugin/cache_policy.py "
+                        "policy_for: on CUDA the padded context cache, the attention and projection kernels and "
+                        "compiled calls); --padded and --kernel are then ignored")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's array")
     p.add_argument("--chain", type=int, default=200, help="adds in the launch-latency probe")
@@ -130,15 +135,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     target, config, note = load_target(BenchSettings(synthetic_target=a.synthetic_target))
     if a.kernel == "on" and not cuda_attention.available():
         raise SystemExit("--kernel on: the attention kernel needs MLX built with CUDA and the GPU as the default device")
-    disp = attention.Dispatcher(attention.cuda_kernel()) if a.kernel == "on" else None
-    policy = cache_policy.ShapeStablePolicy(prewarm_tokens=0, attention=disp) if a.padded else None
+    if a.plugin:
+        policy = cache_policy.policy_for()
+        disp = getattr(policy, "attention", None)
+    else:
+        disp = attention.Dispatcher(attention.cuda_kernel()) if a.kernel == "on" else None
+        policy = cache_policy.ShapeStablePolicy(prewarm_tokens=0, attention=disp) if a.padded else None
     drafter, desc = synthetic.dflash_drafter(target.model, config, a.block, a.dflash_layers, 2, policy)
-    if disp is not None:
+    if a.plugin:
+        host_attention.route_policy(drafter.model, policy)
+    elif disp is not None:
         host_attention.route(drafter.model, disp)
     gb_s = copy_gb_s(a.copy_mib, a.iters)
     results = [profile(drafter, k, a.block, a.new_context, a.iters, gb_s) for k in a.keys]
     report = {"target": note, "drafter": desc, "device": str(mx.default_device()), "mlx": mx.__version__,
-              "cache": "padded" if a.padded else "KVCache", "settings": vars(a),
+              "cache": type(policy).__name__ if a.plugin else "padded" if a.padded else "KVCache", "settings": vars(a),
               "attention": disp.report() if disp is not None else "mlx", "copy_gb_s": round(gb_s, 1),
               "launch_ms": round(launch_ms(a.chain, a.iters), 4), "results": results}
     print(json.dumps(report, indent=1))

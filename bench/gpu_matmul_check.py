@@ -13,7 +13,8 @@ Fused siblings (``mm_many``: q/k/v, gate/up, odd shapes; rows 2..32): each outpu
 
 Cost: dependent chains of projections (q/o; gate/up then down; k/v then back), each call's input the
 previous call's output, as a forward's layers run: per call the host's build and encode times and the
-device's, MLX's matmul and the kernel side by side (``--sweep``: each kernel shape of ``VARIANTS``);
+device's, MLX's matmul and the kernel side by side (``--sweep``: each kernel shape of ``VARIANTS``, with
+its error on the chain's weights, ``errors``, against MLX's, ``mlx_error``);
 rows 1 is MLX's gemv path, for scale. And a layer's sibling projections, one launch per weight against one
 fused launch: q/k/v then o over q; gate/up then down over their product.
 """
@@ -136,6 +137,13 @@ def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: i
                              for g, s, u in VARIANTS]
             for how, f in ways:
                 row[how] = per_call(split(f, lambda: None, iters), calls)
+            if rows > 1 and sweep:  # a shape that fails to launch (shared memory, registers) is fast and wrong
+                xs = [mx.random.normal((rows, w.shape[1])).astype(dtype) for w in ws[0]]
+                refs = [x.astype(mx.float32) @ w.astype(mx.float32).T for x, w in zip(xs, ws[0])]
+                row["errors"] = {f"kernel_g{g}_s{s}_u{u}": round(max(error(cuda_matmul.mm(x, w, (g, s, u)), r)
+                                                                     for x, w, r in zip(xs, ws[0], refs)), 6)
+                                 for g, s, u in VARIANTS}
+                row["mlx_error"] = round(max(error(x @ w.T, r) for x, w, r in zip(xs, ws[0], refs)), 6)
             out.append(row)
             print(json.dumps(row), flush=True)
     return out

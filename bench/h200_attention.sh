@@ -18,6 +18,8 @@
 #                                                    #   routed policy: the kernel at every key length), against e2e
 #   bash bench/h200_attention.sh profile             # the DFlash block's parts against what its bytes cost to read
 #                                                    #   (bench/dflash_block_profile.py, KVCache and padded context)
+#   bash bench/h200_attention.sh profile-plugin      # the same with the drafter as the plugin runs it (compiled calls,
+#                                                    #   the attention and projection kernels, padded context)
 #   bash bench/h200_attention.sh matmul              # the projection kernel against MLX's matmul (bench/gpu_matmul_check.py)
 #   bash bench/h200_attention.sh host-split          # build / encode / device per forward, MLX's matmuls and the
 #                                                    #   projection kernel in one process (bench/host_split.py)
@@ -32,6 +34,8 @@
 #   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too; PAIRED=5 repeats the paired regime 5 times, with
 #   its median: each repeat decodes every method once more per prompt length; SEED=N draws other weights, prompts and
 #   oracle acceptance sequences: with the default 0 every run repeats the same draws, each prompt the same tau)
+#   (COST_KEYS=4096 times the bare forwards after a run at the prompts' key lengths and 4096 only, default
+#   4096,8192,16384: a 4-bit run at two prompt lengths with all three runs past 280 s)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json (an e2e run's
 # printed lines also to h200-attention-e2e-RUN.log, which comes back when the call runs out of time); copy them to
 # bench/results/kernels/ (forwards, check) and bench/results/attention/ (e2e) and regenerate bench/README.md.
@@ -48,7 +52,7 @@ FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16
           --block 16 --dflash-layers 5 --iters 10 --kernel both)
 BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
        --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired "${PAIRED:-1}" --compiled-forward "${COMPILED:-auto}"
-       --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys 4096,8192,16384 --seed "${SEED:-0}")
+       --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys "${COST_KEYS:-4096,8192,16384}" --seed "${SEED:-0}")
 what=${1:-}; shift || true
 case "$what" in
   check)
@@ -74,6 +78,8 @@ case "$what" in
     py bench/dflash_block_profile.py --keys 4096,16384 --json "$OUT/h200-dflash-block-profile-kvcache.json" | tail -30
     py bench/dflash_block_profile.py --keys 4096,16384 --padded --kernel on --json "$OUT/h200-dflash-block-profile-padded-kernel.json" | tail -30
     py bench/dflash_block_profile.py --keys 4096,16384 --padded --json "$OUT/h200-dflash-block-profile-padded.json" | tail -30 ;;
+  profile-plugin)
+    py bench/dflash_block_profile.py --keys 4096,16384 --plugin --json "$OUT/h200-dflash-block-profile-plugin${TAG:-}.json" | tail -30 ;;
   matmul)
     py bench/gpu_matmul_check.py ${SWEEP:+--sweep} --out "$OUT/h200-matmul-check${TAG:-}.json" | tail -12 ;;
   host-split)

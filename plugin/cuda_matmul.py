@@ -137,8 +137,21 @@ def shared_bytes(row_tiles: int, groups: int, splits: int) -> int:
 
 
 # (G, S, U): column groups of 8 per warp, warps per block (K splits), steps a warp loads at once. From
-# bench/results/kernels/h200-matmul-chains-sweep.json: the best or near it at 16 rows in every chain.
-SHAPE = (2, 8, 1)
+# bench/results/kernels/h200-matmul-check-sweep2.json (16 rows, µs per chain call): one group per warp for
+# the 4096-wide projections (q/o 23.3 against 29.2 at (2, 8, 1), k/v 17-19 against 22.4), two groups and
+# two steps in flight for the wide and the deep ones (gate/up + down 46.5 against 56.8). S is the same in
+# both, and G and U leave each warp's k order as it is, so every shape gives the same bits.
+# On the H200 with this table: kernels/h200-matmul-check-table.json (q/o 26.1, k/v 17.6, gate/up + down 46.9).
+NARROW = (1, 8, 1)
+WIDE = (2, 8, 2)
+assert NARROW[1] == WIDE[1], "one K split: a fused launch's products must be the bits of each weight's own launch"
+
+
+def shape_for(columns: int, K: int) -> Tuple[int, int, int]:
+    """(G, S, U) for one launch of ``columns`` output columns in all (every weight together) over K."""
+    return NARROW if columns <= 8192 and K <= 8192 else WIDE
+
+
 MAX_WEIGHTS = 4  # weights one launch multiplies the same x by (sibling projections: q/k/v, gate/up)
 
 
@@ -205,7 +218,7 @@ def _plan(xs: Tuple[int, ...], wss: Tuple[Tuple[int, ...], ...], dtype: mx.Dtype
     if not 2 <= M <= MAX_ROWS or K % 8:
         return None
     mt = 1 if M <= 16 else 2
-    groups, splits, unroll = shape or SHAPE
+    groups, splits, unroll = shape or shape_for(sum(ws[0] for ws in wss), K)
     blocks = sum(-(-ws[0] // (8 * groups)) for ws in wss)
     return _kernel(dtype, mt, groups, splits, unroll, len(wss)), dict(
         grid=(blocks * splits * 32, 1, 1), threadgroup=(splits * 32, 1, 1),
@@ -214,7 +227,7 @@ def _plan(xs: Tuple[int, ...], wss: Tuple[Tuple[int, ...], ...], dtype: mx.Dtype
 
 def mm(x: mx.array, w: mx.array, shape: Optional[Tuple[int, int, int]] = None) -> mx.array:
     """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (f32 accumulation); see ``supports``.
-    ``shape``: (G, S, U) instead of ``SHAPE`` (measurements)."""
+    ``shape``: (G, S, U) instead of ``shape_for``'s (measurements)."""
     return mm_many(x, [w], shape)[0]
 
 
@@ -235,4 +248,4 @@ def reference(x: mx.array, w: mx.array) -> mx.array:
     return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
 
 
-__all__: List[str] = ["available", "mm", "mm_many", "plan", "plan_many", "reference", "supports", "MAX_ROWS", "MAX_WEIGHTS"]
+__all__: List[str] = ["available", "mm", "mm_many", "plan", "plan_many", "reference", "supports", "shape_for", "MAX_ROWS", "MAX_WEIGHTS", "NARROW", "WIDE"]

@@ -85,10 +85,15 @@ def test_attention_forwards(tmp_path: Path) -> None:
     assert set(rows["on"]["target_forward_ms"]) == {"1", "4"}
 
 
-def test_dflash_block_profile(tmp_path: Path) -> None:
-    """bench/dflash_block_profile.py: the parts are timed, the bytes add up to the drafter, head and K/V."""
+@pytest.mark.parametrize("plugin", [False, True])
+def test_dflash_block_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plugin: bool) -> None:
+    """bench/dflash_block_profile.py: the parts are timed, the bytes add up to the drafter, head and K/V;
+    ``--plugin`` takes the environment's cache policy (here the padded one, forced on the CPU)."""
+    monkeypatch.setenv("MLX_SPEC_PADDED_CACHE", "on")
     report = run("dflash_block_profile", ["--synthetic-target", "tiny", "--cpu", "--keys", "40", "--block", "4",
-                                          "--iters", "1", "--copy-mib", "4", "--chain", "4"], tmp_path / "p.json")
+                                          "--iters", "1", "--copy-mib", "4", "--chain", "4"] + ["--plugin"] * plugin,
+                 tmp_path / "p.json")
+    assert report["cache"] == ("ShapeStablePolicy" if plugin else "KVCache")
     (r,) = report["results"]
     assert r["keys"] == 40 and min(r["append_ms"], r["head_ms"], r["block_ms"]) > 0
     assert r["bytes"]["context_kv"] > 0 and r["bytes"]["drafter"] > r["bytes"]["context_kv"]

@@ -162,6 +162,17 @@ def test_the_kernel_declines_what_it_does_not_take(shape_x: Any, shape_w: Any, d
     assert cuda_matmul.plan_many(x, [w, w]) is None
 
 
+@pytest.mark.parametrize("columns, K, shape", [
+    (4096, 4096, "narrow"), (1024, 4096, "narrow"), (6144, 4096, "narrow"),  # q/o, k/v, fused q/k/v
+    (28672, 4096, "wide"), (4096, 14336, "wide"), (128256, 4096, "wide"),  # fused gate/up, down, the head
+    (8192, 8192, "narrow"), (8193, 8192, "wide"), (8192, 8200, "wide"),
+])
+def test_the_projection_kernel_shape_by_launch(columns: int, K: int, shape: str) -> None:
+    """One column group per warp up to 8192 columns over K <= 8192, two above; the K split is the same."""
+    assert cuda_matmul.shape_for(columns, K) == {"narrow": cuda_matmul.NARROW, "wide": cuda_matmul.WIDE}[shape]
+    assert cuda_matmul.NARROW[1] == cuda_matmul.WIDE[1] and cuda_matmul.NARROW != cuda_matmul.WIDE
+
+
 def test_fused_launches_decline_mixed_or_too_many_weights() -> None:
     x, w = mx.zeros((4, 64), mx.bfloat16), mx.zeros((32, 64), mx.bfloat16)
     assert cuda_matmul.plan_many(x, [w] * (cuda_matmul.MAX_WEIGHTS + 1)) is None
