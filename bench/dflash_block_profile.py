@@ -133,12 +133,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cpu:
         mx.set_default_device(mx.cpu)
     target, config, note = load_target(BenchSettings(synthetic_target=a.synthetic_target))
-    if a.kernel == "on" and not cuda_attention.available():
-        raise SystemExit("--kernel on: the attention kernel needs MLX built with CUDA and the GPU as the default device")
     if a.plugin:
         policy = cache_policy.policy_for()
         disp = getattr(policy, "attention", None)
     else:
+        if a.kernel == "on" and not cuda_attention.available():
+            raise SystemExit("--kernel on: the attention kernel needs MLX built with CUDA and the GPU as the default device")
         disp = attention.Dispatcher(attention.cuda_kernel()) if a.kernel == "on" else None
         policy = cache_policy.ShapeStablePolicy(prewarm_tokens=0, attention=disp) if a.padded else None
     drafter, desc = synthetic.dflash_drafter(target.model, config, a.block, a.dflash_layers, 2, policy)
