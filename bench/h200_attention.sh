@@ -20,6 +20,10 @@
 #                                                    #   (bench/dflash_block_profile.py, KVCache and padded context)
 #   bash bench/h200_attention.sh profile-plugin      # the same with the drafter as the plugin runs it (compiled calls,
 #                                                    #   the attention and projection kernels, padded context)
+#   bash bench/h200_attention.sh trace 16384         # the bench's DFlash rounds phase by phase, fresh and warm
+#                                                    #   (bench/round_trace.py; other base prompt lengths: 2048,16384)
+#   bash bench/h200_attention.sh context             # the DFlash drafter's first context (a prompt's features), fresh
+#                                                    #   and warm (bench/context_build_cost.py)
 #   bash bench/h200_attention.sh matmul              # the projection kernel against MLX's matmul (bench/gpu_matmul_check.py)
 #   bash bench/h200_attention.sh host-split          # build / encode / device per forward, MLX's matmuls and the
 #                                                    #   projection kernel in one process (bench/host_split.py)
@@ -80,6 +84,12 @@ case "$what" in
     py bench/dflash_block_profile.py --keys 4096,16384 --padded --json "$OUT/h200-dflash-block-profile-padded.json" | tail -30 ;;
   profile-plugin)
     py bench/dflash_block_profile.py --keys 4096,16384 --plugin --json "$OUT/h200-dflash-block-profile-plugin${TAG:-}.json" | tail -30 ;;
+  trace)  # trace [LENGTHS]
+    py bench/round_trace.py --prompt-lengths "${1:-16384}" --json "$OUT/h200-round-trace${TAG:-}.json" 2>&1 \
+      | tee "$OUT/h200-round-trace${TAG:-}.log" | grep -v '^\[trace\]' | tail -40 ;;
+  context)
+    py bench/context_build_cost.py --lengths 2048,8192,16384 --touch-gib "${TOUCH:-8}" \
+      --json "$OUT/h200-context-build${TAG:-}.json" | tail -12 ;;
   matmul)
     py bench/gpu_matmul_check.py ${SWEEP:+--sweep} --out "$OUT/h200-matmul-check${TAG:-}.json" | tail -12 ;;
   host-split)
@@ -92,5 +102,5 @@ case "$what" in
     py bench/gpu_qmatmul_check.py ${SWEEP:+--sweep} --watchdog "${WATCHDOG:-500}" --out "$OUT/h200-qmatmul-check${TAG:-}.json" "$@" 2>&1 | tee "$OUT/h200-qmatmul-check${TAG:-}.log" | tail -40 ;;
   qmatmul)
     py bench/quantized_matmul_cost.py --skeleton --json "$OUT/h200-quantized-matmul-cost${TAG:-}.json" ;;
-  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | matmul | host-split | host-split-compiled | cache-write | qmatmul | qcheck)"; exit 2 ;;
+  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | trace [LENGTHS] | context | matmul | host-split | host-split-compiled | cache-write | qmatmul | qcheck)"; exit 2 ;;
 esac

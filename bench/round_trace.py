@@ -2,15 +2,19 @@
 
     python bench/round_trace.py [--synthetic-target llama-8b] [--tau 6.5] [--prompt-lengths 1019,2801] [--adaptive]
 
-Runs the plugin (DFlash-shape drafter, oracle acceptance, as ``mlx-spec bench``) with a traced
-round: a plugin of this script whose decode step is the plugin's round (plugin/round.py: draft,
-verify, accept, commit) with the device synchronised between phases (draft, cache-transaction
-begin, graph build, target forward, log-probabilities, accept, target commit, emit, finish: the
-drafter's commit and the stats), so each phase's time is its own. Its other hooks are the plugin's.
-Synchronising adds a little to every round; use it to find costs, not to quote speed-ups.
-Prints per-phase medians for each prompt's fresh and warm run and the rounds far above the median;
-with ``--adaptive`` (block size and pauses by the controller) every round, with the context
-positions the drafter caught up on and the plain steps before it.
+Runs ``mlx-spec bench`` (plugin/bench/core.py: the same target, drafter, cache policy, kernels,
+compiled forwards, pre-warming and regimes) with its speculative methods' host plugin replaced by a
+traced one: the plugin's hooks, whose decode step is the plugin's round (plugin/round.py) with the
+device synchronised between phases (prepare: the drafter catching up on committed positions, the
+first round's whole prompt included; draft; cache-transaction begin; graph build; target forward;
+log-probabilities; accept; target commit; finish: the drafter's commit and the stats; emit), so
+each phase's time is its own. Synchronising adds a little to every round; use it to find costs,
+not to quote speed-ups.
+Prints, per regime and prompt, the first round's phases (where the drafter builds the prompt's
+context), the other rounds' per-phase medians and means (the bench's draft and verify per round are
+means over every round) and the rounds far above the median; with ``--adaptive`` (block size and
+pauses by the controller) every round, with the context positions the drafter caught up on and the
+plain steps before it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from mlx_speculative.drafters.base import Proposal  # noqa: E402
 from mlx_speculative.hooks.batch import DecodeBatch, replay  # noqa: E402
 from mlx_speculative.hooks.host import Host  # noqa: E402
 from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
+from mlx_speculative.hooks.prompt_cache import arrays  # noqa: E402
 from mlx_speculative.hooks.specs import hookimpl  # noqa: E402
 from mlx_speculative.hooks.state import DecodeState, GeneratedToken, HostConfig, StepOutput  # noqa: E402
 from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
@@ -42,7 +47,8 @@ from mlx_speculative.plugin.draft import LAZY_DRAFTS, as_ints, draft  # noqa: E4
 from mlx_speculative.plugin.verify import row_logprobs, verify  # noqa: E402
 
 TRACE: List[Dict[str, Any]] = []
-PHASES = ("draft", "begin", "build", "forward", "logprobs", "accept", "commit", "emit", "finish")
+LABEL = [""]  # the bench's progress line of the run in progress ("fresh 3/8 plugin dflash b16 tau6.5 prompt 2049")
+PHASES = ("prepare", "draft", "begin", "build", "forward", "logprobs", "accept", "commit", "emit", "finish")
 
 
 def _keys(batch: DecodeBatch) -> int:
@@ -99,6 +105,10 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
         mark[0] = now
 
     t0 = mark[0]
+    br.draft.prepare(on_rows)  # draft() prepares again: nothing is left to catch up on
+    inner = getattr(br.draft, "inner", br.draft)
+    mx.eval(arrays(getattr(inner, "cache", None) or []))  # DFlash's context appends are lazy until drafted
+    phase("prepare")
     lazy = LAZY_DRAFTS and not any(r.logits_processors for r in rows)
     drafted = draft(br.draft, on_rows, [k or 0 for k in plans], vocab, lazy)
     phase("draft")
@@ -136,6 +146,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     phase("emit")
     o = outcomes[on[0]]
     row.update(width=int(inputs.shape[1]), drafts=o.draft_tokens, accepted=o.accepted)
+    row["label"] = LABEL[0]
     TRACE.append(row)
     return out
 
@@ -162,22 +173,27 @@ class TracedPlugin:
 
 
 def summarise(label: str, rows: List[Dict[str, Any]], every: bool = False) -> Dict[str, Any]:
-    med = {p: round(statistics.median(r[p] for r in rows), 3) for p in PHASES}
+    first, rest = rows[0], rows[1:] or rows
+    med = {p: round(statistics.median(r[p] for r in rest), 3) for p in PHASES}
+    mean = {p: round(statistics.fmean(r[p] for r in rows), 3) for p in PHASES}
     totals = [sum(r[p] for p in PHASES) for r in rows]
-    m = statistics.median(totals)
+    m = statistics.median(totals[1:] or totals)
     slow = [dict(i=i, total=round(t, 1), **{p: round(rows[i][p], 1) for p in PHASES}, keys=rows[i]["keys"],
-                 width=rows[i]["width"], drafts=rows[i]["drafts"]) for i, t in enumerate(totals) if t > 1.5 * m + 2]
-    print(f"{label}: {len(rows)} rounds, median round {m:.2f} ms, sum {sum(totals):.0f} ms; medians "
-          + " ".join(f"{p} {med[p]:.2f}" for p in PHASES), flush=True)
+                 width=rows[i]["width"], drafts=rows[i]["drafts"]) for i, t in enumerate(totals) if i and t > 1.5 * m + 2]
+    print(f"{label}: {len(rows)} rounds, sum {sum(totals):.0f} ms; first round {totals[0]:.1f} ms ("
+          + " ".join(f"{p} {first[p]:.2f}" for p in PHASES if first[p] >= 0.05) + f", context {first['context']})", flush=True)
+    print(f"   other rounds: median {m:.2f} ms; medians " + " ".join(f"{p} {med[p]:.2f}" for p in PHASES), flush=True)
+    print("   means over every round " + " ".join(f"{p} {mean[p]:.2f}" for p in PHASES), flush=True)
     for s in slow[:12]:
         print(f"   slow round {s}", flush=True)
     if every:
         for i, (r, t) in enumerate(zip(rows, totals)):
-            print(f"   round {i}: {t:.1f} ms draft {r['draft']:.1f} forward {r['forward']:.1f} width {r['width']} "
-                  f"accepted {r['accepted']}/{r['drafts']} context {r['context']} after {r['plain_before']} plain steps",
-                  flush=True)
-    return {"label": label, "rounds": len(rows), "median_round_ms": round(m, 3), "sum_ms": round(sum(totals), 1),
-            "median_ms": med, "slow": slow, "rows": rows if every else None}
+            print(f"   round {i}: {t:.1f} ms prepare {r['prepare']:.1f} draft {r['draft']:.1f} forward {r['forward']:.1f} "
+                  f"width {r['width']} accepted {r['accepted']}/{r['drafts']} context {r['context']} "
+                  f"after {r['plain_before']} plain steps", flush=True)
+    return {"label": label, "rounds": len(rows), "first_round_ms": round(totals[0], 3), "first_round": first,
+            "median_round_ms": round(m, 3), "sum_ms": round(sum(totals), 1), "median_ms": med, "mean_ms": mean,
+            "slow": slow, "rows": rows if every else None}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -185,44 +201,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--synthetic-target", default="llama-8b")
     parser.add_argument("--tau", type=float, default=6.5)
     parser.add_argument("--block", type=int, default=16)
-    parser.add_argument("--prompt-lengths", default="1019,2801")
+    parser.add_argument("--prompt-lengths", default="1019,2801", help="the bench's base prompt lengths")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--adaptive", action="store_true", help="adaptive block size and pauses (every round printed)")
+    parser.add_argument("--kernel", default="auto", choices=["auto", "on", "off"], help="the bench's --kernel")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     s = core.BenchSettings(synthetic_target=args.synthetic_target, kind="dflash", block_sizes=[args.block],
-                           taus=[args.tau], mlx_lm_spec=False)
-    lengths = [int(x) for x in args.prompt_lengths.split(",")]
-    on = cache_policy.resolve_mode(s.padded)
-    policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0) if on else None
-    target, config, _ = core.load_target(s)
-    drafter = core.load_drafters(s, target, config, policy)["dflash"][0]
-    vocab = int(config["vocab_size"])
-    max_len = max(lengths) + args.max_tokens + 2 * args.block + 8
-    if policy is not None:
-        from mlx_speculative.drafters.dflash import prewarm as prewarm_dflash
+                           taus=[] if args.adaptive else [args.tau], adaptive_taus=[args.tau] if args.adaptive else [],
+                           prompt_lengths=[int(x) for x in args.prompt_lengths.split(",")], max_tokens=args.max_tokens,
+                           kernel=args.kernel, mlx_lm_spec=False, seed=args.seed, cost_keys=[])
 
-        policy.prewarm_tokens = max_len
-        policy.prewarm(target.model, args.block)
-        prewarm_dflash(drafter, max_len, args.block)
-    method = core.HostMethod(target, f"plugin dflash b{args.block} tau{args.tau:g}", policy, drafter,
-                             args.block, args.tau, args.adaptive, vocab)
-    method.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False, plugins=[TracedPlugin()]))
-    stream = [2 + (i * 7919) % (vocab - 3) for i in range(max_len)]
-    warm = stream[:64]
-    method.run(warm, 16, core.reference(target, warm, 16, policy), 0)
+    def progress(msg: str) -> None:
+        LABEL[0] = msg
+        print(f"[trace] {msg}", file=sys.stderr, flush=True)
+
+    report = core.run_bench(s, on_progress=progress, spec_plugin=TracedPlugin())
     out = []
-    for L in lengths:
-        prompt = stream[:L]
-        ref = core.reference(target, prompt, args.max_tokens, policy)
-        for regime in ("fresh", "warm"):
-            TRACE.clear()
-            r = method.run(prompt, args.max_tokens, ref, 1)
-            same = r.tokens == ref.tokens  # the traced rounds must decode as plain greedy decoding does
-            label = f"L={L} {regime} {r.tok_s:.1f} tok/s (traced){'' if same else ', tokens DIFFER from plain decoding'}"
-            out.append({**summarise(label, list(TRACE), args.adaptive), "identical": same})
+    labels = list(dict.fromkeys(r["label"] for r in TRACE if not r["label"].startswith("warm-up")))
+    for label in labels:
+        words = label.split()  # "fresh 3/8 plugin dflash b16 tau6.5 prompt 2049"
+        regime, name, L = words[0], " ".join(words[2:-2]), int(words[-1])
+        row = report["results"].get(regime, {}).get(name, {})
+        i = row.get("prompt_lens", []).index(L) if L in row.get("prompt_lens", []) else None
+        rate = f" {row['tok_s_per_prompt'][i]:.1f} tok/s" if i is not None else ""
+        same = row["divergence"][i]["identical"] if i is not None and i < len(row.get("divergence", [])) else None
+        tag = f"{regime} L={L} {name}{rate} (traced){'' if same in (True, None) else ', tokens DIFFER from plain decoding'}"
+        out.append({**summarise(tag, [t for t in TRACE if t["label"] == label], args.adaptive), "identical": same})
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        Path(args.json).write_text(json.dumps({"trace": out, "kernel_costs": report.get("kernel_costs")}, indent=1))
     return 0
 
 

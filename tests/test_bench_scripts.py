@@ -53,10 +53,23 @@ def test_commit_cost_replay(tmp_path: Path) -> None:
 def test_round_trace(tmp_path: Path) -> None:
     out = run("round_trace", ["--synthetic-target", "tiny", "--prompt-lengths", "80", "--max-tokens", "24",
                               "--block", "8", "--tau", "3"], tmp_path / "t.json")
-    assert [s["label"].split()[1] for s in out] == ["fresh", "warm"]
+    out = out["trace"]
+    assert [s["label"].split()[0] for s in out] == ["fresh", "warm"]
     assert all(s["identical"] and s["rounds"] > 0 for s in out)
-    assert set(out[0]["median_ms"]) == {"draft", "begin", "build", "forward", "logprobs", "accept", "commit", "emit",
+    assert set(out[0]["median_ms"]) == {"prepare", "draft", "begin", "build", "forward", "logprobs", "accept", "commit", "emit",
                                         "finish"}
+
+
+def test_context_build_cost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/context_build_cost.py with the CUDA cache policy on the CPU: the first context in chunks of 512
+    (700 positions: two chunks), reserved or grown, and after a touch."""
+    monkeypatch.setenv("MLX_SPEC_PADDED_CACHE", "on")
+    out = run("context_build_cost", ["--synthetic-target", "tiny", "--cpu", "--lengths", "100,700", "--touch-gib", "0.01"],
+              tmp_path / "c.json")
+    rows = out["results"]
+    assert out["cache_policy"] == "ShapeStablePolicy" and [r["positions"] for r in rows[:2]] == [100, 700]
+    assert {r.get("appends") for r in rows[2:6]} == {"grown", "reserved"} and all("append_ms_fresh" in r for r in rows[2:6])
+    assert [r["touched_gib"] for r in rows[6:]] == [0.01, 0.01]
 
 
 def test_verify_cost(tmp_path: Path) -> None:

@@ -174,12 +174,21 @@ def test_chunked_context_appends_are_exact(models: Dict[str, Path], monkeypatch:
     monkeypatch.setattr(dflash_batch.DFlashBatch, "_append",
                         lambda self, caches, feats, counts: sizes.append(feats.shape[1]) or append(self, caches, feats, counts))
     appended: List[int] = []
-    monkeypatch.setattr(DFlashDrafter, "append_context",
-                        lambda self, caches, feats, _orig=DFlashDrafter.append_context:
-                        appended.append(feats.shape[1]) or _orig(self, caches, feats))
+    buffers: List[int] = []  # the first layer's buffer length before each append
+
+    def append_context(self: DFlashDrafter, caches: List[Any], feats: mx.array, _orig=DFlashDrafter.append_context) -> None:
+        appended.append(feats.shape[1])
+        buffers.append(0 if caches[0].keys is None else caches[0].keys.shape[2])
+        _orig(self, caches, feats)
+
+    monkeypatch.setattr(DFlashDrafter, "append_context", append_context)
     run_plan(models, "llama", monkeypatch, bucket=8)
-    assert sizes[0] > 4 and appended[:sizes[0] // 4] == [4] * (sizes[0] // 4), (sizes, appended)
+    n = sizes[0] // 4
+    assert sizes[0] > 4 and appended[:n] == [4] * n, (sizes, appended)
     assert all(n <= 4 and n & (n - 1) == 0 for n in appended), appended
+    # The first context's buffers grow once, after its first chunk, to the whole padded width (_reserve).
+    width = -(-sizes[0] // 4) * 4
+    assert buffers[0] == 0 and buffers[1:n] == [-(-width // 8) * 8] * (n - 1), (sizes, buffers[:n])
 
 
 def test_compiled_calls_are_exact(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -111,6 +111,8 @@ class DFlashBatch(DraftBatch):
         with CacheTransaction(caches) as txn:
             for start in range(0, width, chunk):
                 self.drafter.append_context(caches, feats[:, start:start + chunk])  # [B, <= chunk, F]
+                if start == 0 and width > chunk:
+                    _reserve(caches, width - chunk)
             txn.commit(counts, written=width)
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
@@ -192,3 +194,17 @@ class DFlashBatch(DraftBatch):
             if v.captures:
                 self.pending.setdefault(id(row), []).append(v.captures)
         return [0] * len(rows)
+
+
+def _reserve(caches: List[Any], n: int) -> None:
+    """Each cache's buffer grown once for ``n`` more positions (zeros written, trimmed off again), so
+    that the chunks after the first write into it in place: grown chunk by chunk, a 16k-position first
+    context cost ~1.8x as much on the H200 (bench/results/h200-context-build.json)."""
+    for c in caches:
+        keys = getattr(c, "keys", None)
+        if keys is None:
+            continue
+        B, H, _, D = keys.shape  # [B, H, buffer, D]
+        Dv = c.values.shape[3]
+        c.update_and_fetch(mx.zeros((B, H, n, D), keys.dtype), mx.zeros((B, H, n, Dv), c.values.dtype))
+        c.trim(n)

@@ -144,8 +144,10 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
 
 
 def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any], drafters: Dict[str, Any],
-                  policy: Optional[CachePolicy], blocks: Optional[Dict[str, List[int]]] = None) -> List[Method]:
-    """``blocks``: kind -> block sizes of real drafters (``real.load_drafters``); each runs every tau there."""
+                  policy: Optional[CachePolicy], blocks: Optional[Dict[str, List[int]]] = None,
+                  spec_plugin: Any = None) -> List[Method]:
+    """``blocks``: kind -> block sizes of real drafters (``real.load_drafters``); each runs every tau there.
+    ``spec_plugin``: the speculative methods' host plugin (``HostMethod``'s ``plugin``)."""
     vocab = int(config["vocab_size"])
     methods: List[Method] = [MlxLmPlain(target.model), HostMethod(target, "host plain (KVCache)", None)]
     if getattr(policy, "shape_stable", False):
@@ -160,11 +162,11 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
             for tau in taus:
                 tag = f"tau{tau:g}" if tau else "real drafts"
                 methods.append(HostMethod(target, f"plugin {kind} b{block} {tag}", policy, drafter, block, tau,
-                                          False, vocab))
+                                          False, vocab, spec_plugin))
         for tau in s.adaptive_taus:
             block = max(sizes)
             methods.append(HostMethod(target, f"plugin {kind} b{block} tau{tau:g} adaptive", policy, drafter,
-                                      block, tau, True, vocab))
+                                      block, tau, True, vocab, spec_plugin))
     if s.mlx_lm_spec and "draft_model" in drafters:
         block = max(blocks["draft_model"] if blocks is not None else s.block_sizes)
         methods.append(MlxLmSpec(target.model, drafters["draft_model"][1], block, s.taus[0], vocab))
@@ -173,9 +175,11 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
 
 def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
               dispatcher: Optional[attention.Dispatcher] = None,
-              projection_dispatcher: Optional[projections.Projections] = None) -> Dict[str, Any]:
+              projection_dispatcher: Optional[projections.Projections] = None,
+              spec_plugin: Any = None) -> Dict[str, Any]:
     """``dispatcher`` / ``projection_dispatcher``: the attention and projection dispatchers to route with
-    (tests: stand-ins); default: ``--kernel``'s and ``--projection-kernel``'s."""
+    (tests: stand-ins); default: ``--kernel``'s and ``--projection-kernel``'s. ``spec_plugin``: the
+    speculative methods' host plugin (default: this project's; bench/round_trace.py: a traced one)."""
     if s.cpu:
         mx.set_default_device(mx.cpu)
     padded = cache_policy.resolve_mode(s.padded)
@@ -213,7 +217,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         for model in routed:
             host_attention.route_policy(model, policy)
     methods = build_methods(s, target, config, drafters, policy,
-                            {k: v["blocks"] for k, v in info.items()} if info is not None else None)
+                            {k: v["blocks"] for k, v in info.items()} if info is not None else None, spec_plugin)
     calls: Dict[str, Counter] = {m.name: Counter() for m in methods}
 
     def kernels_on(on: bool) -> None:

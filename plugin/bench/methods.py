@@ -131,7 +131,9 @@ class HostMethod(Method):
 
     def __init__(self, target: LoadedTarget, name: str, policy: Optional[CachePolicy],
                  drafter: Any = None, block: Optional[int] = None, tau: Optional[float] = None,
-                 adaptive: bool = False, vocab: int = 0):
+                 adaptive: bool = False, vocab: int = 0, plugin: Any = None):
+        """``plugin``: the host's speculative plugin (default: this project's hookimpls; bench/round_trace.py:
+        a traced one)."""
         self.name = name
         attachments: Dict[str, Any] = {}
         self.wrapped = None
@@ -147,7 +149,8 @@ class HostMethod(Method):
                                            adaptive=adaptive)
             attachments[hookimpls.NAME] = hookimpls.Attachment(settings=settings, drafter=self.wrapped, block_size=block,
                                                                policy=policy)
-            self.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False, plugins=[hookimpls]))
+            self.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False,
+                                                                  plugins=[plugin if plugin is not None else hookimpls]))
         self.target = dataclasses.replace(target, attachments=attachments, cache_policy=policy or CachePolicy())
 
     def run(self, prompt, max_tokens, ref, seed):
