@@ -199,7 +199,7 @@ class DFlashBatch(DraftBatch):
 def _reserve(caches: List[Any], n: int) -> None:
     """Each cache's buffer grown once for ``n`` more positions (zeros written, trimmed off again), so
     that the chunks after the first write into it in place: grown chunk by chunk, a 16k-position first
-    context cost ~1.8x as much on the H200 (bench/results/h200-context-build.json)."""
+    context cost ~1.5x as much on the H200 (bench/results/kernels/h200-context-build-reserved.json)."""
     for c in caches:
         keys = getattr(c, "keys", None)
         if keys is None:
