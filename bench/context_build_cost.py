@@ -4,9 +4,9 @@
 
 A round's first ``prepare`` (drafters/dflash/batch.py) turns the prompt's captured target layers into
 the drafter's context K/V: the features (the taps concatenated, the last one normed) padded to the
-append counts, then chunks of ``CONTEXT_CHUNK`` through the fc and each layer's K/V. At 16k prompt
-positions on the H200 that first round cost 99 ms fresh against 33 ms warm (bench/round_trace.py).
-This times, with the plugin's cache policy (plugin/cache_policy.py policy_for) and the DFlash-shape
+append counts, then chunks of ``CONTEXT_CHUNK`` through the fc and each layer's K/V: at 17,275 prompt
+positions on the H200 the first round's ``prepare`` cost 52.9 ms fresh against 30.5 warm
+(bench/round_trace.py, bench/results/profiles/h200-round-trace-reserved.json). This times, with the plugin's cache policy (plugin/cache_policy.py policy_for) and the DFlash-shape
 drafter of ``mlx-spec bench``, each length twice in a row after ``mx.clear_cache()`` as the bench does
 (fresh: a length never run before; warm: the same again), synchronised:
 
@@ -33,7 +33,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculative.drafters.dflash.batch import CONTEXT_CHUNK, DFlashBatch  # noqa: E402
+from mlx_speculative.drafters.dflash.batch import DFlashBatch, context_chunks  # noqa: E402
 from mlx_speculative.drafters.dflash.features import target_features  # noqa: E402
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
 from mlx_speculative.hooks.prompt_cache import arrays  # noqa: E402
@@ -70,9 +70,7 @@ def prepare_ms(drafter: Any, captures: Dict[int, mx.array], n: int) -> float:
 def grown(drafter: Any, caches: List[Any], feats: mx.array, n: int) -> None:
     """``DFlashBatch._append`` before it reserved: the shape-stable chunks appended one by one, each
     growing the padded buffers (a concatenation per chunk)."""
-    tail = n % CONTEXT_CHUNK if n > CONTEXT_CHUNK else n
-    width = n - tail + (1 << (tail - 1).bit_length() if tail else 0)
-    chunk = min(width, CONTEXT_CHUNK)
+    width, chunk = context_chunks(n)
     feats = mx.concatenate([feats, mx.zeros((1, width - n, feats.shape[2]), feats.dtype)], axis=1)
     with CacheTransaction(caches) as txn:
         for start in range(0, width, chunk):

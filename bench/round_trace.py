@@ -33,13 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculative.drafters.base import Proposal  # noqa: E402
 from mlx_speculative.hooks.batch import DecodeBatch, replay  # noqa: E402
-from mlx_speculative.hooks.host import Host  # noqa: E402
-from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
 from mlx_speculative.hooks.prompt_cache import arrays  # noqa: E402
 from mlx_speculative.hooks.specs import hookimpl  # noqa: E402
-from mlx_speculative.hooks.state import DecodeState, GeneratedToken, HostConfig, StepOutput  # noqa: E402
+from mlx_speculative.hooks.state import DecodeState, GeneratedToken, StepOutput  # noqa: E402
 from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
-from mlx_speculative.plugin import cache_policy, commit, hookimpls  # noqa: E402
+from mlx_speculative.plugin import commit, hookimpls  # noqa: E402
 from mlx_speculative.plugin import round as rnd  # noqa: E402
 from mlx_speculative.plugin.accept import accept_rows  # noqa: E402
 from mlx_speculative.plugin.bench import core  # noqa: E402

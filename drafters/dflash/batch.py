@@ -101,11 +101,7 @@ class DFlashBatch(DraftBatch):
         width = feats.shape[1]
         chunk = width
         if self.drafter.shape_stable and width > 1:
-            # A prompt or a catch-up after plain steps feeds any count, and each new count builds new kernels
-            # on CUDA: chunks of CONTEXT_CHUNK and a power-of-two tail, the counts prewarm() made at load.
-            tail = width % CONTEXT_CHUNK if width > CONTEXT_CHUNK else width
-            padded = width - tail + (1 << (tail - 1).bit_length() if tail else 0)
-            chunk = min(padded, CONTEXT_CHUNK)
+            padded, chunk = context_chunks(width)
             feats = mx.concatenate([feats, mx.zeros((feats.shape[0], padded - width, feats.shape[2]), feats.dtype)], axis=1)
             width = padded
         with CacheTransaction(caches) as txn:
@@ -194,6 +190,15 @@ class DFlashBatch(DraftBatch):
             if v.captures:
                 self.pending.setdefault(id(row), []).append(v.captures)
         return [0] * len(rows)
+
+
+def context_chunks(n: int) -> Tuple[int, int]:
+    """(padded width, chunk) for appending ``n`` > 1 positions on shape-stable caches. A prompt or a
+    catch-up after plain steps feeds any count, and each new count builds new kernels on CUDA: chunks of
+    CONTEXT_CHUNK and a power-of-two tail, the counts prewarm() made at load."""
+    tail = n % CONTEXT_CHUNK if n > CONTEXT_CHUNK else n
+    padded = n - tail + (1 << (tail - 1).bit_length() if tail else 0)
+    return padded, min(padded, CONTEXT_CHUNK)
 
 
 def _reserve(caches: List[Any], n: int) -> None:
