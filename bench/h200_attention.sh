@@ -38,6 +38,8 @@
 #   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too; PAIRED=5 repeats the paired regime 5 times, with
 #   its median: each repeat decodes every method once more per prompt length; SEED=N draws other weights, prompts and
 #   oracle acceptance sequences: with the default 0 every run repeats the same draws, each prompt the same tau)
+#   (AHEAD=both runs each fixed-tau DFlash method also without drafting ahead, a 'no-ahead' twin in the same process;
+#   AHEAD=off: without only)
 #   (COST_KEYS=4096 times the bare forwards after a run at the prompts' key lengths and 4096 only, default
 #   4096,8192,16384: a 4-bit run at two prompt lengths with all three runs past 280 s)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json (an e2e run's
@@ -56,7 +58,8 @@ FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16
           --block 16 --dflash-layers 5 --iters 10 --kernel both)
 BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
        --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired "${PAIRED:-1}" --compiled-forward "${COMPILED:-auto}"
-       --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys "${COST_KEYS:-4096,8192,16384}" --seed "${SEED:-0}")
+       --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys "${COST_KEYS:-4096,8192,16384}" --seed "${SEED:-0}"
+       --draft-ahead "${AHEAD:-on}")
 what=${1:-}; shift || true
 case "$what" in
   check)

@@ -7,8 +7,9 @@ compiled forwards, pre-warming and regimes) with its speculative methods' host p
 traced one: the plugin's hooks, whose decode step is the plugin's round (plugin/round.py) with the
 device synchronised between phases (prepare: the drafter catching up on committed positions, the
 first round's whole prompt included; draft; cache-transaction begin; graph build; target forward;
-log-probabilities; accept; target commit; finish: the drafter's commit and the stats; emit), so
-each phase's time is its own. Synchronising adds a little to every round; use it to find costs,
+log-probabilities; accept; ahead: the drafter's next block from the device's outcome, where it drafts
+ahead, which a round overlaps with its commit and the next verify's build; target commit; finish: the
+drafter's commit and the stats; emit), so each phase's time is its own. Synchronising adds a little to every round; use it to find costs,
 not to quote speed-ups.
 Prints, per regime and prompt, the first round's phases (where the drafter builds the prompt's
 context), the other rounds' per-phase medians and means (the bench's draft and verify per round are
@@ -39,14 +40,14 @@ from mlx_speculative.hooks.state import DecodeState, GeneratedToken, StepOutput 
 from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
 from mlx_speculative.plugin import commit, hookimpls  # noqa: E402
 from mlx_speculative.plugin import round as rnd  # noqa: E402
-from mlx_speculative.plugin.accept import accept_rows  # noqa: E402
+from mlx_speculative.plugin.accept import plan_rows, read_plans, unread_outcome  # noqa: E402
 from mlx_speculative.plugin.bench import core  # noqa: E402
 from mlx_speculative.plugin.draft import LAZY_DRAFTS, as_ints, draft  # noqa: E402
 from mlx_speculative.plugin.verify import row_logprobs, verify  # noqa: E402
 
 TRACE: List[Dict[str, Any]] = []
 LABEL = [""]  # the bench's progress line of the run in progress ("fresh 3/8 plugin dflash b16 tau6.5 prompt 2049")
-PHASES = ("prepare", "draft", "begin", "build", "forward", "logprobs", "accept", "commit", "emit", "finish")
+PHASES = ("prepare", "draft", "begin", "build", "forward", "logprobs", "accept", "ahead", "commit", "emit", "finish")
 
 
 def _keys(batch: DecodeBatch) -> int:
@@ -130,8 +131,18 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     logprobs = [row_logprobs(r, logits[b : b + 1], p.tokens) for b, (r, p) in enumerate(zip(rows, proposals))]
     mx.eval(logprobs)
     phase("logprobs")
-    outcomes = accept_rows(rows, proposals, logprobs, att.settings.acceptance)
+    drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]
+    accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
+    ahead = att.ahead and lazy
+    unread = [unread_outcome(x, d) for x, d in zip(accepting, drafts)] if ahead else []
+    mx.eval([x for _, x in accepting], [u for u in unread if u is not None])
     phase("accept")
+    if ahead:  # in a round this runs on the device while the host commits, emits and builds the next verify
+        error = rnd.draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
+        if error is not None:
+            raise error
+    phase("ahead")
+    outcomes = read_plans(accepting, proposals)
     outcomes = commit.fit(target, outcomes, inputs.shape[1])
     commit.commit_target(target, outcomes, inputs.shape[1])
     phase("commit")

@@ -61,6 +61,18 @@ class Verified:
 
 
 @dataclass
+class Unread:
+    """A round's outcome for one row while the host has not read it yet: what a drafter may draft the
+    next round from (``DraftBatch.draft_ahead``) while the device still verifies."""
+
+    accepted: mx.array  # [] int32: a, leading draft tokens kept (the host learns it after the drafting is queued)
+    bonus: mx.array  # []: the bonus, the next round's pending token
+    drafted: int  # k
+    # layer -> [1, W, H]: the target's outputs at every position the verify fed; the first a + 1 are kept.
+    captures: Dict[int, mx.array] = field(default_factory=dict)
+
+
+@dataclass
 class DraftTarget:
     """What a family may read of the target to check and attach a drafter."""
 
@@ -123,8 +135,9 @@ class DraftBatch(abc.ABC):
 
     Per round the plugin calls, in this order: ``sync`` (every decode step, with the rows now
     drafting), ``prepare`` (catch up with committed tokens: kept whatever the round decides),
-    ``propose`` (inside a cache transaction over ``cache_groups()``), then ``commit`` with what
-    the round kept. An exception anywhere rolls the round back and the rows decode plainly.
+    ``propose`` (inside a cache transaction over ``cache_groups()``), ``draft_ahead`` (optional:
+    the next round's drafting, queued before the host reads this round's outcome), then ``commit``
+    with what the round kept. An exception anywhere rolls the round back and the rows decode plainly.
     """
 
     forwards = 0  # drafter forwards run so far (one per draft step for all rows)
@@ -148,6 +161,16 @@ class DraftBatch(abc.ABC):
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         """Per row: positions of ``propose``'s writes to its caches that stay (0 by default)."""
         return [0] * len(rows)
+
+    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
+        """Optional: queue the next round's drafting now, after the verify and before the host reads its
+        outcome, so that the device drafts while the host commits, emits and builds the next verify.
+
+        Called after ``propose`` with the same rows (``unread[b]`` None: row b drafted nothing) and
+        before ``commit``. Whatever it writes to its caches must stay invisible until the next
+        ``prepare``/``propose`` take it up, and those must check that the rows are what it assumed (the
+        same rows, nothing fed in between, the outcome the host read, no more than ``max_drafts``
+        tokens wanted) and otherwise draft as usual. Nothing by default."""
 
     # The server's prompt cache (optional; the defaults keep nothing) ---------------------------
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:

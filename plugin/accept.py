@@ -112,27 +112,52 @@ def rejection_accept(
     return a, bonus
 
 
-def accept_rows(rows: Sequence[Any], proposals: Sequence[Proposal], logprobs: Sequence[mx.array],
-                acceptance: str) -> List[RoundOutcome]:
-    """Each row's outcome by its own rule, evaluated together (one synchronisation for the batch).
+Plan = Tuple[str, Any]  # ("step" | "walk" | "rejection", its unevaluated arrays)
 
-    logprobs[b]: row b's processed log p [k_b+1, V]. Temperature 0: the greedy walk; else
-    ``rejection`` (speculative sampling with the row's own key) or ``exact`` (mlx-lm's token match).
-    A row that drafted nothing takes its one-token step here: its own sampler on position 0.
+
+def plan_rows(rows: Sequence[Any], proposals: Sequence[Proposal], drafts: Sequence[mx.array],
+              logprobs: Sequence[mx.array], acceptance: str) -> List[Plan]:
+    """Each row's acceptance by its own rule, still unevaluated (``read_plans`` reads them together).
+
+    drafts[b]: row b's draft tokens x as fed to the verify, [k_b] (k_b = 0: it drafted nothing), with
+    their log q in proposals[b]; logprobs[b]: its processed log p [k_b+1, V]. Temperature 0: the greedy walk; else ``rejection``
+    (speculative sampling with the row's own key) or ``exact`` (mlx-lm's token match). A row that
+    drafted nothing takes its one-token step here: its own sampler on position 0.
     """
-    plans: List[Tuple[str, Any]] = []
-    for row, p, lp in zip(rows, proposals, logprobs):
-        if not len(p.tokens):
+    plans: List[Plan] = []
+    for row, p, x, lp in zip(rows, proposals, drafts, logprobs):
+        if not x.shape[0]:
             plans.append(("step", (mx.argmax(lp[:1], axis=-1) if row.sampling.greedy else row.sampler(lp[:1]))))
         elif row.sampling.greedy:
             plans.append(("walk", mx.argmax(lp, axis=-1)))  # y: [k+1]
         elif acceptance == "rejection":
             # p: the target's rows after the sampler's processing; q comes processed from the drafter.
-            q = p.logprobs
-            plans.append(("rejection", rejection_accept(mx.array(p.tokens, dtype=mx.uint32), q,
-                                                       row.sampling.process(lp), row.next_key())))
+            plans.append(("rejection", rejection_accept(x, p.logprobs, row.sampling.process(lp), row.next_key())))
         else:
             plans.append(("walk", row.sampler(lp)))  # exact: y ~ p_i at every position
+    return plans
+
+
+def accepted_prefix(drafts: mx.array, target: mx.array) -> Tuple[mx.array, mx.array]:
+    """``accept_prefix`` on the device: drafts x [k], the target's tokens y [k+1] -> (a [], bonus y_a [])."""
+    k = drafts.shape[0]
+    same = (drafts.astype(mx.int32) == target[:k].astype(mx.int32)).astype(mx.int32)  # [k]
+    a = mx.cumprod(same).sum()  # []: leading matches
+    return a, mx.take(target, a)
+
+
+def unread_outcome(plan: Plan, drafts: mx.array) -> Optional[Tuple[mx.array, mx.array]]:
+    """(accepted a [], bonus []) of a row's plan before the host reads it (drafting ahead starts from
+    them); None for a row that drafted nothing."""
+    how, x = plan
+    if how == "step":
+        return None
+    return x if how == "rejection" else accepted_prefix(drafts, x)
+
+
+def read_plans(plans: Sequence[Plan], proposals: Sequence[Proposal]) -> List[RoundOutcome]:
+    """The plans evaluated together (one synchronisation for the batch) into outcomes; ``proposals``
+    hold ints by now."""
     mx.eval([x for _, x in plans])
     out = []
     for (how, x), p in zip(plans, proposals):
@@ -146,3 +171,10 @@ def accept_rows(rows: Sequence[Any], proposals: Sequence[Proposal], logprobs: Se
             a, bonus = int(x[0].item()), int(x[1].item())
             out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
     return out
+
+
+def accept_rows(rows: Sequence[Any], proposals: Sequence[Proposal], logprobs: Sequence[mx.array],
+                acceptance: str) -> List[RoundOutcome]:
+    """``plan_rows`` then ``read_plans`` for proposals of ints."""
+    drafts = [mx.array(list(p.tokens), dtype=mx.uint32) for p in proposals]
+    return read_plans(plan_rows(rows, proposals, drafts, logprobs, acceptance), proposals)

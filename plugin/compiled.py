@@ -156,11 +156,14 @@ class CompiledForward:
         return None if out is None else (out[0], dict(zip(layers, out[1:])))
 
     def call(self, key: Hashable, owner: nn.Module, fn: Callable[..., List[mx.array]], cache: Sequence[Any],
-             arrays: Sequence[mx.array], writes: int, advance: int, name: str) -> Optional[List[mx.array]]:
+             arrays: Sequence[mx.array], writes: int, advance: int, name: str,
+             shift: Optional[mx.array] = None) -> Optional[List[mx.array]]:
         """``fn(owner, caches, *arrays) -> [arrays]`` compiled per (owner, key), run over ``cache``'s buffers
         (stand-ins whose offset is a device scalar): its outputs, or None where it declines (counted under
         "plain: <why>"; an owner whose trace failed runs plainly from then on). ``writes``: positions past the
-        offset ``fn`` writes (the buffers grow to hold them); ``advance``: positions the caches keep."""
+        caches' offset ``fn`` writes (the buffers grow to hold them); ``advance``: positions the caches keep.
+        ``shift``: a device scalar added to the caches' offset for this call (one the host has not read yet:
+        drafting ahead, plugin/round.py); ``writes`` then bounds how far past the caches' offset it may write."""
         why = self.declines(owner, cache)
         if why:
             self.counts[f"plain: {why}"] += 1
@@ -171,7 +174,8 @@ class CompiledForward:
         shape = (id(owner), key, tuple(tuple(a.shape) for a in arrays), buffers[0].shape[2])
         t = time.perf_counter()
         try:
-            out = compiled(positions(offset + 1)[offset], *arrays, *buffers)
+            start = positions(offset + 1)[offset]  # []
+            out = compiled(start if shift is None else start + shift.astype(mx.int32), *arrays, *buffers)
         except Exception as e:  # noqa: BLE001 - model code the trace cannot follow: plain from now on
             self.failed[id(owner)] = f"{type(e).__name__}: {e}"
             self._failed_refs[id(owner)] = weakref.ref(owner)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -18,6 +18,17 @@ from ..hooks.transaction import CacheTransaction
 
 # MLX_SPEC_LAZY_DRAFTS=0: evaluate each proposal before the verify is built (for measurements).
 LAZY_DRAFTS = os.environ.get("MLX_SPEC_LAZY_DRAFTS", "1").strip() != "0"
+AHEAD_ENV = "MLX_SPEC_DRAFT_AHEAD"
+AHEAD_MODES = ("on", "off")
+
+
+def ahead_on(mode: Optional[str] = None, source: str = AHEAD_ENV) -> bool:
+    """Whether rounds draft the next block before the host reads their outcome, where the drafter can
+    (``DraftBatch.draft_ahead``): ``mode``, or $MLX_SPEC_DRAFT_AHEAD: on (the default) | off."""
+    mode = (mode or os.environ.get(AHEAD_ENV) or "on").strip().lower()
+    if mode not in AHEAD_MODES:
+        raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(AHEAD_MODES)}")
+    return mode == "on"
 
 
 class DraftError(ValueError):

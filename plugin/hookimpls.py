@@ -12,7 +12,7 @@ from ..hooks.batch import DecodeBatch
 from ..hooks.specs import Description, Metric, RowSnapshot, hookimpl
 from ..hooks.state import CachePolicy, CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
 from ..hooks.transaction import check_supported
-from . import cache_policy, round
+from . import cache_policy, draft, round
 from .metrics import METRICS
 from .settings import SpeculativeSettings, resolve
 
@@ -29,6 +29,7 @@ class Attachment:
     error: Optional[str] = None
     block_size: int = 0
     policy: Optional[CachePolicy] = None  # shape-stable caches (CUDA), for the target and the drafter
+    ahead: bool = True  # rounds draft the next block before reading their outcome, where the drafter can
 
 
 def draft_target(target: LoadedTarget, policy: Optional[CachePolicy] = None) -> DraftTarget:
@@ -38,6 +39,7 @@ def draft_target(target: LoadedTarget, policy: Optional[CachePolicy] = None) -> 
 
 def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     """Resolve, check and load the drafter for ``target``; raises on any problem."""
+    ahead = draft.ahead_on()
     resolution = registry.resolve(settings.draft_model, settings.kind)
     for warning in resolution.warnings:
         log.warning(warning)
@@ -50,7 +52,7 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     if policy is not None:
         policy.block_size = block  # the host warms the policy's shapes after routing attention (prepare)
         policy.capture_layers = tuple(drafter.capture_layers())  # tapped by the host before prepare
-    return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy)
+    return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy, ahead=ahead)
 
 
 @hookimpl

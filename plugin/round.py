@@ -14,14 +14,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..drafters.base import DraftBatch, Proposal
+import mlx.core as mx
+
+from ..drafters.base import DraftBatch, Proposal, Unread
 from ..hooks.batch import DecodeBatch, replay
 from ..hooks.state import DecodeState, GeneratedToken, StepOutput
 from ..hooks.transaction import CacheTransaction, UnsupportedCache
 from . import commit
-from .accept import RoundOutcome, accept_rows
+from .accept import RoundOutcome, plan_rows, read_plans, unread_outcome
 from .adaptive import BlockSizeController
 from .draft import LAZY_DRAFTS, DraftError, as_ints, draft
 from .metrics import METRICS, SpecStats
@@ -186,15 +188,24 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         proposals[b] = p
     width_for = getattr(batch.target.cache_policy, "verify_width", lambda n: n)
     target: Optional[CacheTransaction] = None
+    ahead_error: Optional[BaseException] = None
     try:
         fed: List[Any] = []
         target = CacheTransaction(batch.cache, replay=lambda n: replay(batch.target.model, batch.cache, fed[0], n))
         target.begin()
         logits, captured, inputs = verify(batch, [p.tokens for p in proposals], vocab, width_for)  # [B, W, V]
         fed.append(inputs)
-        proposals = as_ints(proposals, vocab)
+        drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]  # [k_b] as fed
         logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
-        outcomes: List[RoundOutcome] = accept_rows(rows, proposals, logprobs, att.settings.acceptance)
+        accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
+        ahead = att.ahead and lazy
+        unread = [unread_outcome(plan, x) for plan, x in zip(accepting, drafts)] if ahead else []
+        # Queued before any drafting ahead, so that reading them waits for the verify alone.
+        mx.async_eval([x for _, x in accepting], [u for u in unread if u is not None])
+        if ahead:
+            ahead_error = draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
+        proposals = as_ints(proposals, vocab)
+        outcomes: List[RoundOutcome] = read_plans(accepting, proposals)
         outcomes = commit.fit(target, outcomes, inputs.shape[1])
         commit.commit_target(target, outcomes, inputs.shape[1])
     except (UnsupportedCache, DraftError) as e:
@@ -208,14 +219,31 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         raise
     t2 = time.perf_counter()
     try:
+        if ahead_error is not None:
+            raise ahead_error
         commit.commit_drafter(br.draft, drafted, on_rows,
                               commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
     except Exception as e:  # noqa: BLE001 - the target's tokens stand; the drafter is done for
         drafted.abort()
-        _fall_back(reqs, "committing", e)
+        _fall_back(reqs, "drafting ahead" if e is ahead_error else "committing", e)
     record(rows, on, reqs, plans, outcomes, (t0, t1, t2, time.perf_counter()))
     return [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
             for b, o in enumerate(outcomes)]
+
+
+def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[int], max_drafts: Sequence[int],
+                unread: Sequence[Optional[Any]], captured: Dict[int, mx.array]) -> Optional[BaseException]:
+    """The drafter's next block queued from this round's unread outcome (``DraftBatch.draft_ahead``);
+    an exception is returned, for the round to fall back after committing the target's tokens."""
+    outcomes: List[Optional[Unread]] = []
+    for b, k in zip(on, max_drafts):
+        u = unread[b]
+        outcomes.append(None if u is None else Unread(u[0], u[1], k, {i: h[b : b + 1] for i, h in captured.items()}))
+    try:
+        drafter.draft_ahead([rows[b] for b in on], outcomes, max_drafts)
+    except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
+        return e
+    return None
 
 
 def record(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRounds], plans: Sequence[Optional[int]],

@@ -56,8 +56,8 @@ def test_round_trace(tmp_path: Path) -> None:
     out = out["trace"]
     assert [s["label"].split()[0] for s in out] == ["fresh", "warm"]
     assert all(s["identical"] and s["rounds"] > 0 for s in out)
-    assert set(out[0]["median_ms"]) == {"prepare", "draft", "begin", "build", "forward", "logprobs", "accept", "commit", "emit",
-                                        "finish"}
+    assert set(out[0]["median_ms"]) == {"prepare", "draft", "begin", "build", "forward", "logprobs", "accept", "ahead", "commit",
+                                        "emit", "finish"}
 
 
 def test_context_build_cost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

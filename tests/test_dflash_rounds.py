@@ -137,6 +137,7 @@ def run_plan(models: Dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
         assert mx.allclose(got, expect, atol=ATOL).item()
         assert proposal.tokens.tolist() == mx.argmax(expect, axis=-1).tolist()
         seen["rounds"] += 1
+        seen["ahead_used"] = self.ahead_used
         case = next(plan, "full")
         g = len(state.tokens) - len(prompt)
         tokens, _ = forced_tokens(case, ref[g: g + k], vocab)
@@ -191,12 +192,22 @@ def test_chunked_context_appends_are_exact(models: Dict[str, Path], monkeypatch:
     assert buffers[0] == 0 and buffers[1:n] == [-(-width // 8) * 8] * (n - 1), (sizes, buffers[:n])
 
 
-def test_compiled_calls_are_exact(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("ahead", ["on", "off"])
+def test_compiled_calls_are_exact(ahead: str, models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The same plan with the policy's compiled calls (plugin/compiled.py): padded target caches and compiled
-    verify forwards, the drafter's block and context appends compiled, buffers grown in steps of 16."""
-    fwd = run_plan(models, "llama", monkeypatch, bucket=8, compiled=True)["compiled"]
-    assert fwd.counts["compiled"] >= len(PLAN) and fwd.counts["compiled dflash block"] >= len(PLAN), fwd.counts
-    assert fwd.counts["compiled dflash context"] > 0 and not fwd.failed
+    verify forwards, the drafter's block and context appends compiled, buffers grown in steps of 16. Drafting
+    ahead (the default there), every round after the first drafts its block during the round before, from
+    the device's outcome: the checks above then see that block and the context it kept."""
+    monkeypatch.setenv("MLX_SPEC_DRAFT_AHEAD", ahead)
+    seen = run_plan(models, "llama", monkeypatch, bucket=8, compiled=True)
+    fwd = seen["compiled"]
+    blocks = fwd.counts["compiled dflash block"] + fwd.counts["compiled dflash block ahead"]
+    assert fwd.counts["compiled"] >= len(PLAN) and blocks >= seen["rounds"], fwd.counts
+    assert fwd.counts["compiled dflash context"] + fwd.counts["compiled dflash context ahead"] > 0 and not fwd.failed
+    if ahead == "on":  # the first round's block, and the one after the prompt's catch-up, drafted in place
+        assert seen["ahead_used"] == seen["rounds"] - 1 == fwd.counts["compiled dflash block ahead"] - 1, fwd.counts
+    else:
+        assert seen["ahead_used"] == 0 and fwd.counts["compiled dflash block ahead"] == 0, fwd.counts
 
 
 def test_drafter_failure_rolls_back_and_falls_back(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

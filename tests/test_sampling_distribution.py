@@ -276,17 +276,17 @@ def test_rounds_hand_over_the_processed_p_and_q_of_the_right_contexts(pair: Dict
     tokens plus the drafts before each position, and every draft lies in q's support."""
     calls: List[Tuple[List[int], Any, Any, Any]] = []
     contexts: List[List[int]] = []
-    real_accept, real_rows = accept.rejection_accept, round_mod.accept_rows
+    real_accept, real_rows = accept.rejection_accept, round_mod.plan_rows
 
-    def recording_rows(rows, proposals, logprobs, acceptance):
+    def recording_rows(rows, proposals, drafts, logprobs, acceptance):
         contexts.extend(list(r.tokens) for r, p in zip(rows, proposals) if len(p.tokens))
-        return real_rows(rows, proposals, logprobs, acceptance)
+        return real_rows(rows, proposals, drafts, logprobs, acceptance)
 
     def recording_accept(drafts, log_q, log_p, key=None):
         calls.append((np.array(drafts).tolist(), np.array(log_q), np.array(log_p), key))
         return real_accept(drafts, log_q, log_p, key)
 
-    monkeypatch.setattr(round_mod, "accept_rows", recording_rows)
+    monkeypatch.setattr(round_mod, "plan_rows", recording_rows)
     monkeypatch.setattr(accept, "rejection_accept", recording_accept)
     host_tokens(pair, 0.7, 40)
     assert len(calls) == len(contexts) > 40

@@ -85,6 +85,24 @@ class DFlashDrafter(Drafter):
         return self.model(self.embed(tokens), caches, widths)
 
 
+    def append_ahead(self, caches: List[Any], feats: mx.array) -> bool:
+        """``feats`` [1, W, taps*H]'s context K/V written right past the context in ``caches``, whose offsets
+        stay (drafting ahead: the host keeps some of them later). Compiled calls only; False: declined."""
+        return self.compiler is not None and feats.shape[0] == 1 and feats.shape[1] <= 32 and self.compiler.call(
+            ("dflash context",), self, _append, caches, [feats], feats.shape[1], 0, "compiled dflash context ahead") is not None
+
+    def block_ahead(self, caches: List[Any], tokens: mx.array, widths: Optional[mx.array], shift: mx.array,
+                    past: int) -> Optional[mx.array]:
+        """``block`` run ``shift`` (a device scalar <= ``past``) positions past the context in ``caches``: over
+        the context and the first ``shift`` positions ``append_ahead`` wrote after it. Compiled calls only;
+        None: declined."""
+        if self.compiler is None or tokens.shape[0] != 1:
+            return None
+        got = self.compiler.call(("dflash block",), self, _block, caches, [tokens] if widths is None else [tokens, widths],
+                                 past + tokens.shape[1], 0, "compiled dflash block ahead", shift=shift)
+        return None if got is None else got[0]
+
+
 def _append(d: DFlashDrafter, caches: List[Any], feats: mx.array) -> List[mx.array]:
     d.model.append_context(feats, caches)
     return []

@@ -9,6 +9,7 @@ following, so the first round drafts with the full context."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -16,13 +17,25 @@ import mlx.core as mx
 from ...hooks.batch import add_row, extract_row, keep_rows
 from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
 from ...hooks.transaction import CacheTransaction
-from ..base import DraftBatch, DraftState, Proposal, Verified
+from ..base import DraftBatch, DraftState, Proposal, Unread, Verified
 from .features import target_features
 
 CONTEXT_CHUNK = 512  # the longest context append: longer ones go in chunks (DFlashBatch._append)
 
 if TYPE_CHECKING:
     from . import DFlashDrafter
+
+
+@dataclass
+class Ahead:
+    """The next round's block, drafted before the host read this round's outcome (``draft_ahead``)."""
+
+    row: Any
+    context: int  # the row's context positions when queued; the W positions after them hold the round's features
+    width: int  # W
+    unread: Unread  # the outcome it assumed (device scalars, read by the host by the time it is used)
+    tokens: mx.array  # [k]: the draft tokens
+    taken: bool = False  # ``prepare`` kept its context: its tokens serve the next ``propose``
 
 
 class DFlashBatch(DraftBatch):
@@ -37,8 +50,12 @@ class DFlashBatch(DraftBatch):
         self.fresh: List[Any] = []  # rows seen, their context not made yet
         self.cache: List[Any] = []  # per drafter layer: one row's own cache, or batched caches
         self.restored: Dict[int, Tuple[List[Any], int]] = {}  # id(row) -> (context caches, positions)
+        self.ahead: Optional[Ahead] = None
+        self.ahead_used = 0  # rounds whose block was drafted ahead
 
     def sync(self, rows: Sequence[Any]) -> None:
+        if self.ahead is not None and ([id(r) for r in rows] != [id(self.ahead.row)] or rows[0].captures):
+            self.ahead = None  # other rows, or plain steps since: its context is stale
         present = {id(r) for r in rows}
         keep = [b for b, r in enumerate(self.rows) if id(r) in present]
         if len(keep) < len(self.rows):
@@ -67,6 +84,7 @@ class DFlashBatch(DraftBatch):
     def prepare(self, rows: Sequence[Any]) -> None:
         """Append each row's new context (the committed positions' features), exactly its own count."""
         d = self.drafter
+        self._take_ahead()
         for row in self.fresh:  # a row's first context (its whole prompt) is made alone, then merged
             caches, start = self.restored.pop(id(row), None) or (d.make_cache(), 0)
             feats = self._features(row)
@@ -113,6 +131,11 @@ class DFlashBatch(DraftBatch):
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         d = self.drafter
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.taken and [id(r) for r in rows] == [id(ahead.row)] \
+                and max_drafts[0] <= ahead.tokens.shape[0]:
+            self.ahead_used += 1
+            return [Proposal(ahead.tokens[:max_drafts[0]]) if max_drafts[0] else Proposal([])]
         k = max(max_drafts)
         W = k + 1
         # Shape-stable caches (CUDA): the block too is padded to a power of two, so adaptive sizes
@@ -144,6 +167,54 @@ class DFlashBatch(DraftBatch):
         mx.async_eval(tokens, [q for q in qs if q is not None])
         return [Proposal(tokens[b, :m], None if qs[b] is None else qs[b][:m]) if m else Proposal([])
                 for b, m in enumerate(max_drafts)]
+
+    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
+        """One greedy row over the policy's compiled calls: the round's W verified positions appended to its
+        context past the committed ones (the host's offsets unchanged), then the next block at the device's
+        offset context + a + 1, its first token the bonus. ``prepare`` keeps the a + 1 positions the host
+        committed, ``propose`` serves the tokens where the rows and the outcome are as assumed."""
+        self.ahead = None
+        d = self.drafter
+        if d.compiler is None or len(rows) != 1 or len(self.rows) != 1 or self.rows[0] is not rows[0] \
+                or self.fresh or unread[0] is None or not rows[0].sampling.greedy or max_drafts[0] < 1:
+            return
+        row, o, k = rows[0], unread[0], max_drafts[0]
+        if self.pending.get(id(row)) or not o.captures:
+            return
+        feats = target_features(o.captures, d.capture_layers(), d.final_norm)  # [1, W, taps*H]
+        W = feats.shape[1]
+        if not d.append_ahead(self.cache, feats):
+            return
+        width = 1 << k.bit_length()  # k + 1 positions, padded to a power of two as ``propose`` pads them
+        block = mx.concatenate([o.bonus.reshape(1).astype(mx.uint32),
+                                mx.full((width - 1,), d.mask_token_id, dtype=mx.uint32)])[None]  # [1, width]
+        h = d.block_ahead(self.cache, block, None if width == k + 1 else mx.array([k + 1]), o.accepted + 1, W)
+        if h is None:
+            return
+        self.forwards += 1
+        tokens = mx.argmax(d.head(h[:, 1:k + 1]).astype(mx.float32), axis=-1)[0]  # [k]
+        mx.async_eval(tokens)
+        self.ahead = Ahead(row, self.context[0], W, o, tokens)
+
+    def _take_ahead(self) -> None:
+        """The positions the host committed out of those ``draft_ahead`` appended, kept: the row's pending
+        features are then exactly those (its captures at the round's a + 1 committed positions)."""
+        ahead = self.ahead
+        if ahead is None or len(self.rows) != 1 or self.rows[0] is not ahead.row or self.fresh \
+                or self.context[0] != ahead.context:
+            self.ahead = None
+            return
+        parts = self.pending.get(id(ahead.row), [])
+        n = next(iter(parts[0].values())).shape[1] if len(parts) == 1 and parts[0] else 0
+        if not 0 < n <= ahead.width or int(ahead.unread.accepted.item()) + 1 != n \
+                or int(ahead.unread.bonus.item()) != ahead.row.pending:
+            self.ahead = None  # not the outcome it assumed: draft as usual
+            return
+        del self.pending[id(ahead.row)]
+        for c in self.cache:
+            c.offset = ahead.context + n
+        self.context[0] += n
+        ahead.taken = True
 
     # the prompt cache -----------------------------------------------------------------------------
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:

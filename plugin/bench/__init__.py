@@ -102,6 +102,10 @@ def add_command(subparsers: Any) -> None:
     run.add_argument("--compiled-widths", type=_ints, default=[2, 4, 8, 16, 32], metavar="W[,W...]",
                      help="the input widths the compiled forwards take (default: the verify widths 2,4,8,16,32; "
                           "add 1 for the host's one-token plain steps too)")
+    run.add_argument("--draft-ahead", default="on", choices=["on", "off", "both"],
+                     help="rounds draft the next block before the host reads their outcome, where the drafter can "
+                          "(plugin/round.py; DFlash over compiled calls); both: each fixed-tau speculative method "
+                          "also runs as a 'no-ahead' twin in the same process")
     run.add_argument("--cost-keys", default=None, metavar="L[,L...]|none",
                      help="also time the bare forwards (kernel_costs in the JSON) at these key lengths, besides each "
                           "prompt's key length at mid-decode (prompt + max-tokens/2, rounded up to 256), e.g. 8192,16384 (default: 8192,16384 on CUDA, none elsewhere; "
@@ -174,7 +178,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         quantize_bits=args.quantize_target,
         mlx_lm_spec=not args.no_mlx_lm_spec, draft_layers=args.draft_layers, dflash_layers=args.dflash_layers,
         seed=args.seed, cpu=args.cpu, drafters=args.drafter, prompts_file=args.prompts_file,
-        max_prompts=args.max_prompts, cost_keys=extra_keys, paired=args.paired,
+        max_prompts=args.max_prompts, cost_keys=extra_keys, paired=args.paired, draft_ahead=args.draft_ahead,
     )
     check(settings)  # refused combinations, before anything loads
     report = run_bench(settings)

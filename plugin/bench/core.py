@@ -59,6 +59,7 @@ class BenchSettings:
     max_prompts: Optional[int] = None
     cost_keys: Optional[List[int]] = None  # extra key lengths of the bare forward costs; None: 8192,16384 on CUDA
     paired: int = 0  # paired regimes: every method on the same prompt per base (N > 1: and their median)
+    draft_ahead: str = "on"  # rounds draft the next block ahead (plugin/round.py): on | off | both (a twin method)
 
 
 def _progress(msg: str) -> None:
@@ -158,15 +159,17 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
         drafter = drafters[kind][0]
         taus = s.taus if kind != "draft_model" or s.kind == "draft_model" or blocks else [t for t in s.taus[:1]]
         sizes = blocks[kind] if blocks is not None else s.block_sizes
+        aheads = {"on": [True], "off": [False], "both": [True, False]}[s.draft_ahead]
         for block in sizes:
             for tau in taus:
                 tag = f"tau{tau:g}" if tau else "real drafts"
-                methods.append(HostMethod(target, f"plugin {kind} b{block} {tag}", policy, drafter, block, tau,
-                                          False, vocab, spec_plugin))
+                for ahead in aheads:
+                    methods.append(HostMethod(target, f"plugin {kind} b{block} {tag}{'' if ahead else ' no-ahead'}",
+                                              policy, drafter, block, tau, False, vocab, spec_plugin, ahead))
         for tau in s.adaptive_taus:
             block = max(sizes)
             methods.append(HostMethod(target, f"plugin {kind} b{block} tau{tau:g} adaptive", policy, drafter,
-                                      block, tau, True, vocab, spec_plugin))
+                                      block, tau, True, vocab, spec_plugin, aheads[0]))
     if s.mlx_lm_spec and "draft_model" in drafters:
         block = max(blocks["draft_model"] if blocks is not None else s.block_sizes)
         methods.append(MlxLmSpec(target.model, drafters["draft_model"][1], block, s.taus[0], vocab))

@@ -50,6 +50,7 @@ class Method:
     tau: Optional[float] = None
     block: Optional[int] = None
     adaptive: bool = False
+    ahead: Optional[bool] = None  # spec methods: rounds draft the next block before reading their outcome
     kind: str = ""
 
     def run(self, prompt: List[int], max_tokens: int, ref: Optional[Reference], seed: int) -> Run:
@@ -57,7 +58,7 @@ class Method:
 
     def describe(self) -> Dict[str, Any]:
         return {"name": self.name, "family": self.family, "kind": self.kind, "oracle_tau": self.tau,
-                "block": self.block, "adaptive": self.adaptive,
+                "block": self.block, "adaptive": self.adaptive, "draft_ahead": self.ahead,
                 # where the measured tau comes from: the drafter's own proposals, or the oracle's
                 "proposals": None if self.family != "spec" else ("oracle" if self.tau else "real")}
 
@@ -131,9 +132,9 @@ class HostMethod(Method):
 
     def __init__(self, target: LoadedTarget, name: str, policy: Optional[CachePolicy],
                  drafter: Any = None, block: Optional[int] = None, tau: Optional[float] = None,
-                 adaptive: bool = False, vocab: int = 0, plugin: Any = None):
+                 adaptive: bool = False, vocab: int = 0, plugin: Any = None, ahead: bool = True):
         """``plugin``: the host's speculative plugin (default: this project's hookimpls; bench/round_trace.py:
-        a traced one)."""
+        a traced one). ``ahead``: rounds draft the next block before reading their outcome (plugin/round.py)."""
         self.name = name
         attachments: Dict[str, Any] = {}
         self.wrapped = None
@@ -142,13 +143,13 @@ class HostMethod(Method):
             self.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False))
         else:
             self.family = "spec"
-            self.kind, self.block, self.tau, self.adaptive = drafter.kind, block, tau, adaptive
+            self.kind, self.block, self.tau, self.adaptive, self.ahead = drafter.kind, block, tau, adaptive, ahead
             self.oracle = orc.Oracle(orc.alpha_for_tau(tau, block), vocab) if tau else None
             self.wrapped = orc.WrappedDrafter(drafter, self.oracle)
             settings = SpeculativeSettings(enabled=True, kind=drafter.kind, block_size=None if adaptive else block,
                                            adaptive=adaptive)
             attachments[hookimpls.NAME] = hookimpls.Attachment(settings=settings, drafter=self.wrapped, block_size=block,
-                                                               policy=policy)
+                                                               policy=policy, ahead=ahead)
             self.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False,
                                                                   plugins=[plugin if plugin is not None else hookimpls]))
         self.target = dataclasses.replace(target, attachments=attachments, cache_policy=policy or CachePolicy())

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...drafters.base import DraftBatch, Drafter, Proposal, Verified
+from ...drafters.base import DraftBatch, Drafter, Proposal, Unread, Verified
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -118,6 +118,9 @@ class OracleBatch(DraftBatch):
             out = [Proposal(self.oracle.drafts_for(r, m)) if m else Proposal([]) for r, m in zip(rows, max_drafts)]
         self.drafted.extend(len(p.tokens) for p in out if len(p.tokens))
         return out
+
+    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
+        self.inner.draft_ahead(rows, unread, max_drafts)  # from the oracle's outcome, as the round's is
 
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         # The inner drafter proposed its own tokens: it keeps no more of them than the round kept.

@@ -230,7 +230,8 @@ def format_table(report: Dict[str, Any]) -> str:
                      "synchronised)")
         lines.append("bound%: tok/s * (bare draft + bare verify) / tau, the share of tau tokens per bare round reached "
                      "(median over prompts): under 100 is time the machinery costs; over 100 only where a round "
-                     "overlaps the drafter's kernels with building the verify")
+                     "overlaps the drafter's host work with the device's (drafting ahead, or building the verify "
+                     "while the drafter's kernels run)")
     return "\n".join(lines)
 
 

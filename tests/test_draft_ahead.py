@@ -1,0 +1,239 @@
+"""Drafting ahead (plugin/round.py; ``DraftBatch.draft_ahead``, DFlash over the policy's compiled calls):
+a round queues the next round's block from its outcome still on the device, before the host reads it.
+
+The block must be used only where the rows are what it assumed, and the output must stay plain decoding's:
+greedy rounds with zero, partial and full acceptance (drafts forced from the reference, corrupted at a
+chosen position) equal mlx-lm's greedy tokens, alone (blocks drafted ahead) and in a batch (drafted in
+place). Dropped, with nothing lost: a row joining, plain steps between rounds (adaptive pauses), more
+drafts wanted than were drafted ahead, an outcome other than the one assumed; a failing ahead falls back
+to plain decoding; sampled rows draft in place; a bad MLX_SPEC_DRAFT_AHEAD is a clear error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import mlx.core as mx
+import pytest
+
+from conftest import make_host, no_stop
+from mlx_speculative.drafters.base import Proposal
+from mlx_speculative.drafters.dflash import DFlashBatch, DFlashDrafter
+from mlx_speculative.hooks.scheduler import Scheduler
+from mlx_speculative.hooks.state import SamplingParams
+from mlx_speculative.plugin import accept, cache_policy, compiled, draft
+from mlx_speculative.plugin import round as round_mod
+from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
+
+CASES = ("zero", "full", "partial")
+VOCAB = 384
+
+
+def dflash_host(monkeypatch: pytest.MonkeyPatch, models: Dict[str, Any], ahead: str = "on",
+                **speculative: Any) -> Tuple[Any, Any]:
+    """A host decoding the llama target with the DFlash drafter over padded caches and compiled calls."""
+    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(compiled.ENV, "on")
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
+    monkeypatch.setenv(draft.AHEAD_ENV, ahead)
+    settings = {"draft_model": str(models["dflash"]), "kind": "dflash", "block_size": 5, "adaptive": False}
+    host = make_host({**settings, **speculative})
+    target = host.load(str(models["llama"]["target"]))
+    assert isinstance(target.cache_policy.forward, compiled.CompiledForward)
+    return host, target
+
+
+def force(monkeypatch: pytest.MonkeyPatch, refs: Dict[Tuple[int, ...], List[int]], cases: Iterator[str],
+          seen: Dict[str, int]) -> None:
+    """Proposals replaced, after the drafter ran, by each row's reference continuation, corrupted at position
+    0 (zero), 2 (partial) or nowhere (full), the case cycling round by round."""
+    original = DFlashBatch.propose
+
+    def propose(self: DFlashBatch, rows: List[Any], max_drafts: List[int]) -> List[Proposal]:
+        used = self.ahead_used
+        original(self, rows, max_drafts)
+        seen["ahead_used"] += self.ahead_used - used
+        seen["rounds"] += 1
+        seen.setdefault("log", []).append((len(rows), self.ahead_used - used))  # (rows, drafted ahead?)
+        case = next(cases)
+        out = []
+        for row, k in zip(rows, max_drafts):
+            ref = refs[tuple(row.tokens[: row.prompt_len])]
+            g = len(row.tokens) - row.prompt_len
+            truth = (ref[g : g + k] + [0] * k)[:k]
+            j = {"zero": 0, "partial": 2, "full": k}[case]
+            out.append(Proposal([(t + 1) % VOCAB if i == j else t for i, t in enumerate(truth)] if k else []))
+        return out
+
+    monkeypatch.setattr(DFlashBatch, "propose", propose)
+
+
+def run(host: Any, target: Any, prompts: List[List[int]], batch: bool, params: Any = None,
+        join_after: Optional[int] = None, at_join: Callable[[], None] = lambda: None) -> Tuple[List[List[int]], List[Any]]:
+    """Tokens per prompt (each alone, or all in one batch; ``join_after``: the second prompt joins the first
+    after that many steps, ``at_join`` called then) and the requests' states."""
+    groups = [prompts] if batch or join_after is not None else [[p] for p in prompts]
+    tokens: List[List[int]] = []
+    states: List[Any] = []
+    for group in groups:
+        scheduler = Scheduler(host, target)
+        first = group if join_after is None else group[:1]
+        requests = [scheduler.submit(p, params or no_stop(MAX_TOKENS)) for p in first]
+        got: Dict[int, List[int]] = {r.id: [] for r in requests}
+        steps = 0
+        while scheduler.busy:
+            for request, event in scheduler.step():
+                got[request.id].append(event.token)
+            steps += 1
+            if steps == join_after:
+                at_join()
+                later = [scheduler.submit(p, params or no_stop(MAX_TOKENS)) for p in group[1:]]
+                got.update({r.id: [] for r in later})
+                requests += later
+        tokens += [got[r.id] for r in requests]
+        states += [r.state for r in requests]
+    return tokens, states
+
+
+def by_acceptance(states: List[Any]) -> Dict[str, int]:
+    out = {"zero": 0, "partial": 0, "full": 0, "rounds": 0}
+    for s in states:
+        stats = s.report["speculative"]
+        out["rounds"] += stats.rounds
+        for key, n in stats.rounds_by_acceptance.items():
+            out[key] += n
+    return out
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_forced_rounds_equal_plain_decoding(batch: bool, models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models)
+    seen = {"ahead_used": 0, "rounds": 0}
+    force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+    tokens, states = run(host, target, PROMPTS, batch)
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
+    totals = by_acceptance(states)
+    assert all(s.report["speculative"].fallback is None for s in states)
+    assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
+    counts = target.cache_policy.forward.counts
+    if batch:  # batches take the plain forward and draft in place
+        assert seen["ahead_used"] == 0 and counts["compiled dflash block ahead"] == 0, counts
+    else:  # every round but each request's first drafts its block during the round before
+        assert seen["ahead_used"] == totals["rounds"] - len(PROMPTS) > 0, (seen, totals)
+
+
+def test_a_joining_row_drops_the_block_drafted_ahead(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models)
+    seen = {"ahead_used": 0, "rounds": 0}
+    force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+    tokens, _ = run(host, target, PROMPTS[:2], batch=False, join_after=3)
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS[:2]]
+    log = seen["log"]  # alone, both rows, then the second alone once the first is done
+    rows = [n for n, _ in log]
+    assert rows[:2] == [1, 1] and rows.count(2) >= 2 and rows[-1] == 1, log
+    # alone the rounds after the first drafted ahead; joined (the block drafted ahead dropped), in place;
+    # alone again, the first round in place (the batch's rows changed), then ahead again
+    assert all(used == (n == 1 and i > 0 and rows[i - 1] == 1) for i, (n, used) in enumerate(log)), log
+
+
+def test_plain_steps_between_rounds_drop_it(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing accepted, adaptive blocks: the controller pauses for plain steps after such rounds, whose
+    captures the drafter appends first; the block drafted ahead before them is not used."""
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models, block_size=None, adaptive=True)
+    seen = {"ahead_used": 0, "rounds": 0}
+    force(monkeypatch, m["refs"], itertools.repeat("zero"), seen)
+    long = no_stop(60)
+    tokens, states = run(host, target, PROMPTS[:1], batch=False, params=long)
+    stats = states[0].report["speculative"]
+    assert tokens[0][:MAX_TOKENS] == m["refs"][tuple(PROMPTS[0])]
+    assert stats.plain_steps > 0 and stats.rounds >= 2 and stats.fallback is None, stats.to_dict()
+    assert seen["ahead_used"] < seen["rounds"] - 1, (seen, stats.to_dict())
+
+
+def test_more_drafts_wanted_than_drafted_ahead(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models)
+    original = DFlashBatch.draft_ahead
+    monkeypatch.setattr(DFlashBatch, "draft_ahead", lambda self, rows, unread, k: original(self, rows, unread, [1] * len(k)))
+    seen = {"ahead_used": 0, "rounds": 0}
+    force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+    tokens, states = run(host, target, PROMPTS, batch=False)
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
+    counts = target.cache_policy.forward.counts
+    assert seen["ahead_used"] == 0 and counts["compiled dflash block"] == seen["rounds"] > 0, counts
+    assert counts["compiled dflash block ahead"] > 0  # drafted, its context kept, its one token not enough
+
+
+@pytest.mark.parametrize("wrong", ["accepted", "bonus"])
+def test_an_outcome_other_than_assumed_is_not_used(wrong: str, models: Dict[str, Any],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models)
+    real = accept.unread_outcome
+
+    def skewed(plan: Any, drafts: mx.array) -> Any:
+        u = real(plan, drafts)
+        if u is None:
+            return None
+        return (u[0] + 1, u[1]) if wrong == "accepted" else (u[0], (u[1] + 1) % VOCAB)
+
+    monkeypatch.setattr(round_mod, "unread_outcome", skewed)
+    seen = {"ahead_used": 0, "rounds": 0}
+    force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+    tokens, states = run(host, target, PROMPTS, batch=False)
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
+    assert seen["ahead_used"] == 0 and target.cache_policy.forward.counts["compiled dflash block ahead"] > 0
+
+
+def test_a_failing_ahead_falls_back_without_losing_a_token(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models)
+    calls = {"n": 0}
+    original = DFlashDrafter.block_ahead
+
+    def block_ahead(self: DFlashDrafter, *args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("ahead broke")
+        return original(self, *args)
+
+    monkeypatch.setattr(DFlashDrafter, "block_ahead", block_ahead)
+    tokens, states = run(host, target, PROMPTS[:1], batch=False)
+    assert tokens == [m["refs"][tuple(PROMPTS[0])]]  # nothing lost or repeated
+    stats = states[0].report["speculative"]
+    assert calls["n"] == 3 and "drafting ahead" in stats.fallback and "ahead broke" in stats.fallback
+    assert stats.rounds == 3 and stats.plain_steps > 0
+
+
+def test_sampled_rows_draft_in_place(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    params = no_stop(MAX_TOKENS, sampling=SamplingParams(temperature=0.8, seed=5))
+    got = {}
+    for mode in ("on", "off"):
+        host, target = dflash_host(monkeypatch, models, ahead=mode)
+        got[mode], states = run(host, target, PROMPTS[:2], batch=False, params=params)
+        counts = target.cache_policy.forward.counts
+        assert counts["compiled dflash block ahead"] == 0 and counts["compiled dflash block"] > 0, counts
+    assert got["on"] == got["off"]  # the same draws: nothing was drafted ahead
+
+
+def test_modes(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert draft.ahead_on() and draft.ahead_on("ON") and not draft.ahead_on("off")
+    with pytest.raises(ValueError, match="MLX_SPEC_DRAFT_AHEAD: got 'fast'; allowed: on, off"):
+        draft.ahead_on("fast")
+    monkeypatch.setenv(draft.AHEAD_ENV, "fast")
+    host = make_host({"draft_model": str(models["dflash"]), "kind": "dflash"})
+    with pytest.raises(ValueError, match="MLX_SPEC_DRAFT_AHEAD: got 'fast'; allowed: on, off"):
+        host.load(str(models["llama"]["target"]))
+
+
+@pytest.mark.parametrize("drafts,target,expect", [
+    ([3, 4, 5], [3, 4, 5, 6], (3, 6)), ([3, 4, 5], [9, 4, 5, 6], (0, 9)), ([3, 4, 5], [3, 4, 7, 6], (2, 7)),
+])
+def test_accepted_prefix_on_the_device_is_the_hosts(drafts: List[int], target: List[int], expect: Tuple[int, int]) -> None:
+    a, bonus = accept.accepted_prefix(mx.array(drafts, dtype=mx.uint32), mx.array(target, dtype=mx.uint32))
+    assert (int(a.item()), int(bonus.item())) == accept.accept_prefix(drafts, target) == expect
