@@ -133,7 +133,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     phase("logprobs")
     drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]
     accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
-    ahead = att.ahead and lazy
+    ahead = att.ahead and lazy and br.draft.drafts_ahead(on_rows)
     unread = [unread_outcome(x, d) for x, d in zip(accepting, drafts)] if ahead else []
     mx.eval([x for _, x in accepting], [u for u in unread if u is not None])
     phase("accept")

@@ -162,6 +162,11 @@ class DraftBatch(abc.ABC):
         """Per row: positions of ``propose``'s writes to its caches that stay (0 by default)."""
         return [0] * len(rows)
 
+    def drafts_ahead(self, rows: Sequence[Any]) -> bool:
+        """Whether ``draft_ahead`` may draft for these rows this round (the round then computes their outcomes
+        on the device for it). False by default."""
+        return False
+
     def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
         """Optional: queue the next round's drafting now, after the verify and before the host reads its
         outcome, so that the device drafts while the host commits, emits and builds the next verify.

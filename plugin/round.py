@@ -198,7 +198,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]  # [k_b] as fed
         logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
         accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
-        ahead = att.ahead and lazy
+        ahead = att.ahead and lazy and br.draft.drafts_ahead(on_rows)
         unread = [unread_outcome(plan, x) for plan, x in zip(accepting, drafts)] if ahead else []
         # Queued before any drafting ahead, so that reading them waits for the verify alone.
         mx.async_eval([x for _, x in accepting], [u for u in unread if u is not None])

@@ -12,7 +12,6 @@ to plain decoding; sampled rows draft in place; a bad MLX_SPEC_DRAFT_AHEAD is a 
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx

@@ -84,7 +84,6 @@ class DFlashDrafter(Drafter):
                 return got[0]
         return self.model(self.embed(tokens), caches, widths)
 
-
     def append_ahead(self, caches: List[Any], feats: mx.array) -> bool:
         """``feats`` [1, W, taps*H]'s context K/V written right past the context in ``caches``, whose offsets
         stay (drafting ahead: the host keeps some of them later). Compiled calls only; False: declined."""

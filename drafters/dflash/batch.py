@@ -168,6 +168,9 @@ class DFlashBatch(DraftBatch):
         return [Proposal(tokens[b, :m], None if qs[b] is None else qs[b][:m]) if m else Proposal([])
                 for b, m in enumerate(max_drafts)]
 
+    def drafts_ahead(self, rows: Sequence[Any]) -> bool:
+        return self.drafter.compiler is not None and len(rows) == 1 and rows[0].sampling.greedy
+
     def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
         """One greedy row over the policy's compiled calls: the round's W verified positions appended to its
         context past the committed ones (the host's offsets unchanged), then the next block at the device's
@@ -175,8 +178,8 @@ class DFlashBatch(DraftBatch):
         committed, ``propose`` serves the tokens where the rows and the outcome are as assumed."""
         self.ahead = None
         d = self.drafter
-        if d.compiler is None or len(rows) != 1 or len(self.rows) != 1 or self.rows[0] is not rows[0] \
-                or self.fresh or unread[0] is None or not rows[0].sampling.greedy or max_drafts[0] < 1:
+        if not self.drafts_ahead(rows) or len(self.rows) != 1 or self.rows[0] is not rows[0] or self.fresh \
+                or unread[0] is None or max_drafts[0] < 1:
             return
         row, o, k = rows[0], unread[0], max_drafts[0]
         if self.pending.get(id(row)) or not o.captures:

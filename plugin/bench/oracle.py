@@ -119,6 +119,9 @@ class OracleBatch(DraftBatch):
         self.drafted.extend(len(p.tokens) for p in out if len(p.tokens))
         return out
 
+    def drafts_ahead(self, rows: Sequence[Any]) -> bool:
+        return self.inner.drafts_ahead(rows)
+
     def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
         self.inner.draft_ahead(rows, unread, max_drafts)  # from the oracle's outcome, as the round's is
 
