@@ -154,6 +154,25 @@ def test_plain_steps_between_rounds_drop_it(models: Dict[str, Any], monkeypatch:
     assert seen["ahead_used"] < seen["rounds"] - 1, (seen, stats.to_dict())
 
 
+def test_a_second_prepare_keeps_the_block_taken_up(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/round_trace.py prepares once more before the round's own ``prepare``: nothing is left to catch up
+    on then, and the block the first took up still serves the round."""
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models)
+    original = DFlashBatch.prepare
+
+    def twice(self: DFlashBatch, rows: List[Any]) -> None:
+        original(self, rows)
+        original(self, rows)
+
+    monkeypatch.setattr(DFlashBatch, "prepare", twice)
+    seen = {"ahead_used": 0, "rounds": 0}
+    force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+    tokens, states = run(host, target, PROMPTS, batch=False)
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
+    assert seen["ahead_used"] == by_acceptance(states)["rounds"] - len(PROMPTS) > 0, seen
+
+
 def test_more_drafts_wanted_than_drafted_ahead(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     m = models["llama"]
     host, target = dflash_host(monkeypatch, models)

@@ -203,6 +203,8 @@ class DFlashBatch(DraftBatch):
         """The positions the host committed out of those ``draft_ahead`` appended, kept: the row's pending
         features are then exactly those (its captures at the round's a + 1 committed positions)."""
         ahead = self.ahead
+        if ahead is not None and ahead.taken:
+            return  # taken by an earlier prepare of this step
         if ahead is None or len(self.rows) != 1 or self.rows[0] is not ahead.row or self.fresh \
                 or self.context[0] != ahead.context:
             self.ahead = None
