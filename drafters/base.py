@@ -67,7 +67,6 @@ class Unread:
 
     accepted: mx.array  # [] int32: a, leading draft tokens kept (the host learns it after the drafting is queued)
     bonus: mx.array  # []: the bonus, the next round's pending token
-    drafted: int  # k
     # layer -> [1, W, H]: the target's outputs at every position the verify fed; the first a + 1 are kept.
     captures: Dict[int, mx.array] = field(default_factory=dict)
 

@@ -120,9 +120,9 @@ def plan_rows(rows: Sequence[Any], proposals: Sequence[Proposal], drafts: Sequen
     """Each row's acceptance by its own rule, still unevaluated (``read_plans`` reads them together).
 
     drafts[b]: row b's draft tokens x as fed to the verify, [k_b] (k_b = 0: it drafted nothing), with
-    their log q in proposals[b]; logprobs[b]: its processed log p [k_b+1, V]. Temperature 0: the greedy walk; else ``rejection``
-    (speculative sampling with the row's own key) or ``exact`` (mlx-lm's token match). A row that
-    drafted nothing takes its one-token step here: its own sampler on position 0.
+    their log q in proposals[b]; logprobs[b]: its processed log p [k_b+1, V]. Temperature 0: the greedy
+    walk; else ``rejection`` (speculative sampling with the row's own key) or ``exact`` (mlx-lm's token
+    match). A row that drafted nothing takes its one-token step here: its own sampler on position 0.
     """
     plans: List[Plan] = []
     for row, p, x, lp in zip(rows, proposals, drafts, logprobs):
@@ -172,9 +172,3 @@ def read_plans(plans: Sequence[Plan], proposals: Sequence[Proposal]) -> List[Rou
             out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
     return out
 
-
-def accept_rows(rows: Sequence[Any], proposals: Sequence[Proposal], logprobs: Sequence[mx.array],
-                acceptance: str) -> List[RoundOutcome]:
-    """``plan_rows`` then ``read_plans`` for proposals of ints."""
-    drafts = [mx.array(list(p.tokens), dtype=mx.uint32) for p in proposals]
-    return read_plans(plan_rows(rows, proposals, drafts, logprobs, acceptance), proposals)

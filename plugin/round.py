@@ -236,9 +236,9 @@ def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[i
     """The drafter's next block queued from this round's unread outcome (``DraftBatch.draft_ahead``);
     an exception is returned, for the round to fall back after committing the target's tokens."""
     outcomes: List[Optional[Unread]] = []
-    for b, k in zip(on, max_drafts):
+    for b in on:
         u = unread[b]
-        outcomes.append(None if u is None else Unread(u[0], u[1], k, {i: h[b : b + 1] for i, h in captured.items()}))
+        outcomes.append(None if u is None else Unread(u[0], u[1], {i: h[b : b + 1] for i, h in captured.items()}))
     try:
         drafter.draft_ahead([rows[b] for b in on], outcomes, max_drafts)
     except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
