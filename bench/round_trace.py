@@ -9,8 +9,8 @@ device synchronised between phases (prepare: the drafter catching up on committe
 first round's whole prompt included; draft; cache-transaction begin; graph build; target forward;
 log-probabilities; accept; ahead: the drafter's next block from the device's outcome, where it drafts
 ahead, which a round overlaps with its commit and the next verify's build; target commit; finish: the
-drafter's commit and the stats; emit), so each phase's time is its own. Synchronising adds a little to every round; use it to find costs,
-not to quote speed-ups.
+drafter's commit and the stats; emit), so each phase's time is its own. Synchronising adds a little to
+every round; use it to find costs, not to quote speed-ups.
 Prints, per regime and prompt, the first round's phases (where the drafter builds the prompt's
 context), the other rounds' per-phase medians and means (the bench's draft and verify per round are
 means over every round) and the rounds far above the median; with ``--adaptive`` (block size and
