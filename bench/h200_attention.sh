@@ -38,8 +38,9 @@
 #   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too; PAIRED=5 repeats the paired regime 5 times, with
 #   its median: each repeat decodes every method once more per prompt length; SEED=N draws other weights, prompts and
 #   oracle acceptance sequences: with the default 0 every run repeats the same draws, each prompt the same tau)
-#   (AHEAD=both runs each fixed-tau DFlash method also without drafting ahead, a 'no-ahead' twin in the same process;
-#   AHEAD=off: without only)
+#   (AHEAD= takes --draft-ahead's modes: on (the default: the next block queued ahead), verify (the block and the
+#   verify over it), off; several joined by commas run each fixed-tau DFlash method once per mode in the same
+#   process, e.g. AHEAD=verify,on,off; both: on,off)
 #   (COST_KEYS=4096 times the bare forwards after a run at the prompts' key lengths and 4096 only, default
 #   4096,8192,16384: a 4-bit run at two prompt lengths with all three runs past 280 s)
 # Results go to $OUT (the device tool's output folder) or ./h200-out, named h200-attention-*.json (an e2e run's

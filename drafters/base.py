@@ -176,6 +176,13 @@ class DraftBatch(abc.ABC):
         same rows, nothing fed in between, the outcome the host read, no more than ``max_drafts``
         tokens wanted) and otherwise draft as usual. Nothing by default."""
 
+    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
+        """After ``draft_ahead``: per row, the draft tokens [k] (on the device, unevaluated) that the next
+        ``propose`` will serve if the outcome is ``unread``'s, so that the round can queue the next verify
+        over them (plugin/verify_ahead.py; the next round checks them against what ``propose`` serves).
+        None (the default): nothing drafted ahead."""
+        return None
+
     # The server's prompt cache (optional; the defaults keep nothing) ---------------------------
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
         """A copy of ``row``'s drafting state (a row of this batch, or one restored into it that

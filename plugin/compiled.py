@@ -135,6 +135,13 @@ class CompiledForward:
         self._fns: Dict[tuple, Tuple[Any, Callable[..., List[mx.array]]]] = {}  # (id(owner), key, n) -> (weakref, fn)
 
     def __call__(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int]) -> Optional[Forward]:
+        return self.forward_at(model, inputs, cache, layers)
+
+    def forward_at(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int],
+                   base: Optional[int] = None, shift: Optional[mx.array] = None) -> Optional[Forward]:
+        """The forward (``__call__``); with ``base`` and ``shift``, queued at the device offset base + shift
+        (verifying ahead, plugin/verify_ahead.py): its W positions go into the caches' buffers past that offset
+        and the caches' ``offset`` stays as it is (the round takes the positions when it adopts the forward)."""
         if not isinstance(inputs, mx.array) or inputs.ndim != 2 or inputs.shape[1] not in self.widths:
             self.counts["plain: width"] += 1
             return None
@@ -152,23 +159,32 @@ class CompiledForward:
             return [logits] + [mx.concatenate(rec[i], axis=1) if len(rec[i]) > 1 else rec[i][0] for i in layers]
 
         W = inputs.shape[1]
-        out = self.call(("forward", layers), model, fn, cache, [inputs.astype(mx.uint32)], W, W, "compiled")
+        if base is None:
+            out = self.call(("forward", layers), model, fn, cache, [inputs.astype(mx.uint32)], W, W, "compiled")
+        else:
+            here = cache[0].offset if cache else 0
+            if not 0 <= base <= here:
+                raise ValueError(f"forward_at: base offset {base}, past the caches' offset {here}")
+            # Bounded by the caches' offset plus W: the shift is at most the positions written past base.
+            out = self.call(("forward", layers), model, fn, cache, [inputs.astype(mx.uint32)], here - base + W,
+                            here - base, "compiled ahead", shift, base)
         return None if out is None else (out[0], dict(zip(layers, out[1:])))
 
     def call(self, key: Hashable, owner: nn.Module, fn: Callable[..., List[mx.array]], cache: Sequence[Any],
              arrays: Sequence[mx.array], writes: int, advance: int, name: str,
-             shift: Optional[mx.array] = None) -> Optional[List[mx.array]]:
+             shift: Optional[mx.array] = None, base: Optional[int] = None) -> Optional[List[mx.array]]:
         """``fn(owner, caches, *arrays) -> [arrays]`` compiled per (owner, key), run over ``cache``'s buffers
         (stand-ins whose offset is a device scalar): its outputs, or None where it declines (counted under
         "plain: <why>"; an owner whose trace failed runs plainly from then on). ``writes``: positions past the
         caches' offset ``fn`` writes (the buffers grow to hold them); ``advance``: positions the caches keep.
         ``shift``: a device scalar added to the caches' offset for this call (one the host has not read yet:
-        drafting ahead, plugin/round.py); ``writes`` then bounds how far past the caches' offset it may write."""
+        drafting ahead, plugin/round.py); ``writes`` then bounds how far past the caches' offset it may write.
+        ``base``: the host offset ``writes``, ``advance`` and ``shift`` count from (default: the caches')."""
         why = self.declines(owner, cache)
         if why:
             self.counts[f"plain: {why}"] += 1
             return None
-        offset = cache[0].offset
+        offset = cache[0].offset if base is None else base
         buffers = [grown(a, offset + writes, self.grow) for c in cache for a in (c.keys, c.values)]
         compiled = self._compiled(owner, key, fn, len(arrays))
         shape = (id(owner), key, tuple(tuple(a.shape) for a in arrays), buffers[0].shape[2])
@@ -226,7 +242,8 @@ class CompiledForward:
     def report(self) -> Dict[str, Any]:
         total = sum(self.counts.values())
         return {"enabled": self.enabled, "widths": sorted(self.widths), "grow": self.grow, "calls": dict(self.counts),
-                "compiled_share": round(self.counts["compiled"] / total, 4) if total else None,
+                "compiled_share": round((self.counts["compiled"] + self.counts["compiled ahead"]) / total, 4)
+                if total else None,
                 "traces": len(self.trace_ms),
                 "trace_ms_median": round(statistics.median(self.trace_ms), 2) if self.trace_ms else None,
                 "trace_ms_max": round(max(self.trace_ms), 2) if self.trace_ms else None,

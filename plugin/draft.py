@@ -19,16 +19,22 @@ from ..hooks.transaction import CacheTransaction
 # MLX_SPEC_LAZY_DRAFTS=0: evaluate each proposal before the verify is built (for measurements).
 LAZY_DRAFTS = os.environ.get("MLX_SPEC_LAZY_DRAFTS", "1").strip() != "0"
 AHEAD_ENV = "MLX_SPEC_DRAFT_AHEAD"
-AHEAD_MODES = ("on", "off")
+AHEAD_MODES = ("on", "verify", "off")
 
 
-def ahead_on(mode: Optional[str] = None, source: str = AHEAD_ENV) -> bool:
-    """Whether rounds draft the next block before the host reads their outcome, where the drafter can
-    (``DraftBatch.draft_ahead``): ``mode``, or $MLX_SPEC_DRAFT_AHEAD: on (the default) | off."""
+def ahead_mode(mode: Optional[str] = None, source: str = AHEAD_ENV) -> str:
+    """What rounds queue before the host reads their outcome, where the drafter can: ``mode``, or
+    $MLX_SPEC_DRAFT_AHEAD: on (the default: the next block, ``DraftBatch.draft_ahead``) | verify (the block and
+    the next verify over it, plugin/verify_ahead.py: measured slower on MLX-CUDA, see there) | off."""
     mode = (mode or os.environ.get(AHEAD_ENV) or "on").strip().lower()
     if mode not in AHEAD_MODES:
         raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(AHEAD_MODES)}")
-    return mode == "on"
+    return mode
+
+
+def ahead_on(mode: Optional[str] = None, source: str = AHEAD_ENV) -> bool:
+    """Whether rounds draft the next block before the host reads their outcome (``ahead_mode``)."""
+    return ahead_mode(mode, source) != "off"
 
 
 class DraftError(ValueError):
@@ -53,7 +59,8 @@ def check(proposal: Proposal, max_drafts: int, vocab_size: int, lazy: bool) -> P
         if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
             raise DraftError(f"draft tokens: expected a list of ints or a 1-d integer array; got an array of shape "
                              f"{tuple(tokens.shape)} and dtype {tokens.dtype}")
-        tokens = tokens[:max_drafts]
+        if tokens.shape[0] > max_drafts:  # a slice is a new op: read, it would wait for all work queued by then
+            tokens = tokens[:max_drafts]
         if not lazy:
             tokens = tokens.tolist()
     if not isinstance(tokens, mx.array):
@@ -75,8 +82,9 @@ def in_vocabulary(tokens: List[int], vocab_size: int) -> List[int]:
 
 def as_ints(proposals: Sequence[Proposal], vocab_size: int) -> List[Proposal]:
     """After the verify: every proposal's tokens as ints; out-of-vocabulary drafts raise ``DraftError``."""
-    lazy = [p.tokens for p in proposals if isinstance(p.tokens, mx.array)]
-    values = iter(mx.concatenate(lazy).tolist() if lazy else [])
+    # Each array read as it is: evaluated ones (drafted ahead) without waiting for the work queued after them
+    # (verifying ahead), as a new op (a concatenation) would.
+    values = iter([t for p in proposals if isinstance(p.tokens, mx.array) for t in p.tokens.tolist()])
     out = []
     for p in proposals:
         if isinstance(p.tokens, mx.array):

@@ -30,6 +30,7 @@ class Attachment:
     block_size: int = 0
     policy: Optional[CachePolicy] = None  # shape-stable caches (CUDA), for the target and the drafter
     ahead: bool = True  # rounds draft the next block before reading their outcome, where the drafter can
+    verify_ahead: bool = False  # ... and queue the next verify over it (plugin/verify_ahead.py)
 
 
 def draft_target(target: LoadedTarget, policy: Optional[CachePolicy] = None) -> DraftTarget:
@@ -39,7 +40,7 @@ def draft_target(target: LoadedTarget, policy: Optional[CachePolicy] = None) -> 
 
 def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     """Resolve, check and load the drafter for ``target``; raises on any problem."""
-    ahead = draft.ahead_on()
+    mode = draft.ahead_mode()
     resolution = registry.resolve(settings.draft_model, settings.kind)
     for warning in resolution.warnings:
         log.warning(warning)
@@ -52,7 +53,8 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     if policy is not None:
         policy.block_size = block  # the host warms the policy's shapes after routing attention (prepare)
         policy.capture_layers = tuple(drafter.capture_layers())  # tapped by the host before prepare
-    return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy, ahead=ahead)
+    return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy,
+                      ahead=mode != "off", verify_ahead=mode == "verify")
 
 
 @hookimpl

@@ -29,6 +29,7 @@ class SpecStats:
     # rounds whose drafts were all rejected / partly accepted / all accepted
     rounds_by_acceptance: Dict[str, int] = field(default_factory=lambda: {"zero": 0, "partial": 0, "full": 0})
     plain_steps: int = 0  # one-token steps the adaptive controller took instead of rounds
+    verified_ahead: int = 0  # rounds whose verify forward the round before had queued (plugin/verify_ahead.py)
     fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
     seconds: Dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "commit": 0.0})
     last: Optional[RoundOutcome] = None  # the latest round, until the request ends
@@ -83,6 +84,7 @@ class SpecStats:
             "rounds_by_acceptance": dict(self.rounds_by_acceptance),
             "block_sizes": list(self.block_sizes),
             "plain_steps": self.plain_steps,
+            "verified_ahead": self.verified_ahead,
             "fallback": self.fallback,
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
         }

@@ -1,5 +1,9 @@
 """One speculative round over a batch: draft (draft.py) -> verify (verify.py) -> accept (accept.py) -> commit (commit.py).
 
+Before the host reads the outcome, a round may queue the next one's block (``DraftBatch.draft_ahead``) and
+its verify (verify_ahead.py) from the outcome still on the device; the next round takes them up only where
+everything is as they assumed.
+
 Every row of the batch takes part: rows with drafts get their accepted drafts plus the bonus, rows
 without (speculation off for the request, fallen back, paused by the adaptive controller, nothing
 left to draft) take their one token from the same verify forward. When no row drafts, the plugin
@@ -29,6 +33,7 @@ from .draft import LAZY_DRAFTS, DraftError, as_ints, draft
 from .metrics import METRICS, SpecStats
 from .settings import SpeculativeSettings
 from .verify import row_logprobs, verify
+from .verify_ahead import Queued, adopt, queue, settle
 
 log = logging.getLogger("mlx_speculative")
 NAME = "speculative"
@@ -70,6 +75,7 @@ class BatchRounds:
 
     draft: DraftBatch
     plain_runs: int = 0  # the host's plain runs on this batch seen so far
+    queued: Optional[Queued] = None  # the next round's verify, queued by the last round (verify_ahead.py)
     extras: dict = field(default_factory=dict)
 
 
@@ -189,11 +195,20 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
     width_for = getattr(batch.target.cache_policy, "verify_width", lambda n: n)
     target: Optional[CacheTransaction] = None
     ahead_error: Optional[BaseException] = None
+    waiting, br.queued = br.queued, None
+    queued: Optional[Queued] = None
     try:
         fed: List[Any] = []
         target = CacheTransaction(batch.cache, replay=lambda n: replay(batch.target.model, batch.cache, fed[0], n))
+        base = getattr(batch.cache[0], "offset", -1) if len(rows) == 1 and batch.cache else -1
         target.begin()
-        logits, captured, inputs = verify(batch, [p.tokens for p in proposals], vocab, width_for)  # [B, W, V]
+        got = adopt(waiting, batch, proposals, vocab)
+        waiting = None  # its buffers held no longer: the next queued forward may write into them in place
+        if got is None:
+            logits, captured, inputs = verify(batch, [p.tokens for p in proposals], vocab, width_for)  # [B, W, V]
+        else:
+            logits, captured, inputs = got  # queued by the round before
+            reqs[0].stats.verified_ahead += 1
         fed.append(inputs)
         drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]  # [k_b] as fed
         logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
@@ -204,6 +219,11 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         mx.async_eval([x for _, x in accepting], [u for u in unread if u is not None])
         if ahead:
             ahead_error = draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
+            if ahead_error is None and att.verify_ahead and next_round_alike(rows, on, reqs, proposals):
+                try:
+                    queued = queue(batch, br.draft, unread[0], base, vocab, width_for)
+                except Exception as e:  # noqa: BLE001 - like a failing ahead: falls back after the commit
+                    ahead_error = e
         proposals = as_ints(proposals, vocab)
         outcomes: List[RoundOutcome] = read_plans(accepting, proposals)
         outcomes = commit.fit(target, outcomes, inputs.shape[1])
@@ -227,8 +247,21 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         drafted.abort()
         _fall_back(reqs, "drafting ahead" if e is ahead_error else "committing", e)
     record(rows, on, reqs, plans, outcomes, (t0, t1, t2, time.perf_counter()))
+    if queued is not None and ahead_error is None and reqs[0].failed is None:
+        br.queued = settle(queued, reqs[0].expected)
     return [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
             for b, o in enumerate(outcomes)]
+
+
+def next_round_alike(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRounds],
+                     proposals: Sequence[Proposal]) -> bool:
+    """Whether the next round of this one-row batch will want no more drafts than this one, whatever this
+    round accepts (so that a verify queued over as many is likely to serve it): a pinned block or one at its
+    cap (the controller only grows below it), and tokens left for a round after this one's."""
+    if len(rows) != 1 or list(on) != [0]:
+        return False
+    c, k = reqs[0].controller, len(proposals[0].tokens)
+    return (not c.adaptive or c.size >= c.cap) and rows[0].remaining - (k + 1) >= 2
 
 
 def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[int], max_drafts: Sequence[int],

@@ -189,3 +189,22 @@ def test_bench_repeated_paired_regime(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "--paired: got -1; expected the number of paired regimes" in capsys.readouterr().err
     assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--prompt-lengths", "64", "--compiled-widths", "0"]) != 0
     assert "--compiled-widths: got [0]; allowed: integers from 1 to 32" in capsys.readouterr().err
+
+
+def test_bench_ahead_modes_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--draft-ahead verify,on,off: a DFlash method per mode in one process (compiled calls forced on the CPU),
+    all lossless; only 'verify' verifies ahead. A bad mode is refused before anything loads."""
+    from mlx_speculative.hooks.cli import main
+
+    out = tmp_path / "ahead.json"
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "dflash", "--oracle-acceptance", "3",
+                 "--block-sizes", "4", "--prompt-lengths", "64", "--max-tokens", "24", "--compiled-forward", "on",
+                 "--padded-cache", "on", "--draft-ahead", "verify,on,off", "--no-mlx-lm-spec", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["fresh"]
+    names = {"plugin dflash b4 tau3": "verify", "plugin dflash b4 tau3 draft-ahead": "on",
+             "plugin dflash b4 tau3 no-ahead": "off"}
+    for name, mode in names.items():
+        assert rows[name]["draft_ahead"] == mode and rows[name]["identical_share"] == 1.0
+        assert (rows[name]["rounds_verified_ahead"] > 0) == (mode == "verify"), (name, rows[name]["rounds_verified_ahead"])
+    assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--prompt-lengths", "64", "--draft-ahead", "fast"]) != 0
+    assert "--draft-ahead: got 'fast'; allowed: on, verify, off" in capsys.readouterr().err

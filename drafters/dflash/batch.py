@@ -135,7 +135,8 @@ class DFlashBatch(DraftBatch):
         if ahead is not None and ahead.taken and [id(r) for r in rows] == [id(ahead.row)] \
                 and max_drafts[0] <= ahead.tokens.shape[0]:
             self.ahead_used += 1
-            return [Proposal(ahead.tokens[:max_drafts[0]]) if max_drafts[0] else Proposal([])]
+            m = max_drafts[0]  # the tokens themselves where all are wanted: a slice would be read behind queued work
+            return [Proposal(ahead.tokens if m == ahead.tokens.shape[0] else ahead.tokens[:m]) if m else Proposal([])]
         k = max(max_drafts)
         W = k + 1
         # Shape-stable caches (CUDA): the block too is padded to a power of two, so adaptive sizes
@@ -198,6 +199,12 @@ class DFlashBatch(DraftBatch):
         tokens = mx.argmax(d.head(h[:, 1:k + 1]).astype(mx.float32), axis=-1)[0]  # [k]
         mx.async_eval(tokens)
         self.ahead = Ahead(row, self.context[0], W, o, tokens)
+
+    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
+        ahead = self.ahead
+        if ahead is None or ahead.taken or [id(r) for r in rows] != [id(ahead.row)]:
+            return None
+        return [ahead.tokens]
 
     def _take_ahead(self) -> None:
         """The positions the host committed out of those ``draft_ahead`` appended, kept: the row's pending

@@ -102,10 +102,11 @@ def add_command(subparsers: Any) -> None:
     run.add_argument("--compiled-widths", type=_ints, default=[2, 4, 8, 16, 32], metavar="W[,W...]",
                      help="the input widths the compiled forwards take (default: the verify widths 2,4,8,16,32; "
                           "add 1 for the host's one-token plain steps too)")
-    run.add_argument("--draft-ahead", default="on", choices=["on", "off", "both"],
-                     help="rounds draft the next block before the host reads their outcome, where the drafter can "
-                          "(plugin/round.py; DFlash over compiled calls); both: each fixed-tau speculative method "
-                          "also runs as a 'no-ahead' twin in the same process")
+    run.add_argument("--draft-ahead", default="on", metavar="MODE[,MODE...]",
+                     help="what rounds queue before the host reads their outcome, where the drafter can (plugin/round.py; "
+                          "DFlash over compiled calls): on (the next block), verify (the block and the verify over it), "
+                          "off; several joined by commas: each fixed-tau speculative method also runs as a twin per "
+                          "further mode in the same process ('draft-ahead', 'verify-ahead', 'no-ahead'); both: on,off")
     run.add_argument("--cost-keys", default=None, metavar="L[,L...]|none",
                      help="also time the bare forwards (kernel_costs in the JSON) at these key lengths, besides each "
                           "prompt's key length at mid-decode (prompt + max-tokens/2, rounded up to 256), e.g. 8192,16384 (default: 8192,16384 on CUDA, none elsewhere; "
@@ -128,7 +129,7 @@ def add_command(subparsers: Any) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..compiled import check_widths
-    from .core import BenchSettings, run_bench
+    from .core import BenchSettings, ahead_modes, run_bench
     from .report import format_table, plot, write_json
 
     if args.prompts_file and args.prompt_lengths is not None:
@@ -142,6 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; expected at least 2")
     extra_keys = _cost_keys(args.cost_keys)
+    ahead_modes(args.draft_ahead)
     check_widths(args.compiled_widths, "--compiled-widths")
     if args.paired < 0:
         raise ValueError(f"--paired: got {args.paired}; expected the number of paired regimes (0: none)")

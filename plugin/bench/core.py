@@ -59,8 +59,20 @@ class BenchSettings:
     max_prompts: Optional[int] = None
     cost_keys: Optional[List[int]] = None  # extra key lengths of the bare forward costs; None: 8192,16384 on CUDA
     paired: int = 0  # paired regimes: every method on the same prompt per base (N > 1: and their median)
-    draft_ahead: str = "on"  # rounds draft the next block ahead (plugin/round.py): on | off | both (a twin method)
+    draft_ahead: str = "on"  # what rounds queue ahead (plugin/round.py): on | verify | off, or several: twin methods
 
+
+
+TWINS = {"on": " draft-ahead", "verify": " verify-ahead", "off": " no-ahead"}  # twin methods' name suffixes
+
+
+def ahead_modes(spec: str) -> List[str]:
+    """``--draft-ahead``: one of on | verify | off, several joined by commas (the first names the methods, the
+    others run as twins in the same process), or both (on,off)."""
+    modes = ["on", "off"] if spec.strip() == "both" else [m.strip() for m in spec.split(",")]
+    if not modes or any(m not in TWINS for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"--draft-ahead: got {spec!r}; allowed: on, verify, off, distinct ones joined by commas, or both")
+    return modes
 
 def _progress(msg: str) -> None:
     print(f"\r\033[K[bench] {msg}", end="", file=sys.stderr, flush=True)
@@ -159,12 +171,12 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
         drafter = drafters[kind][0]
         taus = s.taus if kind != "draft_model" or s.kind == "draft_model" or blocks else [t for t in s.taus[:1]]
         sizes = blocks[kind] if blocks is not None else s.block_sizes
-        aheads = {"on": [True], "off": [False], "both": [True, False]}[s.draft_ahead]
+        aheads = ahead_modes(s.draft_ahead)
         for block in sizes:
             for tau in taus:
                 tag = f"tau{tau:g}" if tau else "real drafts"
                 for ahead in aheads:
-                    methods.append(HostMethod(target, f"plugin {kind} b{block} {tag}{'' if ahead else ' no-ahead'}",
+                    methods.append(HostMethod(target, f"plugin {kind} b{block} {tag}{TWINS[ahead] if ahead != aheads[0] else ''}",
                                               policy, drafter, block, tau, False, vocab, spec_plugin, ahead))
         for tau in s.adaptive_taus:
             block = max(sizes)

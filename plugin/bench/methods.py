@@ -50,7 +50,7 @@ class Method:
     tau: Optional[float] = None
     block: Optional[int] = None
     adaptive: bool = False
-    ahead: Optional[bool] = None  # spec methods: rounds draft the next block before reading their outcome
+    ahead: Optional[str] = None  # spec methods: what rounds queue before reading their outcome (MLX_SPEC_DRAFT_AHEAD)
     kind: str = ""
 
     def run(self, prompt: List[int], max_tokens: int, ref: Optional[Reference], seed: int) -> Run:
@@ -132,9 +132,10 @@ class HostMethod(Method):
 
     def __init__(self, target: LoadedTarget, name: str, policy: Optional[CachePolicy],
                  drafter: Any = None, block: Optional[int] = None, tau: Optional[float] = None,
-                 adaptive: bool = False, vocab: int = 0, plugin: Any = None, ahead: bool = True):
+                 adaptive: bool = False, vocab: int = 0, plugin: Any = None, ahead: str = "on"):
         """``plugin``: the host's speculative plugin (default: this project's hookimpls; bench/round_trace.py:
-        a traced one). ``ahead``: rounds draft the next block before reading their outcome (plugin/round.py)."""
+        a traced one). ``ahead``: what rounds queue before reading their outcome, as $MLX_SPEC_DRAFT_AHEAD says
+        (on: the next block; verify: the block and its verify; off: nothing; plugin/round.py)."""
         self.name = name
         attachments: Dict[str, Any] = {}
         self.wrapped = None
@@ -149,7 +150,8 @@ class HostMethod(Method):
             settings = SpeculativeSettings(enabled=True, kind=drafter.kind, block_size=None if adaptive else block,
                                            adaptive=adaptive)
             attachments[hookimpls.NAME] = hookimpls.Attachment(settings=settings, drafter=self.wrapped, block_size=block,
-                                                               policy=policy, ahead=ahead)
+                                                               policy=policy, ahead=ahead != "off",
+                                                               verify_ahead=ahead == "verify")
             self.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False,
                                                                   plugins=[plugin if plugin is not None else hookimpls]))
         self.target = dataclasses.replace(target, attachments=attachments, cache_policy=policy or CachePolicy())

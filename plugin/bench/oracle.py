@@ -48,6 +48,7 @@ class Oracle:
         self.sequence: List[int] = []  # prompt + reference continuation
         self.prompt_len = 0
         self.sequences: Dict[Tuple[int, ...], List[int]] = {}  # per prompt, for several requests
+        self._device: Tuple[Optional[List[int]], Any] = (None, None)  # (sequence, it on the device)
 
     def set_request(self, prompt: Sequence[int], continuation: Sequence[int], seed: int) -> None:
         self.sequence = list(prompt) + list(continuation)
@@ -67,19 +68,35 @@ class Oracle:
     def draw(self) -> bool:
         return self.rng.random() < self.alpha
 
+    def pattern(self, k: int) -> List[bool]:
+        """Which of k proposals are right: right until the first error (no draws after it)."""
+        out: List[bool] = []
+        right = True
+        for _ in range(k):
+            right = right and self.draw()
+            out.append(right)
+        return out
+
     def drafts(self, start: int, k: int, sequence: Optional[List[int]] = None) -> List[int]:
         """k proposals for absolute positions start..start+k-1: right until the first error."""
-        out: List[int] = []
-        right = True
-        for i in range(k):
-            right = right and self.draw()
-            out.append(self.token(start + i, right, sequence))
-        return out
+        return [self.token(start + i, right, sequence) for i, right in enumerate(self.pattern(k))]
+
+    def sequence_for(self, row: Any) -> List[int]:
+        return self.sequences.get(tuple(row.tokens[: row.prompt_len])) or self.sequence
 
     def drafts_for(self, row: Any, k: int) -> List[int]:
         """k proposals after the row's tokens (its pending token last), from its prompt's reference."""
-        sequence = self.sequences.get(tuple(row.tokens[: row.prompt_len]))
-        return self.drafts(len(row.tokens), k, sequence)
+        return self.drafts(len(row.tokens), k, self.sequence_for(row))
+
+    def drafts_at(self, row: Any, shift: mx.array, k: int) -> mx.array:
+        """``drafts_for`` on the device [k], for the row once ``shift`` (a device scalar) more tokens follow it."""
+        sequence = self.sequence_for(row)
+        if self._device[0] is not sequence:
+            self._device = (sequence, mx.array(sequence + [0] * 64, dtype=mx.int32))
+        ref = self._device[1]
+        at = mx.minimum(len(row.tokens) + shift.astype(mx.int32) + mx.arange(k, dtype=mx.int32), ref.shape[0] - 1)
+        truth = mx.take(ref, at)  # [k]
+        return mx.where(mx.array(self.pattern(k)), truth, (truth + 1) % self.vocab_size)
 
 
 class OracleBatch(DraftBatch):
@@ -92,6 +109,7 @@ class OracleBatch(DraftBatch):
         self.drafted = drafted
         self.oracle = oracle
         self.inner_k: List[int] = []
+        self.ahead: Optional[Tuple[Any, int, mx.array, mx.array]] = None  # (row, its length, a, drafts [k])
 
     @property
     def forwards(self) -> int:  # type: ignore[override]
@@ -109,8 +127,13 @@ class OracleBatch(DraftBatch):
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         real = self.inner.propose(rows, max_drafts)
         self.inner_k = [len(p.tokens) for p in real]
+        ahead, self.ahead = self.ahead, None
         if self.oracle is None:
             out = real
+        elif ahead is not None and [id(r) for r in rows] == [id(ahead[0])] and 1 <= max_drafts[0] <= ahead[3].shape[0] \
+                and len(rows[0].tokens) == ahead[1] + int(ahead[2].item()) + 1:
+            # drawn when the round before queued them (``ahead_drafts``); sliced only where fewer are wanted
+            out = [Proposal(ahead[3] if max_drafts[0] == ahead[3].shape[0] else ahead[3][: max_drafts[0]])]
         else:
             mx.async_eval([p.tokens for p in real if isinstance(p.tokens, mx.array)],
                           [p.logprobs for p in real if p.logprobs is not None])
@@ -123,7 +146,19 @@ class OracleBatch(DraftBatch):
         return self.inner.drafts_ahead(rows)
 
     def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
+        self.ahead = None
         self.inner.draft_ahead(rows, unread, max_drafts)  # from the oracle's outcome, as the round's is
+
+    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
+        """The oracle's next drafts on the device (its draws taken now; ``propose`` serves them), where the
+        inner drafter drafted ahead: the verify queued over them costs what the real drafts' would."""
+        inner = self.inner.ahead_drafts(rows, unread)
+        if self.oracle is None or not inner or inner[0] is None or len(rows) != 1 or unread[0] is None:
+            return inner
+        a = unread[0].accepted
+        drafts = self.oracle.drafts_at(rows[0], a + 1, inner[0].shape[0])  # [k]
+        self.ahead = (rows[0], len(rows[0].tokens), a, drafts)
+        return [drafts]
 
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         # The inner drafter proposed its own tokens: it keeps no more of them than the round kept.

@@ -87,6 +87,7 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
                 row["tau"] = round(1 + acc / rounds, 3) if rounds else 0.0
                 row["acceptance_rate"] = round(acc / drafted_total, 4) if drafted_total else 0.0
                 row["rounds"] = rounds
+                row["rounds_verified_ahead"] = sum(x.get("verified_ahead", 0) for x in specs)
                 merged_pos: List[int] = []
                 drafted: List[int] = []
                 for r in rs:
