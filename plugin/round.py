@@ -203,7 +203,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         base = getattr(batch.cache[0], "offset", -1) if len(rows) == 1 and batch.cache else -1
         target.begin()
         got = adopt(waiting, batch, proposals, vocab)
-        waiting = None  # its buffers held no longer: the next queued forward may write into them in place
+        waiting = None  # its buffers held no longer (MLX writes a buffer in place only where nothing else holds it)
         if got is None:
             logits, captured, inputs = verify(batch, [p.tokens for p in proposals], vocab, width_for)  # [B, W, V]
         else:
