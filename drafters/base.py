@@ -135,7 +135,8 @@ class DraftBatch(abc.ABC):
     Per round the plugin calls, in this order: ``sync`` (every decode step, with the rows now
     drafting), ``prepare`` (catch up with committed tokens: kept whatever the round decides),
     ``propose`` (inside a cache transaction over ``cache_groups()``), ``draft_ahead`` (optional:
-    the next round's drafting, queued before the host reads this round's outcome), then ``commit``
+    the next round's drafting, queued before the host reads this round's outcome; then ``ahead_drafts``
+    where the round also queues the next verify), then ``commit``
     with what the round kept. An exception anywhere rolls the round back and the rows decode plainly.
     """
 
