@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,11 +47,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--synthetic-target", default="llama-8b")
     p.add_argument("--prompt-lengths", default="2048")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--padded-cache", default="auto", choices=["auto", "on", "off"], help="the bench's --padded-cache")
+    p.add_argument("--compiled-forward", default="auto", choices=["auto", "on", "off"],
+                   help="the bench's --compiled-forward (verifying ahead needs the compiled forward)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    for name in STEPS:
-        setattr(rnd, name, timed(name, getattr(rnd, name)))
-    s = core.BenchSettings(synthetic_target=a.synthetic_target, kind="dflash", block_sizes=[16], taus=[6.5], adaptive_taus=[],
+    s = core.BenchSettings(padded=a.padded_cache, compiled_forward=a.compiled_forward, synthetic_target=a.synthetic_target, kind="dflash", block_sizes=[16], taus=[6.5], adaptive_taus=[],
                            prompt_lengths=[int(x) for x in a.prompt_lengths.split(",")], max_tokens=a.max_tokens,
                            mlx_lm_spec=False, cost_keys=[], draft_ahead="verify,on")
 
@@ -59,18 +61,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         LABEL[0] = f"{parts[0]} {' '.join(parts[2:-2])}" if len(parts) > 4 else msg
         print(f"[probe] {msg}", file=sys.stderr, flush=True)
 
-    core.run_bench(s, on_progress=progress)
-    out = {}
+    originals = {name: getattr(rnd, name) for name in STEPS}
+    try:
+        for name, fn in originals.items():
+            setattr(rnd, name, timed(name, fn))
+        report = core.run_bench(s, on_progress=progress)
+    finally:
+        for name, fn in originals.items():
+            setattr(rnd, name, fn)
+    out: Dict[str, Any] = {}
     for label, steps in TIMES.items():
-        if not label.startswith(("fresh", "warm")) or "plugin" not in label:
+        if label.split(" ", 1)[0] not in ("fresh", "warm") or "plugin" not in label:
             continue
         med = {k: round(statistics.median(v), 3) for k, v in steps.items() if v}
         calls = {k: len(v) for k, v in steps.items()}
-        out[label] = {"median_ms": med, "calls": calls}
+        regime, method = label.split(" ", 1)
+        row = report["results"].get(regime, {}).get(method, {})
+        out[label] = {"median_ms": med, "calls": calls, "tok_s": row.get("tok_s"), "tau": row.get("tau")}
         print(f"{label}: " + " ".join(f"{k} {med[k]:.2f}" for k in STEPS if k in med) + f"  (calls {calls})", flush=True)
     if a.json:
+        env = {k: v for k, v in os.environ.items() if k.startswith(("MLX_MAX_", "MLX_SPEC_"))}
         Path(a.json).write_text(json.dumps({"command": "python bench/verify_ahead_probe.py " + " ".join(argv or sys.argv[1:]),
-                                            "results": out}, indent=1))
+                                            "env": env, "results": out}, indent=1))
     return 0
 
 

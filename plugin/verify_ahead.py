@@ -21,12 +21,14 @@ can cost device time, never a token.
 Measured slower, so off by default (``MLX_SPEC_DRAFT_AHEAD=verify`` turns it on): on the H200 (Llama-3-8B
 shape, DFlash at oracle tau 6.5, prompts near 512-16,384; bench/results/attention/*-vahead*.json) a round took
 ~2-2.5 ms more than drafting ahead alone (the bench's verify per round 13.6 / 15.9 ms warm against 11.4 / 13.1,
-two runs). The host does not run ahead of the device as hoped: timed inside the round (bench/verify_ahead_probe.py,
-bench/results/profiles/h200-verify-ahead-probe*.json, near 2048 / 8192 keys) ``queue`` blocks ~7.4 ms and
-``adopt`` ~3.5 ms (reading the inputs queued before the forward) while reading the outcome no longer waits
-(0.07 ms); MLX-CUDA makes the host wait while a whole forward is queued behind the one running. Larger command
-batches (MLX_MAX_OPS_PER_BUFFER=4000, MLX_MAX_MB_PER_BUFFER=100000) did not lift it; a copy of the buffers (MLX
-does not write in place a buffer that queued work still reads: seen on the CPU) does not cost time there either
+two runs). Timed inside the round (bench/verify_ahead_probe.py, bench/results/profiles/h200-verify-ahead-probe*.json)
+``queue`` blocks ~7 ms and ``adopt`` ~3.5 ms, while reading the outcome no longer waits: the host does not get a
+whole forward ahead of the device. MLX's source says why: ``eval_impl`` (mlx/transforms.cpp) waits for a task to
+finish whenever more than MAX_ACTIVE_TASKS = 10 are in flight, and MLX-CUDA commits a task every 100 ops or
+1000 MB of arrays on an H100-class GPU (mlx/backend/cuda/device.cpp), so an 8B-shape forward (16 GB of weights)
+is 16 tasks or more. MLX_MAX_OPS_PER_BUFFER=400 (the MB bound still applies) and 4000 with
+MLX_MAX_MB_PER_BUFFER=100000 did not lift it in one probe each. A copy of the K/V buffers (MLX does not write in
+place a buffer that queued work still reads: seen on the CPU) costs nothing measurable on the H200
 (bench/queued_write_cost.py, bench/results/kernels/h200-queued-write.txt).
 
 Exactness: an adopted forward is the target's ordinary forward over the same tokens at the same positions

@@ -204,3 +204,18 @@ def test_gpu_qmatmul_check_subsets_and_bad_flags(tmp_path: Path) -> None:
                            (["--dtypes", "float32"], "--dtypes: expected bfloat16 and/or float16; got float32")):
         with pytest.raises(SystemExit, match=message):
             main(["--reference", "--no-skeleton", *flags])
+
+
+def test_verify_ahead_probe(tmp_path: Path) -> None:
+    """Both modes timed step by step (compiled calls forced on the CPU): only verifying ahead queues and adopts."""
+    from mlx_speculative.plugin import round as rnd
+
+    steps = {name: getattr(rnd, name) for name in ("adopt", "queue", "read_plans")}
+    out = run("verify_ahead_probe", ["--synthetic-target", "tiny", "--prompt-lengths", "300", "--max-tokens", "40",
+                                     "--padded-cache", "on", "--compiled-forward", "on"], tmp_path / "p.json")
+    rows = out["results"]
+    assert set(rows) == {f"{r} plugin dflash b16 tau6.5{t}" for r in ("fresh", "warm") for t in ("", " draft-ahead")}
+    for label, row in rows.items():
+        assert row["tok_s"] > 0 and row["calls"]["read_plans"] > 0
+        assert (row["calls"].get("queue", 0) > 0) == ("draft-ahead" not in label), (label, row)
+    assert all(getattr(rnd, name) is fn for name, fn in steps.items())  # the round's functions restored
