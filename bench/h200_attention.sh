@@ -21,6 +21,8 @@
 #   bash bench/h200_attention.sh profile-plugin      # the same with the drafter as the plugin runs it (compiled calls,
 #                                                    #   the attention and projection kernels, padded context)
 #   bash bench/h200_attention.sh trace 16384         # the bench's DFlash rounds phase by phase, fresh and warm
+#   bash bench/h200_attention.sh probe 2048,8192     # the round's steps timed, verifying ahead or not (bench/verify_ahead_probe.py;
+#                                                    # MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER pass through; BITS=4)
 #                                                    #   (bench/round_trace.py; other base prompt lengths: 2048,16384)
 #   bash bench/h200_attention.sh context             # the DFlash drafter's first context (a prompt's features), fresh
 #                                                    #   and warm (bench/context_build_cost.py)
@@ -91,6 +93,9 @@ case "$what" in
   trace)  # trace [LENGTHS]
     py bench/round_trace.py --prompt-lengths "${1:-16384}" --json "$OUT/h200-round-trace${TAG:-}.json" 2>&1 \
       | tee "$OUT/h200-round-trace${TAG:-}.log" | grep -v '^\[trace\]' | tail -40 ;;
+  probe)  # probe [LENGTHS]: the round's steps timed with and without verifying ahead (BITS=4: the 4-bit target)
+    py bench/verify_ahead_probe.py --prompt-lengths "${1:-2048,8192}" ${BITS:+--quantize-target "$BITS"} \
+      --json "$OUT/h200-verify-ahead-probe${TAG:-}.json" 2>&1 | grep -v '^\[probe\]' | tail -12 ;;
   context)
     py bench/context_build_cost.py --lengths 2048,8192,16384 --touch-gib "${TOUCH:-8}" \
       --json "$OUT/h200-context-build${TAG:-}.json" | tail -12 ;;

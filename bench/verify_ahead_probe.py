@@ -47,12 +47,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--synthetic-target", default="llama-8b")
     p.add_argument("--prompt-lengths", default="2048")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--quantize-target", type=int, default=None, choices=[4, 8], help="the bench's --quantize-target")
     p.add_argument("--padded-cache", default="auto", choices=["auto", "on", "off"], help="the bench's --padded-cache")
     p.add_argument("--compiled-forward", default="auto", choices=["auto", "on", "off"],
                    help="the bench's --compiled-forward (verifying ahead needs the compiled forward)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    s = core.BenchSettings(padded=a.padded_cache, compiled_forward=a.compiled_forward, synthetic_target=a.synthetic_target, kind="dflash", block_sizes=[16], taus=[6.5], adaptive_taus=[],
+    s = core.BenchSettings(padded=a.padded_cache, compiled_forward=a.compiled_forward, quantize_bits=a.quantize_target,
+                           synthetic_target=a.synthetic_target, kind="dflash", block_sizes=[16], taus=[6.5], adaptive_taus=[],
                            prompt_lengths=[int(x) for x in a.prompt_lengths.split(",")], max_tokens=a.max_tokens,
                            mlx_lm_spec=False, cost_keys=[], draft_ahead="verify,on")
 
