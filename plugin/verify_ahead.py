@@ -23,7 +23,8 @@ shape, DFlash at oracle tau 6.5, prompts near 512-16,384; bench/results/attentio
 ~2-2.5 ms more than drafting ahead alone (the bench's verify per round 13.6 / 15.9 ms warm against 11.4 / 13.1,
 two runs). Timed inside the round (bench/verify_ahead_probe.py, bench/results/profiles/h200-verify-ahead-probe*.json)
 ``queue`` blocks ~7 ms and ``adopt`` ~3.5 ms, while reading the outcome no longer waits: the host does not get a
-whole forward ahead of the device. MLX's source says why: ``eval_impl`` (mlx/transforms.cpp) waits for a task to
+whole forward ahead of the device. (``adopt`` then read a slice of the inputs, a new op queued behind the forward;
+it reads the evaluated inputs now, not measured since.) MLX's source says why: ``eval_impl`` (mlx/transforms.cpp) waits for a task to
 finish whenever more than MAX_ACTIVE_TASKS = 10 are in flight, and MLX-CUDA commits a task every 100 ops or
 1000 MB of arrays on an H100-class GPU (mlx/backend/cuda/device.cpp), so an 8B-shape forward (16 GB of weights)
 is 16 tasks or more. MLX_MAX_OPS_PER_BUFFER=400 (the MB bound still applies) and 4000 with
@@ -64,6 +65,7 @@ class Queued:
 
     @property
     def drafts(self) -> int:
+        """Positions after the first (drafts and filler): ``adopt`` compares every token the round proposes."""
         return self.inputs.shape[1] - 1
 
 
@@ -124,7 +126,7 @@ def adopt(q: Optional[Queued], batch: DecodeBatch, proposals: Sequence[Proposal]
         return None
     top = vocab_size - 1 if vocab_size else None
     want = [rows[0].pending] + [min(int(t), top) if top is not None else int(t) for t in drafts]
-    if q.inputs[0].tolist()[: len(want)] != want:
+    if q.inputs.tolist()[0][: len(want)] != want:  # not q.inputs[0]: a slice is a new op
         return None
     W = q.inputs.shape[1]
     for c in cache:
