@@ -23,6 +23,7 @@
 #   bash bench/h200_attention.sh trace 16384         # the bench's DFlash rounds phase by phase, fresh and warm
 #   bash bench/h200_attention.sh probe 2048,8192     # the round's steps timed, verifying ahead or not (bench/verify_ahead_probe.py;
 #                                                    # MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER pass through; BITS=4)
+#   bash bench/h200_attention.sh probe-sweep 2048    # the probe at MLX's default task sizes, MB 20000 / ops 500, and 4-bit
 #                                                    #   (bench/round_trace.py; other base prompt lengths: 2048,16384)
 #   bash bench/h200_attention.sh context             # the DFlash drafter's first context (a prompt's features), fresh
 #                                                    #   and warm (bench/context_build_cost.py)
@@ -96,6 +97,14 @@ case "$what" in
   probe)  # probe [LENGTHS]: the round's steps timed with and without verifying ahead (BITS=4: the 4-bit target)
     py bench/verify_ahead_probe.py --prompt-lengths "${1:-2048,8192}" ${BITS:+--quantize-target "$BITS"} \
       --json "$OUT/h200-verify-ahead-probe${TAG:-}.json" 2>&1 | grep -v '^\[probe\]' | tail -12 ;;
+  probe-sweep)  # probe-sweep [LENGTH]: the probe at MLX's default task sizes, at larger ones, and on the 4-bit target
+    L=${1:-2048}
+    py bench/verify_ahead_probe.py --prompt-lengths "$L" --json "$OUT/h200-verify-ahead-probe-default${TAG:-}.json" 2>&1 \
+      | grep -v '^\[probe\]' | tail -4
+    MLX_MAX_MB_PER_BUFFER=20000 MLX_MAX_OPS_PER_BUFFER=500 py bench/verify_ahead_probe.py --prompt-lengths "$L" \
+      --json "$OUT/h200-verify-ahead-probe-mb20000-ops500${TAG:-}.json" 2>&1 | grep -v '^\[probe\]' | tail -4
+    py bench/verify_ahead_probe.py --prompt-lengths "$L" --quantize-target 4 \
+      --json "$OUT/h200-verify-ahead-probe-4bit${TAG:-}.json" 2>&1 | grep -v '^\[probe\]' | tail -4 ;;
   context)
     py bench/context_build_cost.py --lengths 2048,8192,16384 --touch-gib "${TOUCH:-8}" \
       --json "$OUT/h200-context-build${TAG:-}.json" | tail -12 ;;
