@@ -32,9 +32,13 @@ def ahead_mode(mode: Optional[str] = None, source: str = AHEAD_ENV) -> str:
     return mode
 
 
-def ahead_on(mode: Optional[str] = None, source: str = AHEAD_ENV) -> bool:
-    """Whether rounds draft the next block before the host reads their outcome (``ahead_mode``)."""
-    return ahead_mode(mode, source) != "off"
+def ahead_modes(spec: str, source: str = "--draft-ahead") -> List[str]:
+    """Several modes, distinct, joined by commas (the bench runs a twin method per further mode), or both (on,off)."""
+    modes = ["on", "off"] if spec.strip() == "both" else [m.strip() for m in spec.split(",")]
+    if any(m not in AHEAD_MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"{source}: got {spec!r}; allowed: {', '.join(AHEAD_MODES)}, distinct ones joined by commas, "
+                         "or both")
+    return modes
 
 
 class DraftError(ValueError):

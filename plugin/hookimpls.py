@@ -29,8 +29,17 @@ class Attachment:
     error: Optional[str] = None
     block_size: int = 0
     policy: Optional[CachePolicy] = None  # shape-stable caches (CUDA), for the target and the drafter
-    ahead: bool = True  # rounds draft the next block before reading their outcome, where the drafter can
-    verify_ahead: bool = False  # ... and queue the next verify over it (plugin/verify_ahead.py)
+    ahead_mode: str = "on"  # what rounds queue before reading their outcome ($MLX_SPEC_DRAFT_AHEAD: on | verify | off)
+
+    @property
+    def ahead(self) -> bool:
+        """Rounds draft the next block before reading their outcome, where the drafter can."""
+        return self.ahead_mode != "off"
+
+    @property
+    def verify_ahead(self) -> bool:
+        """... and queue the next verify over it (plugin/verify_ahead.py)."""
+        return self.ahead_mode == "verify"
 
 
 def draft_target(target: LoadedTarget, policy: Optional[CachePolicy] = None) -> DraftTarget:
@@ -53,8 +62,7 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     if policy is not None:
         policy.block_size = block  # the host warms the policy's shapes after routing attention (prepare)
         policy.capture_layers = tuple(drafter.capture_layers())  # tapped by the host before prepare
-    return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy,
-                      ahead=mode != "off", verify_ahead=mode == "verify")
+    return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy, ahead_mode=mode)
 
 
 @hookimpl

@@ -200,7 +200,6 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
     try:
         fed: List[Any] = []
         target = CacheTransaction(batch.cache, replay=lambda n: replay(batch.target.model, batch.cache, fed[0], n))
-        base = getattr(batch.cache[0], "offset", -1) if len(rows) == 1 and batch.cache else -1
         target.begin()
         got = adopt(waiting, batch, proposals, vocab)
         waiting = None  # its buffers held no longer (MLX writes a buffer in place only where nothing else holds it)
@@ -221,7 +220,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
             ahead_error = draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
             if ahead_error is None and att.verify_ahead and next_round_alike(rows, on, reqs, proposals):
                 try:
-                    queued = queue(batch, br.draft, unread[0], base, vocab, width_for)
+                    queued = queue(batch, br.draft, unread[0], inputs.shape[1], vocab, width_for)
                 except Exception as e:  # noqa: BLE001 - like a failing ahead: falls back after the commit
                     ahead_error = e
         proposals = as_ints(proposals, vocab)

@@ -23,15 +23,19 @@ def inputs(rows: Sequence, drafts: Sequence[Drafts], width: int, vocab_size: int
     if not any(isinstance(d, mx.array) for d in drafts):
         return mx.array([[r.pending, *d] + [r.pending] * (width - 1 - len(d)) for r, d in zip(rows, drafts)],
                         dtype=mx.uint32)
-    out = []
-    for row, d in zip(rows, drafts):
-        body = d.astype(mx.uint32) if isinstance(d, mx.array) else mx.array(list(d), dtype=mx.uint32)
-        if vocab_size:
-            body = mx.minimum(body, vocab_size - 1)
-        n = body.shape[0]
-        out.append(mx.concatenate([mx.array([row.pending], dtype=mx.uint32), body,
-                                   mx.full((width - 1 - n,), row.pending, dtype=mx.uint32)]))
-    return mx.stack(out)  # [B, width]
+    return mx.stack([row_inputs(mx.array([row.pending], dtype=mx.uint32),
+                                d if isinstance(d, mx.array) else mx.array(list(d), dtype=mx.uint32), width, vocab_size)
+                     for row, d in zip(rows, drafts)])  # [B, width]
+
+
+def row_inputs(first: mx.array, drafts: mx.array, width: int, vocab_size: int) -> mx.array:
+    """One row's [width] inputs on the device: ``first`` [1] (the pending token), the drafts [k] clipped to the
+    vocabulary, then ``first`` again as filler (also verifying ahead's, whose first token is still unread)."""
+    body = drafts.astype(mx.uint32)
+    if vocab_size:
+        body = mx.minimum(body, vocab_size - 1)
+    first = first.astype(mx.uint32)
+    return mx.concatenate([first, body, mx.broadcast_to(first, (width - 1 - body.shape[0],))])
 
 
 def verify(

@@ -47,6 +47,7 @@ import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Proposal, Unread
 from ..hooks.batch import DecodeBatch
+from .verify import row_inputs
 
 
 @dataclass
@@ -69,28 +70,25 @@ class Queued:
         return self.inputs.shape[1] - 1
 
 
-def queue(batch: DecodeBatch, drafter: DraftBatch, unread: Optional[Tuple[mx.array, mx.array]], base: int,
+def queue(batch: DecodeBatch, drafter: DraftBatch, unread: Optional[Tuple[mx.array, mx.array]], written: int,
           vocab_size: int, width_for: Callable[[int], int]) -> Optional[Queued]:
     """The next verify of the batch's one greedy row queued from this round's unread (a, bonus), where the
-    drafter drafted its next block ahead and the target's forward is compiled; else None."""
+    drafter drafted its next block ahead and the target's forward is compiled; else None. ``written``: the
+    positions this round's verify fed (the caches' offset before it is theirs now less these)."""
     fwd = getattr(batch.target.cache_policy, "forward", None)
     rows = list(batch.rows)
-    if unread is None or len(rows) != 1 or not hasattr(fwd, "forward_at") or not isinstance(base, int) or base < 0:
+    offset = getattr(batch.cache[0], "offset", None) if batch.cache else None
+    if unread is None or len(rows) != 1 or not hasattr(fwd, "forward_at") or not isinstance(offset, int):
         return None
     a, bonus = unread
     drafts = drafter.ahead_drafts(rows, [Unread(a, bonus, {})])
     if not drafts or drafts[0] is None or drafts[0].ndim != 1 or not drafts[0].shape[0]:
         return None
-    body = drafts[0].astype(mx.uint32)  # [k]
-    if vocab_size:
-        body = mx.minimum(body, vocab_size - 1)  # as ``verify.inputs`` clips lazy drafts
-    k = body.shape[0]
-    width = width_for(1 + k)
-    first = bonus.reshape(1).astype(mx.uint32)
-    inputs = mx.concatenate([first, body, mx.broadcast_to(first, (width - 1 - k,))])[None]  # [1, W]
+    inputs = row_inputs(bonus.reshape(1), drafts[0], width_for(1 + drafts[0].shape[0]), vocab_size)[None]  # [1, W]
     # Queued on their own, ahead of the forward: ``adopt`` reads them without waiting for it (the device runs
     # queued work in order, so reading an array evaluated only inside the forward's graph would wait for all of it).
     mx.async_eval(inputs, drafts[0])
+    base = offset - written
     got = fwd.forward_at(batch.target.model, inputs, batch.cache, batch.capture_layers, base, a + 1)
     if got is None:
         return None

@@ -129,7 +129,8 @@ def add_command(subparsers: Any) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..compiled import check_widths
-    from .core import BenchSettings, ahead_modes, run_bench
+    from ..draft import ahead_modes
+    from .core import BenchSettings, run_bench
     from .report import format_table, plot, write_json
 
     if args.prompts_file and args.prompt_lengths is not None:

@@ -24,6 +24,7 @@ from ...hooks import attention as host_attention
 from ...hooks import taps
 from ...hooks.state import CachePolicy, LoadedTarget
 from .. import attention, cache_policy, compiled, projections
+from ..draft import ahead_modes
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import paired_medians, summarize
 from . import kernels, real, synthetic
@@ -62,17 +63,9 @@ class BenchSettings:
     draft_ahead: str = "on"  # what rounds queue ahead (plugin/round.py): on | verify | off, or several: twin methods
 
 
+# A twin method's name suffix per --draft-ahead mode (the first mode's methods carry none; draft.ahead_modes)
+TWINS = {"on": " draft-ahead", "verify": " verify-ahead", "off": " no-ahead"}
 
-TWINS = {"on": " draft-ahead", "verify": " verify-ahead", "off": " no-ahead"}  # twin methods' name suffixes
-
-
-def ahead_modes(spec: str) -> List[str]:
-    """``--draft-ahead``: one of on | verify | off, several joined by commas (the first names the methods, the
-    others run as twins in the same process), or both (on,off)."""
-    modes = ["on", "off"] if spec.strip() == "both" else [m.strip() for m in spec.split(",")]
-    if not modes or any(m not in TWINS for m in modes) or len(set(modes)) != len(modes):
-        raise ValueError(f"--draft-ahead: got {spec!r}; allowed: on, verify, off, distinct ones joined by commas, or both")
-    return modes
 
 def _progress(msg: str) -> None:
     print(f"\r\033[K[bench] {msg}", end="", file=sys.stderr, flush=True)

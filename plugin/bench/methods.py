@@ -150,8 +150,7 @@ class HostMethod(Method):
             settings = SpeculativeSettings(enabled=True, kind=drafter.kind, block_size=None if adaptive else block,
                                            adaptive=adaptive)
             attachments[hookimpls.NAME] = hookimpls.Attachment(settings=settings, drafter=self.wrapped, block_size=block,
-                                                               policy=policy, ahead=ahead != "off",
-                                                               verify_ahead=ahead == "verify")
+                                                               policy=policy, ahead_mode=ahead)
             self.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False,
                                                                   plugins=[plugin if plugin is not None else hookimpls]))
         self.target = dataclasses.replace(target, attachments=attachments, cache_policy=policy or CachePolicy())
