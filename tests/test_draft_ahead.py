@@ -244,6 +244,11 @@ def test_modes(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     assert draft.ahead_mode(" Verify ") == "verify"
     with pytest.raises(ValueError, match="MLX_SPEC_DRAFT_AHEAD: got 'fast'; allowed: on, verify, off"):
         draft.ahead_mode("fast")
+    # the bench's --draft-ahead: modes joined by commas, each once, or both
+    assert draft.ahead_modes("verify, on,off") == ["verify", "on", "off"] and draft.ahead_modes("both") == ["on", "off"]
+    for bad in ("on,on", "on,fast", ""):
+        with pytest.raises(ValueError, match=f"--draft-ahead: got {bad!r}; allowed: on, verify, off, distinct ones"):
+            draft.ahead_modes(bad)
     monkeypatch.setenv(draft.AHEAD_ENV, "fast")
     host = make_host({"draft_model": str(models["dflash"]), "kind": "dflash"})
     with pytest.raises(ValueError, match="MLX_SPEC_DRAFT_AHEAD: got 'fast'; allowed: on, verify, off"):
