@@ -7,11 +7,34 @@ them through the ``host_metrics`` hook.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..hooks.specs import Metric
 from .accept import RoundOutcome
+
+
+# A round's steps in order (plugin/round.py), each timed from the end of the one before: wall clock on the host,
+# nothing synchronised on top, so a step that waits for the device (``read``: the verify's outcome) shows it.
+ROUND_STEPS = ("draft", "adopt", "verify", "plan", "draft_ahead", "queue", "read", "commit", "commit_drafter", "settle")
+
+
+class Laps:
+    """Seconds of a round's steps (``ROUND_STEPS``), each from the end of the one timed before."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.seconds: Dict[str, float] = {}
+
+    def __call__(self, step: str) -> None:
+        assert step in ROUND_STEPS, step
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - self.last
+        self.last = now
+
+    def total(self, *steps: str) -> float:
+        return sum(self.seconds.get(s, 0.0) for s in steps)
 
 
 def _bucket(accepted: int, drafted: int) -> str:
@@ -32,6 +55,7 @@ class SpecStats:
     verified_ahead: int = 0  # rounds whose verify forward the round before had queued (plugin/verify_ahead.py)
     fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
     seconds: Dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "commit": 0.0})
+    steps: Dict[str, float] = field(default_factory=dict)  # seconds in each of ``ROUND_STEPS``, summed over rounds
     last: Optional[RoundOutcome] = None  # the latest round, until the request ends
 
     def record(self, outcome: RoundOutcome) -> None:
@@ -87,7 +111,14 @@ class SpecStats:
             "verified_ahead": self.verified_ahead,
             "fallback": self.fallback,
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "steps": {k: round(self.steps[k], 6) for k in ROUND_STEPS if k in self.steps},
         }
+
+    def record_steps(self, laps: Laps, *steps: str) -> None:
+        """``steps`` of a round's ``laps`` (all where none are named) into ``steps``."""
+        for k in steps or tuple(laps.seconds):
+            if k in laps.seconds:
+                self.steps[k] = self.steps.get(k, 0.0) + laps.seconds[k]
 
 
 class Metrics:

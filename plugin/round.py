@@ -16,9 +16,8 @@ cache as it was before the round, and its rows go on with plain decoding.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -30,7 +29,7 @@ from . import commit
 from .accept import RoundOutcome, plan_rows, read_plans, unread_outcome
 from .adaptive import BlockSizeController
 from .draft import LAZY_DRAFTS, DraftError, as_ints, draft
-from .metrics import METRICS, SpecStats
+from .metrics import METRICS, Laps, SpecStats
 from .settings import SpeculativeSettings
 from .verify import row_logprobs, verify
 from .verify_ahead import Queued, adopt, queue, settle
@@ -182,13 +181,13 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
     reqs: List[RowRounds] = [rows[b].extras[NAME] for b in on]
     on_rows = [rows[b] for b in on]
     vocab = int(rows[0].pending_logprobs.shape[-1]) if rows[0].pending_logprobs is not None else 0
-    t0 = time.perf_counter()
+    lap = Laps()
     lazy = LAZY_DRAFTS and not any(r.logits_processors for r in rows)
     try:
         drafted = draft(br.draft, on_rows, [k or 0 for k in plans], vocab, lazy)
     except Exception as e:  # noqa: BLE001
         return _fall_back(reqs, "drafting", e)
-    t1 = time.perf_counter()
+    lap("draft")
     proposals: List[Proposal] = [Proposal([]) for _ in rows]
     for b, p in zip(on, drafted.proposals):
         proposals[b] = p
@@ -203,11 +202,13 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         target.begin()
         got = adopt(waiting, batch, proposals, vocab)
         waiting = None  # its buffers held no longer (MLX writes a buffer in place only where nothing else holds it)
+        lap("adopt")
         if got is None:
             logits, captured, inputs = verify(batch, [p.tokens for p in proposals], vocab, width_for)  # [B, W, V]
         else:
             logits, captured, inputs = got  # queued by the round before
             reqs[0].stats.verified_ahead += 1
+        lap("verify")
         fed.append(inputs)
         drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]  # [k_b] as fed
         logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
@@ -216,17 +217,22 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         unread = [unread_outcome(plan, x) for plan, x in zip(accepting, drafts)] if ahead else []
         # Queued before any drafting ahead, so that reading them waits for the verify alone.
         mx.async_eval([x for _, x in accepting], [u for u in unread if u is not None])
+        lap("plan")
         if ahead:
             ahead_error = draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
+            lap("draft_ahead")
             if ahead_error is None and att.verify_ahead and next_round_alike(rows, on, reqs, proposals):
                 try:
                     queued = queue(batch, br.draft, unread[0], inputs.shape[1], vocab, width_for)
                 except Exception as e:  # noqa: BLE001 - like a failing ahead: falls back after the commit
                     ahead_error = e
+                lap("queue")
         proposals = as_ints(proposals, vocab)
         outcomes: List[RoundOutcome] = read_plans(accepting, proposals)
+        lap("read")
         outcomes = commit.fit(target, outcomes, inputs.shape[1])
         commit.commit_target(target, outcomes, inputs.shape[1])
+        lap("commit")
     except (UnsupportedCache, DraftError) as e:
         # A target cache that cannot be rolled back exactly for this forward, or drafts outside the
         # vocabulary: everything is restored, the rows go on with plain decoding, nothing lost.
@@ -236,7 +242,6 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
     except BaseException:
         commit.abort(target, drafted)
         raise
-    t2 = time.perf_counter()
     try:
         if ahead_error is not None:
             raise ahead_error
@@ -245,9 +250,12 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
     except Exception as e:  # noqa: BLE001 - the target's tokens stand; the drafter is done for
         drafted.abort()
         _fall_back(reqs, "drafting ahead" if e is ahead_error else "committing", e)
-    record(rows, on, reqs, plans, outcomes, (t0, t1, t2, time.perf_counter()))
+    lap("commit_drafter")
+    record(rows, on, reqs, plans, outcomes, lap)
     if queued is not None and ahead_error is None and reqs[0].failed is None:
         br.queued = settle(queued, reqs[0].expected)
+        lap("settle")
+        reqs[0].stats.record_steps(lap, "settle")
     return [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
             for b, o in enumerate(outcomes)]
 
@@ -279,23 +287,22 @@ def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[i
 
 
 def record(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRounds], plans: Sequence[Optional[int]],
-           outcomes: Sequence[RoundOutcome], times: Tuple[float, float, float, float]) -> None:
-    """A round's outcome into each drafting row's block-size controller and stats.
-
-    ``times``: perf_counter before drafting, after drafting, after the target's commit, at the end."""
-    t0, t1, t2, t3 = times
+           outcomes: Sequence[RoundOutcome], lap: Laps) -> None:
+    """A round's outcome into each drafting row's block-size controller and stats, with its steps' times."""
+    drafting, verifying = lap.total("draft"), lap.total("adopt", "verify", "plan", "draft_ahead", "queue", "read", "commit")
     for b, req, plan in zip(on, reqs, plans):
         outcome = outcomes[b]
         if plan and outcome.draft_tokens:
             c = req.controller
             c.history.append(c.size)
-            c.record_round(t2 - t0)
+            c.record_round(drafting + verifying)
             c.update(outcome.accepted, outcome.draft_tokens)
             req.stats.record(outcome)
             req.stats.block_sizes = c.history
-            req.stats.seconds["draft"] += t1 - t0
-            req.stats.seconds["verify"] += t2 - t1
-            req.stats.seconds["commit"] += t3 - t2
+            req.stats.seconds["draft"] += drafting
+            req.stats.seconds["verify"] += verifying
+            req.stats.seconds["commit"] += lap.total("commit_drafter")
+            req.stats.record_steps(lap)
         # A row that drafted nothing took its token from this forward: one of its plain steps,
         # counted by ``observe`` at the next step like the host's.
         req.expected = rows[b].generated + (len(outcome.tokens) if plan and outcome.draft_tokens else 0)

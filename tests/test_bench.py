@@ -43,6 +43,11 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert spec["identical_share"] == 1.0  # fp32 on the CPU: lossless
         assert 1.5 < spec["tau"] <= 4 and spec["rounds"] > 0
         assert set(spec["ms_per_round"]) == {"draft", "verify", "commit", "host_overhead"}
+        steps, split = spec["ms_per_round_steps"], spec["ms_per_round"]  # the round's steps add up to its split
+        assert {"draft", "adopt", "verify", "plan", "read", "commit", "commit_drafter"} <= set(steps)
+        assert "queue" not in steps and "settle" not in steps  # nothing verified ahead (the CPU, no compiled calls)
+        assert abs(steps["draft"] - split["draft"]) < 0.01 and abs(steps["commit_drafter"] - split["commit"]) < 0.01
+        assert abs(sum(v for k, v in steps.items() if k not in ("draft", "commit_drafter")) - split["verify"]) < 0.02
         assert rows["mlx_lm.generate_step"]["speedup_vs_mlx_lm_plain"] == 1.0
     assert report["versions"]["mlx"] and report["machine"]["backend"] == "cpu"
     costs = report["kernel_costs"]  # bare forwards at each prompt's key length: the target over 1, 4, 16, 32 positions

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from .. import cache_policy
+from ..metrics import ROUND_STEPS
 from . import kernels
 from .methods import Method, Run
 
@@ -104,6 +105,9 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
                     wall = sum(x.get("decode_seconds", 0.0) for x in specs)
                     ms["host_overhead"] = round(1000 * wall / rounds - sum(ms.values()), 3)
                     row["ms_per_round"] = ms
+                    steps = [x.get("steps") or {} for x in specs]
+                    row["ms_per_round_steps"] = {k: round(1000 * sum(x.get(k, 0.0) for x in steps) / rounds, 3)
+                                                 for k in ROUND_STEPS if any(k in x for x in steps)}
             rows[m.name] = row
         # speed-ups, and the kernel bound prompt by prompt (each prompt's own key length and plain speed)
         base = rows[methods[0].name]["tok_s"]
