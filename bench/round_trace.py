@@ -43,6 +43,7 @@ from mlx_speculative.plugin import round as rnd  # noqa: E402
 from mlx_speculative.plugin.accept import plan_rows, read_plans, unread_outcome  # noqa: E402
 from mlx_speculative.plugin.bench import core  # noqa: E402
 from mlx_speculative.plugin.draft import LAZY_DRAFTS, as_ints, draft  # noqa: E402
+from mlx_speculative.plugin.metrics import Laps  # noqa: E402
 from mlx_speculative.plugin.verify import row_logprobs, verify  # noqa: E402
 
 TRACE: List[Dict[str, Any]] = []
@@ -148,7 +149,9 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     phase("commit")
     t2 = mark[0]
     commit.commit_drafter(br.draft, drafted, on_rows, commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
-    rnd.record(rows, on, reqs, plans, outcomes, (t0, t1, t2, time.perf_counter()))
+    lap = Laps()  # the round's own laps, by the phases above (synchronised, unlike the round's)
+    lap.seconds = {"draft": t1 - t0, "verify": t2 - t1, "commit_drafter": time.perf_counter() - t2}
+    rnd.record(rows, on, reqs, plans, outcomes, lap)
     phase("finish")
     out = [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
            for b, o in enumerate(outcomes)]

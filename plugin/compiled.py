@@ -102,6 +102,20 @@ def grown(buffer: mx.array, end: int, step: int) -> mx.array:
     return mx.concatenate([buffer, mx.zeros((B, H, want - have, D), buffer.dtype)], axis=2)
 
 
+def _forward_fn(layers: Tuple[int, ...]) -> Callable[..., List[mx.array]]:
+    """The traced function: the model's own forward, its logits and the tapped layers' outputs."""
+
+    def fn(m: nn.Module, caches: List[TraceCache], tokens: mx.array) -> List[mx.array]:
+        with taps.record(layers) as rec:
+            logits = m(tokens, cache=caches)
+        missing = [i for i in layers if not rec[i]]
+        if missing:
+            raise ValueError(f"tapped layers {missing} recorded nothing")
+        return [logits] + [mx.concatenate(rec[i], axis=1) if len(rec[i]) > 1 else rec[i][0] for i in layers]
+
+    return fn
+
+
 _POSITIONS: List[mx.array] = []
 
 
@@ -135,51 +149,52 @@ class CompiledForward:
         self._fns: Dict[tuple, Tuple[Any, Callable[..., List[mx.array]]]] = {}  # (id(owner), key, n) -> (weakref, fn)
 
     def __call__(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int]) -> Optional[Forward]:
-        return self.forward_at(model, inputs, cache, layers)
+        if not self._takes(inputs):
+            return None
+        W = inputs.shape[1]
+        out = self.call(("forward", tuple(layers)), model, _forward_fn(tuple(layers)), cache, [inputs.astype(mx.uint32)],
+                        W, W, "compiled")
+        return None if out is None else (out[0], dict(zip(layers, out[1:])))
 
-    def forward_at(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int],
-                   base: Optional[int] = None, shift: Optional[mx.array] = None) -> Optional[Forward]:
-        """The forward (``__call__``); with ``base`` and ``shift``, queued at the device offset base + shift
-        (verifying ahead, plugin/verify_ahead.py): its W positions go into the caches' buffers past that offset
-        and the caches' ``offset`` stays as it is (the round takes the positions when it adopts the forward)."""
+    def forward_ahead(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int], base: int,
+                      shift: mx.array) -> Optional[Tuple[mx.array, Dict[int, mx.array], List[Tuple[mx.array, mx.array]]]]:
+        """The forward built at the device offset base + shift (verifying ahead, plugin/verify_ahead.py), the caches
+        left as they are: (logits, captured, [(keys, values)] per cache: its buffers with the W positions written
+        past that offset, for the round to install when it adopts the forward), or None as ``__call__``."""
+        if not self._takes(inputs):
+            return None
+        W, here = inputs.shape[1], cache[0].offset if cache else 0
+        if not 0 <= base <= here:
+            raise ValueError(f"forward_ahead: base offset {base}, past the caches' offset {here}")
+        # Bounded by the caches' offset plus W: the shift is at most the positions written past base.
+        out = self.call(("forward", tuple(layers)), model, _forward_fn(tuple(layers)), cache, [inputs.astype(mx.uint32)],
+                        here - base + W, here - base, "compiled ahead", shift, base, install=False)
+        if out is None:
+            return None
+        n = len(out) - 2 * len(cache)
+        return out[0], dict(zip(layers, out[1:n])), [(out[n + 2 * i], out[n + 2 * i + 1]) for i in range(len(cache))]
+
+    def _takes(self, inputs: mx.array) -> bool:
         if not isinstance(inputs, mx.array) or inputs.ndim != 2 or inputs.shape[1] not in self.widths:
             self.counts["plain: width"] += 1
-            return None
+            return False
         if inputs.shape[0] != 1:
             self.counts["plain: rows"] += 1
-            return None
-        layers = tuple(layers)
-
-        def fn(m: nn.Module, caches: List[TraceCache], tokens: mx.array) -> List[mx.array]:
-            with taps.record(layers) as rec:
-                logits = m(tokens, cache=caches)
-            missing = [i for i in layers if not rec[i]]
-            if missing:
-                raise ValueError(f"tapped layers {missing} recorded nothing")
-            return [logits] + [mx.concatenate(rec[i], axis=1) if len(rec[i]) > 1 else rec[i][0] for i in layers]
-
-        W = inputs.shape[1]
-        if base is None:
-            out = self.call(("forward", layers), model, fn, cache, [inputs.astype(mx.uint32)], W, W, "compiled")
-        else:
-            here = cache[0].offset if cache else 0
-            if not 0 <= base <= here:
-                raise ValueError(f"forward_at: base offset {base}, past the caches' offset {here}")
-            # Bounded by the caches' offset plus W: the shift is at most the positions written past base.
-            out = self.call(("forward", layers), model, fn, cache, [inputs.astype(mx.uint32)], here - base + W,
-                            here - base, "compiled ahead", shift, base)
-        return None if out is None else (out[0], dict(zip(layers, out[1:])))
+            return False
+        return True
 
     def call(self, key: Hashable, owner: nn.Module, fn: Callable[..., List[mx.array]], cache: Sequence[Any],
              arrays: Sequence[mx.array], writes: int, advance: int, name: str,
-             shift: Optional[mx.array] = None, base: Optional[int] = None) -> Optional[List[mx.array]]:
+             shift: Optional[mx.array] = None, base: Optional[int] = None, install: bool = True
+             ) -> Optional[List[mx.array]]:
         """``fn(owner, caches, *arrays) -> [arrays]`` compiled per (owner, key), run over ``cache``'s buffers
         (stand-ins whose offset is a device scalar): its outputs, or None where it declines (counted under
         "plain: <why>"; an owner whose trace failed runs plainly from then on). ``writes``: positions past the
         caches' offset ``fn`` writes (the buffers grow to hold them); ``advance``: positions the caches keep.
         ``shift``: a device scalar added to the caches' offset for this call (one the host has not read yet:
         drafting ahead, plugin/round.py); ``writes`` then bounds how far past the caches' offset it may write.
-        ``base``: the host offset ``writes``, ``advance`` and ``shift`` count from (default: the caches')."""
+        ``base``: the host offset ``writes``, ``advance`` and ``shift`` count from (default: the caches').
+        ``install`` False: the caches are left as they are and the buffers follow the outputs (2 per cache)."""
         why = self.declines(owner, cache)
         if why:
             self.counts[f"plain: {why}"] += 1
@@ -202,6 +217,8 @@ class CompiledForward:
         if shape not in self._shapes:
             self._shapes.add(shape)
             self.trace_ms.append((time.perf_counter() - t) * 1e3)
+        if not install:
+            return out
         n = len(out) - len(buffers)
         for i, c in enumerate(cache):
             c.keys, c.values = out[n + 2 * i], out[n + 2 * i + 1]
