@@ -25,7 +25,7 @@ AHEAD_MODES = ("on", "verify", "off")
 def ahead_mode(mode: Optional[str] = None, source: str = AHEAD_ENV) -> str:
     """What rounds queue before the host reads their outcome, where the drafter can: ``mode``, or
     $MLX_SPEC_DRAFT_AHEAD: on (the default: the next block, ``DraftBatch.draft_ahead``) | verify (the block and
-    the next verify over it, plugin/verify_ahead.py: measured slower on MLX-CUDA, see there) | off."""
+    the next verify built over it, run when the next round adopts it; opt-in, plugin/verify_ahead.py says why) | off."""
     mode = (mode or os.environ.get(AHEAD_ENV) or "on").strip().lower()
     if mode not in AHEAD_MODES:
         raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(AHEAD_MODES)}")
