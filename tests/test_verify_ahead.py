@@ -114,6 +114,30 @@ def test_drafts_other_than_queued_are_verified_again(models: Dict[str, Any], mon
     assert sum(s.report["speculative"].verified_ahead for s in states) == 0
 
 
+def test_a_forward_not_adopted_leaves_the_caches_as_they_were(models: Dict[str, Any],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffers a forward built ahead would write are garbage here (zeros): never adopted (its drafts are
+    not the round's), they must never reach the caches, or the output would not be plain decoding's."""
+    host, target = scripted_host(monkeypatch, models, itertools.cycle(CASES))
+    fwd = target.cache_policy.forward
+    real_ahead, real_drafts = fwd.forward_ahead, orc.OracleBatch.ahead_drafts
+
+    def garbage(*args: Any) -> Any:
+        got = real_ahead(*args)
+        return None if got is None else (got[0], got[1], [(mx.zeros_like(k), mx.zeros_like(v)) for k, v in got[2]])
+
+    def other(self: orc.OracleBatch, rows: Any, unread: Any) -> Any:
+        got = real_drafts(self, rows, unread)
+        return None if got is None else [(got[0] + 1) % VOCAB]
+
+    monkeypatch.setattr(fwd, "forward_ahead", garbage)
+    monkeypatch.setattr(orc.OracleBatch, "ahead_drafts", other)
+    seen = adoptions(monkeypatch)
+    tokens, _ = run(host, target, PROMPTS, batch=False)
+    assert tokens == refs(models, PROMPTS)
+    assert seen["offered"] > 0 and seen["adopted"] == 0 and fwd.counts["compiled ahead"] > 0, (seen, fwd.counts)
+
+
 @pytest.mark.parametrize("wrong", ["accepted", "bonus"])
 def test_an_outcome_other_than_assumed_is_not_adopted(wrong: str, models: Dict[str, Any],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
