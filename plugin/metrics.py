@@ -24,7 +24,7 @@ class Laps:
     """Seconds of a round's steps (``ROUND_STEPS``), each from the end of the one timed before."""
 
     def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
+        self.last = time.perf_counter()
         self.seconds: Dict[str, float] = {}
 
     def __call__(self, step: str) -> None:

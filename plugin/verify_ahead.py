@@ -108,7 +108,7 @@ def adopt(q: Optional[Queued], batch: DecodeBatch, proposals: Sequence[Proposal]
     if len(cache) != len(q.before) or any(c.keys is not k or c.values is not v or c.offset != q.offset
                                           for c, (k, v) in zip(cache, q.before)):
         return None
-    if int(q.bonus.item()) != rows[0].pending:  # read by this round's outcome already
+    if int(q.bonus.item()) != rows[0].pending:  # evaluated with the outcome of the round that built it
         return None
     drafts = proposals[0].tokens
     if drafts is not q.drafts:  # the drafter's own array needs no read; anything else is compared as ints
