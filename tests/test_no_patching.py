@@ -9,6 +9,8 @@ modules must be the originals. A second copy of the model, loaded with ``mlx_lm.
 process, keeps mlx-lm's layer classes and decodes the same before and after. The scoped layers
 (``hooks.recurrent.scope_model``) run mlx-lm's code when no transaction records them. The same holds
 with the target's and drafters' attention routed through a policy's dispatcher (``hooks.attention``).
+The source says the same: no file outside the tests (bench scripts included) assigns an attribute of a name it
+imported.
 """
 
 from __future__ import annotations
@@ -305,3 +307,62 @@ def test_scoped_layers_run_the_original_code(checkpoints: Dict[str, Path]) -> No
     assert txn.taped == 0 and txn.replayed == 0 and recurrent._open == {}
     for a, b in zip(ref_cache, cache):
         assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state) if isinstance(x, mx.array))
+
+
+# The same rule read from the source: no file outside the tests assigns an attribute of a name it imported (a
+# module, a class or a function of another module), through ``setattr`` / ``delattr`` or an assignment.
+# Registering a module loaded from a file (``sys.modules[name] = module``, importlib's recipe) is not patching.
+SOURCE_ROOTS = ("plugin", "hooks", "drafters", "bench", "examples")
+
+
+def _imported(tree: Any) -> set:
+    import ast
+
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def assignments_to_imports(source: str) -> List[str]:
+    """The statements of ``source`` that assign (or delete) an attribute of a name bound by an import."""
+    import ast
+
+    tree = ast.parse(source)
+    names = _imported(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in names:
+            found.append(ast.unparse(node))
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            while isinstance(target, (ast.Attribute, ast.Subscript)):
+                owner = target.value
+                if isinstance(target, ast.Attribute) and isinstance(owner, ast.Name) and owner.id in names \
+                        and not (owner.id == "sys" and target.attr == "modules"):
+                    found.append(ast.unparse(node))
+                target = owner
+    return found
+
+
+def test_no_source_file_assigns_to_what_it_imports() -> None:
+    root = Path(__file__).resolve().parents[1]
+    files = [p for r in SOURCE_ROOTS for p in sorted((root / r).rglob("*.py"))]
+    assert len(files) > 50
+    found = {str(p.relative_to(root)): got for p in files if (got := assignments_to_imports(p.read_text()))}
+    assert not found, found
+
+
+@pytest.mark.parametrize("source", [
+    "from mlx_speculative.plugin import round as rnd\nsetattr(rnd, 'adopt', None)",
+    "import mlx.core as mx\nmx.concatenate = None",
+    "from mlx_lm.models import llama\nllama.Attention.__call__ = None",
+    "import mlx_lm.generate\ndel mlx_lm.generate.stream_generate",
+])
+def test_the_source_check_finds_patching(source: str) -> None:
+    assert assignments_to_imports(source)
