@@ -13,7 +13,9 @@ count. So for each forward this script reports, warm, median of ``--iters``:
   ``sync_ms`` (all three: what a synchronous call costs);
 - ``pipelined_ms``: per forward when each is built and encoded while the previous runs (as mlx-lm's
   loop runs): ~ max(host, device), the device's own time when the device is the slower;
-- ``host_share`` = (build + encode) / sync.
+- ``host_share`` = (build + encode) / sync;
+- ``ops``: the graph's operations by primitive (``mx.export_to_dot``; views count too), what the encode launches
+  one by one (compiled: after mx.compile's fusion, kernels of the project's dispatchers as one op each).
 
 Forwards: the target over 1 and 16 positions after ``keys`` cached positions (the cache the plugin
 uses on CUDA: padded, bucket 256, attention through the project's kernel where it takes the call);
@@ -27,9 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -48,10 +53,23 @@ def _ints(text: str) -> List[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def split(build: Callable[[], Any], after: Callable[[], None], iters: int) -> Dict[str, float]:
-    """Median build / encode / wait / sync ms of ``build()``'s graph, and the pipelined ms per call."""
-    for _ in range(2):
-        mx.eval(build())
+def graph_ops(outputs: Any) -> Dict[str, int]:
+    """Operations in the (unevaluated) graph of ``outputs`` by primitive, most first, with their "total"."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "graph.dot"
+        mx.export_to_dot(str(path), *(outputs if isinstance(outputs, (list, tuple)) else [outputs]))
+        labels = re.findall(r'label\s*=\s*"([^"]+)"', path.read_text())
+    ops = Counter(label.split()[0] for label in labels if not label.startswith("array"))
+    return {"total": sum(ops.values()), **dict(ops.most_common())}
+
+
+def split(build: Callable[[], Any], after: Callable[[], None], iters: int) -> Dict[str, Any]:
+    """Median build / encode / wait / sync ms of ``build()``'s graph, the pipelined ms per call, its ops."""
+    for i in range(2):
+        out = build()
+        if i:
+            ops = graph_ops(out)
+        mx.eval(out)
         after()
     mx.synchronize()
     rows = []
@@ -78,7 +96,7 @@ def split(build: Callable[[], Any], after: Callable[[], None], iters: int) -> Di
     pipelined = (time.perf_counter() - t) * 1e3 / iters
     return {"build_ms": round(med[0], 3), "encode_ms": round(med[1], 3), "wait_ms": round(med[2], 3),
             "sync_ms": round(med[3], 3), "pipelined_ms": round(pipelined, 3),
-            "host_share": round((med[0] + med[1]) / med[3], 3)}
+            "host_share": round((med[0] + med[1]) / med[3], 3), "ops": ops}
 
 
 def target_split(model: nn.Module, keys: int, widths: List[int], iters: int, bucket: Optional[int],

@@ -145,6 +145,10 @@ def test_host_split_compiled(tmp_path: Path) -> None:
     assert set(row["target"]) == {"1", "4"} and row["dflash_round"]["sync_ms"] > 0
     calls = report["compiled_forward"]["calls"]
     assert calls["compiled"] > 0 and calls["compiled dflash block"] > 0 and not report["compiled_forward"]["failed"]
+    # what the encode launches: mx.compile fuses the plain forward's elementwise chains
+    plain, fused = report["by_keys"]["40"]["mlx"]["target"]["4"]["ops"], row["target"]["4"]["ops"]
+    assert 0 < fused["total"] < plain["total"] and any(k.startswith("Compiled") for k in fused), (plain, fused)
+    assert fused["total"] == sum(v for k, v in fused.items() if k != "total")
 
 
 def test_quantized_matmul_cost(tmp_path: Path) -> None:
