@@ -17,6 +17,10 @@ drafter of ``mlx-spec bench``, each length twice in a row after ``mx.clear_cache
   after the first chunk (``DFlashBatch._append``) or ``grown`` chunk by chunk (as it did before);
 - with ``--touch-gib G`` a fresh length runs again after ``G`` GiB were allocated, written and freed
   first (``touched_ms``): if the fresh cost is memory the process meets for the first time, it goes.
+
+``--chunk 512,2048`` times the first two with each longest append in turn (``DFlashBatch.context_chunk``; the
+counts up to the largest pre-warmed): fewer, longer appends launch fewer operations and read the fc's weight
+fewer times, at the price of a longer padded tail.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculative.drafters.dflash.batch import DFlashBatch, context_chunks  # noqa: E402
+from mlx_speculative.drafters.dflash.batch import CONTEXT_CHUNK, DFlashBatch, context_chunks  # noqa: E402
 from mlx_speculative.drafters.dflash.features import target_features  # noqa: E402
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
 from mlx_speculative.hooks.prompt_cache import arrays  # noqa: E402
@@ -54,9 +58,10 @@ def captures_for(drafter: Any, n: int, hidden: int, dtype: Any, seed: int) -> Di
     return out
 
 
-def prepare_ms(drafter: Any, captures: Dict[int, mx.array], n: int) -> float:
-    """One row's first prepare over ``n`` prompt positions, synchronised."""
+def prepare_ms(drafter: Any, captures: Dict[int, mx.array], n: int, chunk: Optional[int] = None) -> float:
+    """One row's first prepare over ``n`` prompt positions (appends of at most ``chunk``), synchronised."""
     batch = DFlashBatch(drafter)
+    batch.context_chunk = chunk
     row = SimpleNamespace(captures=captures, tokens=[0] * (n + 1))
     mx.synchronize()
     t = time.perf_counter()
@@ -67,10 +72,10 @@ def prepare_ms(drafter: Any, captures: Dict[int, mx.array], n: int) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def grown(drafter: Any, caches: List[Any], feats: mx.array, n: int) -> None:
+def grown(drafter: Any, caches: List[Any], feats: mx.array, n: int, chunk: Optional[int] = None) -> None:
     """``DFlashBatch._append`` before it reserved: the shape-stable chunks appended one by one, each
     growing the padded buffers (a concatenation per chunk)."""
-    width, chunk = context_chunks(n)
+    width, chunk = context_chunks(n, chunk)
     feats = mx.concatenate([feats, mx.zeros((1, width - n, feats.shape[2]), feats.dtype)], axis=1)
     with CacheTransaction(caches) as txn:
         for start in range(0, width, chunk):
@@ -78,19 +83,20 @@ def grown(drafter: Any, caches: List[Any], feats: mx.array, n: int) -> None:
         txn.commit([n], written=width)
 
 
-def append_ms(drafter: Any, captures: Dict[int, mx.array], n: int, reserved: bool) -> float:
+def append_ms(drafter: Any, captures: Dict[int, mx.array], n: int, reserved: bool, chunk: Optional[int] = None) -> float:
     """The first context's appends alone on fresh caches: ``DFlashBatch._append`` (buffers ``reserved`` once
     after the first chunk) or ``grown`` chunk by chunk."""
     feats = target_features(captures, drafter.capture_layers(), drafter.final_norm)
     mx.eval(feats)
     batch = DFlashBatch(drafter)
+    batch.context_chunk = chunk
     caches = drafter.make_cache()
     mx.synchronize()
     t = time.perf_counter()
     if reserved:
         batch._append(caches, feats, [n])
     else:
-        grown(drafter, caches, feats, n)
+        grown(drafter, caches, feats, n, chunk)
     mx.eval(arrays(caches))
     mx.synchronize()
     return (time.perf_counter() - t) * 1e3
@@ -119,9 +125,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dflash-layers", type=int, default=5)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--touch-gib", type=float, default=0.0, help="then each length again after touching G GiB")
+    p.add_argument("--chunk", type=_ints, default=[CONTEXT_CHUNK],
+                   help=f"the longest append, powers of two (default {CONTEXT_CHUNK}, the drafter's); several: each in turn, "
+                        "its counts pre-warmed")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (checks the script)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
+    for c in a.chunk:
+        context_chunks(c + 1, c)  # a bad --chunk says what is allowed before anything runs
     if a.cpu:
         mx.set_default_device(mx.cpu)
     target, config, note = load_target(BenchSettings(synthetic_target=a.synthetic_target))
@@ -131,34 +142,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         from mlx_speculative.drafters.dflash import prewarm
 
         host_attention.route_policy(drafter.model, policy)
-        prewarm(drafter, max(a.lengths) + 512, a.block)
+        prewarm(drafter, max(a.lengths) + 512, a.block, max(a.chunk))
     hidden, dtype = int(config["hidden_size"]), drafter.model.norm.weight.dtype
     small = captures_for(drafter, 64, hidden, dtype, 0)
     prepare_ms(drafter, small, 64)  # the warm-up of the bench: a short prompt first
     rows = []
-    for i, n in enumerate(a.lengths):
-        caps = captures_for(drafter, n, hidden, dtype, i + 1)
-        row: Dict[str, Any] = {"positions": n}
-        for regime in ("fresh", "warm"):
-            mx.clear_cache()
-            row[f"features_ms_{regime}"] = round(features_ms(drafter, caps), 2)
-            mx.clear_cache()
-            row[f"prepare_ms_{regime}"] = round(prepare_ms(drafter, caps, n), 2)
-        del caps
-        rows.append(row)
-        print(row, flush=True)
-    for i, n in enumerate(a.lengths):  # other new lengths: the appends alone, grown and reserved
-        for reserved in (False, True):
-            m = n + 37 + 61 * reserved
-            caps = captures_for(drafter, m, hidden, dtype, 50 + 2 * i + reserved)
-            tag = "reserved" if reserved else "grown"
-            row = {"positions": m, "appends": tag}
+    for ci, chunk in enumerate(a.chunk):  # each chunk at lengths of its own (fresh: never run before)
+        for i, n in enumerate(a.lengths):
+            m = n + 7 * ci
+            caps = captures_for(drafter, m, hidden, dtype, i + 1)
+            row: Dict[str, Any] = {"positions": m, "chunk": chunk}
             for regime in ("fresh", "warm"):
                 mx.clear_cache()
-                row[f"append_ms_{regime}"] = round(append_ms(drafter, caps, m, reserved), 2)
+                row[f"features_ms_{regime}"] = round(features_ms(drafter, caps), 2)
+                mx.clear_cache()
+                row[f"prepare_ms_{regime}"] = round(prepare_ms(drafter, caps, m, chunk), 2)
             del caps
             rows.append(row)
             print(row, flush=True)
+        for i, n in enumerate(a.lengths):  # other new lengths: the appends alone, grown and reserved
+            for reserved in (False, True):
+                m = n + 37 + 61 * reserved + 7 * ci
+                caps = captures_for(drafter, m, hidden, dtype, 50 + 2 * i + reserved)
+                row = {"positions": m, "chunk": chunk, "appends": "reserved" if reserved else "grown"}
+                for regime in ("fresh", "warm"):
+                    mx.clear_cache()
+                    row[f"append_ms_{regime}"] = round(append_ms(drafter, caps, m, reserved, chunk), 2)
+                del caps
+                rows.append(row)
+                print(row, flush=True)
     if a.touch_gib:
         for i, n in enumerate(a.lengths):
             m = n + 101  # a length never run before

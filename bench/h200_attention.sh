@@ -26,7 +26,8 @@
 #   bash bench/h200_attention.sh probe-sweep 2048    # the probe at MLX's default task sizes, MB 20000 / ops 500, and 4-bit
 #                                                    #   (bench/round_trace.py; other base prompt lengths: 2048,16384)
 #   bash bench/h200_attention.sh context             # the DFlash drafter's first context (a prompt's features), fresh
-#                                                    #   and warm (bench/context_build_cost.py)
+#                                                    #   and warm (bench/context_build_cost.py; CHUNK=512,2048 TOUCH=0:
+#                                                    #   the longest append 512 then 2048, each at new lengths)
 #   bash bench/h200_attention.sh matmul              # the projection kernel against MLX's matmul (bench/gpu_matmul_check.py)
 #   bash bench/h200_attention.sh host-split          # build / encode / device per forward, MLX's matmuls and the
 #                                                    #   projection kernel in one process (bench/host_split.py)
@@ -106,7 +107,7 @@ case "$what" in
     py bench/verify_ahead_probe.py --prompt-lengths "$L" --quantize-target 4 \
       --json "$OUT/h200-verify-ahead-probe-4bit${TAG:-}.json" 2>&1 | grep -v '^\[probe\]' | tail -4 ;;
   context)
-    py bench/context_build_cost.py --lengths 2048,8192,16384 --touch-gib "${TOUCH:-8}" \
+    py bench/context_build_cost.py --lengths 2048,8192,16384 --touch-gib "${TOUCH:-8}" ${CHUNK:+--chunk "$CHUNK"} \
       --json "$OUT/h200-context-build${TAG:-}.json" | tail -12 ;;
   matmul)
     py bench/gpu_matmul_check.py ${SWEEP:+--sweep} --out "$OUT/h200-matmul-check${TAG:-}.json" | tail -12 ;;

@@ -72,6 +72,19 @@ def test_context_build_cost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert [r["touched_gib"] for r in rows[6:]] == [0.01, 0.01]
 
 
+def test_context_build_cost_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--chunk: each longest append in turn at lengths of its own, its counts pre-warmed; not a power of two: refused."""
+    monkeypatch.setenv("MLX_SPEC_PADDED_CACHE", "on")
+    out = run("context_build_cost", ["--synthetic-target", "tiny", "--cpu", "--lengths", "700", "--chunk", "256,1024"],
+              tmp_path / "c.json")
+    rows = out["results"]
+    assert [(r["positions"], r["chunk"]) for r in rows if "prepare_ms_fresh" in r] == [(700, 256), (707, 1024)]
+    assert {(r["chunk"], r["appends"]) for r in rows if "appends" in r} == \
+        {(c, how) for c in (256, 1024) for how in ("grown", "reserved")}
+    with pytest.raises(ValueError, match="DFlash context chunk: got 300; expected a power of two"):
+        script("context_build_cost").main(["--synthetic-target", "tiny", "--cpu", "--chunk", "300"])
+
+
 def test_verify_cost(tmp_path: Path) -> None:
     out = run("verify_cost", ["--spec", "tiny", "--key-length", "64", "--widths", "1,4", "--iters", "2",
                               "--skip", "matmul,attention"], tmp_path / "v.json")

@@ -263,10 +263,10 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
 CONTEXT_PREWARM = CONTEXT_CHUNK  # context counts pre-warmed: 1, 2, 4 .. 512 (longer appends go in chunks of 512)
 
 
-def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
+def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int, context_counts: int = CONTEXT_PREWARM) -> int:
     """One drafter forward per (context bucket, power-of-two block width) up to ``max_tokens``
-    context positions, and one context append per power-of-two count, so that rounds meet no
-    attention shape for the first time (CUDA compiles each one, 40-70 ms). Returns the count."""
+    context positions, and one context append per power-of-two count up to ``context_counts``, so that rounds
+    meet no attention shape for the first time (CUDA compiles each one, 40-70 ms). Returns the count."""
     bucket = int(getattr(drafter.cache_policy, "bucket", 0))
     if not bucket or max_tokens <= 0:
         return 0
@@ -277,7 +277,7 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int) -> int:
     emb = mx.zeros((1, widths[-1], args.hidden_size), dtype)
     taps = len(args.target_layer_ids) * args.hidden_size
     runs = 0
-    for n in (1 << i for i in range(CONTEXT_PREWARM.bit_length())):  # padded context counts (prepare)
+    for n in (1 << i for i in range(context_counts.bit_length())):  # padded context counts (prepare)
         model.append_context(mx.zeros((1, n, taps), dtype), caches)
         mx.eval([c.keys for c in caches])
         for c in caches:

@@ -52,6 +52,7 @@ class DFlashBatch(DraftBatch):
         self.restored: Dict[int, Tuple[List[Any], int]] = {}  # id(row) -> (context caches, positions)
         self.ahead: Optional[Ahead] = None
         self.ahead_used = 0  # rounds whose block was drafted ahead
+        self.context_chunk: Optional[int] = None  # the longest context append (None: CONTEXT_CHUNK)
 
     def sync(self, rows: Sequence[Any]) -> None:
         if self.ahead is not None and ([id(r) for r in rows] != [id(self.ahead.row)] or rows[0].captures):
@@ -119,7 +120,7 @@ class DFlashBatch(DraftBatch):
         width = feats.shape[1]
         chunk = width
         if self.drafter.shape_stable and width > 1:
-            padded, chunk = context_chunks(width)
+            padded, chunk = context_chunks(width, self.context_chunk)
             feats = mx.concatenate([feats, mx.zeros((feats.shape[0], padded - width, feats.shape[2]), feats.dtype)], axis=1)
             width = padded
         with CacheTransaction(caches) as txn:
@@ -275,13 +276,16 @@ class DFlashBatch(DraftBatch):
         return [0] * len(rows)
 
 
-def context_chunks(n: int) -> Tuple[int, int]:
+def context_chunks(n: int, chunk: Optional[int] = None) -> Tuple[int, int]:
     """(padded width, chunk) for appending ``n`` > 1 positions on shape-stable caches. A prompt or a
     catch-up after plain steps feeds any count, and each new count builds new kernels on CUDA: chunks of
-    CONTEXT_CHUNK and a power-of-two tail, the counts prewarm() made at load."""
-    tail = n % CONTEXT_CHUNK if n > CONTEXT_CHUNK else n
+    ``chunk`` (a power of two; default CONTEXT_CHUNK) and a power-of-two tail, the counts prewarm() made at load."""
+    chunk = CONTEXT_CHUNK if chunk is None else chunk
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"DFlash context chunk: got {chunk}; expected a power of two")
+    tail = n % chunk if n > chunk else n
     padded = n - tail + (1 << (tail - 1).bit_length() if tail else 0)
-    return padded, min(padded, CONTEXT_CHUNK)
+    return padded, min(padded, chunk)
 
 
 def _reserve(caches: List[Any], n: int) -> None:
