@@ -18,6 +18,9 @@ from .accept import RoundOutcome
 # A round's steps in order (plugin/round.py), each timed from the end of the one before: wall clock on the host,
 # nothing synchronised on top, so a step that waits for the device (``read``: the verify's outcome) shows it.
 ROUND_STEPS = ("draft", "adopt", "verify", "plan", "draft_ahead", "queue", "read", "commit", "commit_drafter", "settle")
+# The phases the stats (``SpecStats.seconds``) and the adaptive controller (drafting and verifying) time a round by.
+PHASES = {"draft": ("draft",), "verify": ("adopt", "verify", "plan", "draft_ahead", "queue", "read", "commit"),
+          "commit": ("commit_drafter",)}
 
 
 class Laps:
@@ -54,7 +57,6 @@ class SpecStats:
     plain_steps: int = 0  # one-token steps the adaptive controller took instead of rounds
     verified_ahead: int = 0  # rounds whose verify forward the round before had queued (plugin/verify_ahead.py)
     fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
-    seconds: Dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "commit": 0.0})
     steps: Dict[str, float] = field(default_factory=dict)  # seconds in each of ``ROUND_STEPS``, summed over rounds
     last: Optional[RoundOutcome] = None  # the latest round, until the request ends
 
@@ -91,6 +93,11 @@ class SpecStats:
     def mean_acceptance_length(self) -> float:
         """tau: tokens emitted per round, the bonus included."""
         return 1.0 + self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def seconds(self) -> Dict[str, float]:
+        """Seconds in each of ``PHASES`` (draft, verify, commit), summed over rounds."""
+        return {phase: sum(self.steps.get(s, 0.0) for s in group) for phase, group in PHASES.items()}
 
     @property
     def acceptance_rate(self) -> float:

@@ -29,7 +29,7 @@ from . import commit
 from .accept import RoundOutcome, plan_rows, read_plans, unread_outcome
 from .adaptive import BlockSizeController
 from .draft import LAZY_DRAFTS, DraftError, as_ints, draft
-from .metrics import METRICS, Laps, SpecStats
+from .metrics import METRICS, PHASES, Laps, SpecStats
 from .settings import SpeculativeSettings
 from .verify import row_logprobs, verify
 from .verify_ahead import Queued, adopt, queue, settle
@@ -289,7 +289,7 @@ def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[i
 def record(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRounds], plans: Sequence[Optional[int]],
            outcomes: Sequence[RoundOutcome], lap: Laps) -> None:
     """A round's outcome into each drafting row's block-size controller and stats, with its steps' times."""
-    drafting, verifying = lap.total("draft"), lap.total("adopt", "verify", "plan", "draft_ahead", "queue", "read", "commit")
+    drafting, verifying = lap.total(*PHASES["draft"]), lap.total(*PHASES["verify"])
     for b, req, plan in zip(on, reqs, plans):
         outcome = outcomes[b]
         if plan and outcome.draft_tokens:
@@ -299,9 +299,6 @@ def record(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRou
             c.update(outcome.accepted, outcome.draft_tokens)
             req.stats.record(outcome)
             req.stats.block_sizes = c.history
-            req.stats.seconds["draft"] += drafting
-            req.stats.seconds["verify"] += verifying
-            req.stats.seconds["commit"] += lap.total("commit_drafter")
             req.stats.record_steps(lap)
         # A row that drafted nothing took its token from this forward: one of its plain steps,
         # counted by ``observe`` at the next step like the host's.
