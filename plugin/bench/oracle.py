@@ -11,7 +11,7 @@ acceptance process.
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -99,6 +99,15 @@ class Oracle:
         return mx.where(mx.array(self.pattern(k)), truth, (truth + 1) % self.vocab_size)
 
 
+class AheadDrafts(NamedTuple):
+    """The oracle's drafts for the next round, drawn when the round before queued its verify (``ahead_drafts``)."""
+
+    row: Any
+    length: int  # the row's tokens then
+    accepted: mx.array  # []: the a they assumed (the row then has length + a + 1 tokens)
+    drafts: mx.array  # [k]
+
+
 class OracleBatch(DraftBatch):
     """Any drafter's batch, wrapped: records how many tokens each round drafted (per-position
     acceptance), and with an ``oracle`` replaces the proposals by the oracle's after the drafter
@@ -109,7 +118,7 @@ class OracleBatch(DraftBatch):
         self.drafted = drafted
         self.oracle = oracle
         self.inner_k: List[int] = []
-        self.ahead: Optional[Tuple[Any, int, mx.array, mx.array]] = None  # (row, its length, a, drafts [k])
+        self.ahead: Optional[AheadDrafts] = None
 
     @property
     def forwards(self) -> int:  # type: ignore[override]
@@ -130,10 +139,10 @@ class OracleBatch(DraftBatch):
         ahead, self.ahead = self.ahead, None
         if self.oracle is None:
             out = real
-        elif ahead is not None and [id(r) for r in rows] == [id(ahead[0])] and 1 <= max_drafts[0] <= ahead[3].shape[0] \
-                and len(rows[0].tokens) == ahead[1] + int(ahead[2].item()) + 1:
+        elif ahead is not None and [id(r) for r in rows] == [id(ahead.row)] and 1 <= max_drafts[0] <= ahead.drafts.shape[0] \
+                and len(rows[0].tokens) == ahead.length + int(ahead.accepted.item()) + 1:
             # drawn when the round before queued them (``ahead_drafts``); sliced only where fewer are wanted
-            out = [Proposal(ahead[3] if max_drafts[0] == ahead[3].shape[0] else ahead[3][: max_drafts[0]])]
+            out = [Proposal(ahead.drafts if max_drafts[0] == ahead.drafts.shape[0] else ahead.drafts[: max_drafts[0]])]
         else:
             mx.async_eval([p.tokens for p in real if isinstance(p.tokens, mx.array)],
                           [p.logprobs for p in real if p.logprobs is not None])
@@ -157,7 +166,7 @@ class OracleBatch(DraftBatch):
             return inner
         a = unread[0].accepted
         drafts = self.oracle.drafts_at(rows[0], a + 1, inner[0].shape[0])  # [k]
-        self.ahead = (rows[0], len(rows[0].tokens), a, drafts)
+        self.ahead = AheadDrafts(rows[0], len(rows[0].tokens), a, drafts)
         return [drafts]
 
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
