@@ -21,10 +21,10 @@
 #   bash bench/h200_attention.sh profile-plugin      # the same with the drafter as the plugin runs it (compiled calls,
 #                                                    #   the attention and projection kernels, padded context)
 #   bash bench/h200_attention.sh trace 16384         # the bench's DFlash rounds phase by phase, fresh and warm
+#                                                    #   (bench/round_trace.py; other base prompt lengths: 2048,16384)
 #   bash bench/h200_attention.sh probe 2048,8192     # the round's steps timed, verifying ahead or not (bench/verify_ahead_probe.py;
 #                                                    # MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER pass through; BITS=4)
 #   bash bench/h200_attention.sh probe-sweep 2048    # the probe at MLX's default task sizes, MB 20000 / ops 500, and 4-bit
-#                                                    #   (bench/round_trace.py; other base prompt lengths: 2048,16384)
 #   bash bench/h200_attention.sh context             # the DFlash drafter's first context (a prompt's features), fresh
 #                                                    #   and warm (bench/context_build_cost.py; CHUNK=512,2048 TOUCH=0:
 #                                                    #   the longest append 512 then 2048, each at new lengths)

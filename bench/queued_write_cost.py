@@ -12,18 +12,20 @@ ms per call (wall, after a warm-up) and the peak memory over the buffers' own sh
 Output: bench/results/kernels/h200-queued-write.txt.
 """
 
+from __future__ import annotations
+
 import sys
 import time
+from typing import List, Tuple
 
 import mlx.core as mx
 
 H, D, L, W, CALLS = 8, 128, 32, 16, 20
 
 
-def step(off: mx.array, u: mx.array, *bufs: mx.array):
+def step(off: mx.array, u: mx.array, *bufs: mx.array) -> List[mx.array]:
     idx = (off + mx.arange(W, dtype=mx.int32))[None, None, :, None]
-    out = [mx.put_along_axis(b, mx.broadcast_to(idx, u.shape), u, axis=2) for b in bufs]
-    return out
+    return [mx.put_along_axis(b, mx.broadcast_to(idx, u.shape), u, axis=2) for b in bufs]
 
 
 write = mx.compile(step)
@@ -32,7 +34,7 @@ u = mx.random.normal((1, H, W, D)).astype(mx.bfloat16)
 mx.eval(pos, u)
 
 
-def run(S: int, regime: str):
+def run(S: int, regime: str) -> Tuple[float, float, List[mx.array]]:
     bufs = [mx.zeros((1, H, S, D), dtype=mx.bfloat16) for _ in range(2 * L)]
     mx.eval(bufs)
     mx.synchronize()
