@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -106,10 +106,27 @@ def per_call(t: Dict[str, float], calls: int) -> Dict[str, float]:
             "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / calls, 2)}
 
 
-def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: int = 6) -> List[Dict[str, Any]]:
+def variant_name(v: Tuple[int, ...]) -> str:
+    return "kernel_g{}_s{}_u{}".format(*v) + (f"_c{v[3]}" if len(v) > 3 and v[3] > 1 else "")
+
+
+def parse_variants(text: str) -> List[Tuple[int, ...]]:
+    """"G,S,U[,CL];..." -> [(G, S, U[, CL]), ...]"""
+    out = []
+    for part in text.split(";"):
+        v = tuple(int(x) for x in part.split(",") if x.strip())
+        if len(v) not in (3, 4):
+            raise SystemExit(f"--variants: got {part!r}; expected G,S,U or G,S,U,CL (integers), joined by ';'")
+        out.append(v)
+    return out
+
+
+def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: int = 6,
+                variants: Optional[List[Tuple[int, ...]]] = None) -> List[Dict[str, Any]]:
     """Dependent chains of projections (each call's input the previous call's output), ``copies`` distinct
     weights in turn so that the device's L2 holds none of them: per call build / encode / device time,
     the device's being what a forward's layers pay one after another."""
+    variants = VARIANTS if variants is None else variants
     out = []
     for name, shapes in CHAINS.items():
         ws = [[(mx.random.normal(s) * s[1] ** -0.5).astype(dtype) for s in shapes] for _ in range(copies)]
@@ -133,16 +150,22 @@ def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: i
             if rows > 1:
                 ways.append(("kernel", chain(cuda_matmul.mm)))
                 if sweep:
-                    ways += [(f"kernel_g{g}_s{s}_u{u}", chain(lambda x, w, v=(g, s, u): cuda_matmul.mm(x, w, v)))
-                             for g, s, u in VARIANTS]
+                    ways += [(variant_name(v), chain(lambda x, w, v=v: cuda_matmul.mm(x, w, v))) for v in variants]
             for how, f in ways:
-                row[how] = per_call(split(f, lambda: None, iters), calls)
+                try:
+                    row[how] = per_call(split(f, lambda: None, iters), calls)
+                except Exception as e:  # noqa: BLE001 - a shape that does not compile or launch: recorded, the sweep goes on
+                    row[how] = {"error": f"{type(e).__name__}: {e}"[:300]}
             if rows > 1 and sweep:  # a shape that fails to launch (shared memory, registers) is fast and wrong
                 xs = [mx.random.normal((rows, w.shape[1])).astype(dtype) for w in ws[0]]
                 refs = [x.astype(mx.float32) @ w.astype(mx.float32).T for x, w in zip(xs, ws[0])]
-                row["errors"] = {f"kernel_g{g}_s{s}_u{u}": round(max(error(cuda_matmul.mm(x, w, (g, s, u)), r)
-                                                                     for x, w, r in zip(xs, ws[0], refs)), 6)
-                                 for g, s, u in VARIANTS}
+                row["errors"] = {}
+                for v in variants:
+                    try:
+                        row["errors"][variant_name(v)] = round(max(error(cuda_matmul.mm(x, w, v), r)
+                                                                   for x, w, r in zip(xs, ws[0], refs)), 6)
+                    except Exception as e:  # noqa: BLE001
+                        row["errors"][variant_name(v)] = f"{type(e).__name__}: {e}"[:300]
                 row["mlx_error"] = round(max(error(x @ w.T, r) for x, w, r in zip(xs, ws[0], refs)), 6)
             out.append(row)
             print(json.dumps(row), flush=True)
@@ -186,11 +209,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--chain", type=int, default=24, help="links per timed chain (default 24)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time each (G, S, U) kernel shape of VARIANTS (16 and 32 rows)")
+    p.add_argument("--variants", type=parse_variants,
+                   help="with --sweep: these kernel shapes instead of VARIANTS, 'G,S,U[,CL];...' (CL > 1: cluster split-K)")
+    p.add_argument("--chains-only", action="store_true", help="only the chains (no correctness table, no fused costs)")
     p.add_argument("--out", help="write the results here (JSON)")
     a = p.parse_args(argv)
     if not cuda_matmul.available():
         raise SystemExit("the kernel needs MLX built with CUDA and the GPU as the default device")
     mx.random.seed(0)
+    if a.chains_only:
+        report = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info(),
+                  "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}
+        if a.out:
+            Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     results = check(mx.bfloat16) + check(mx.float16)
     fused = check_fused(mx.bfloat16) + check_fused(mx.float16)
     bad = [r for r in results + fused if not r["ok"]]
@@ -202,7 +234,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info(),
               "passed": not bad, "cases": len(results) + len(fused), "failures": bad, "results": results,
               "fused": fused, "fused_costs": fused_costs(mx.bfloat16, a.chain, a.iters),
-              "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep)}
+              "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if not bad else 1

@@ -59,19 +59,27 @@ Forward = Tuple[mx.array, Dict[int, mx.array]]
 
 
 class TraceCache:
-    """A ``PaddedKVCache``'s buffers as the model's code sees them inside the trace; ``offset`` is a device scalar."""
+    """A ``PaddedKVCache``'s buffers as the model's code sees them inside the trace; ``offset`` is a device scalar.
+    ``shared``: what the caches of one call compute alike (the write positions and the offset after them), made
+    once for all their layers: MLX-CUDA encodes each operation of a forward from the host, one by one."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, shared: Optional[Dict[Any, Any]] = None):
         self.keys, self.values, self.offset = keys, values, offset
+        self._shared: Dict[Any, Any] = {} if shared is None else shared
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         # put_along_axis at offset + arange(W), not slice_update with an array start: on MLX-CUDA 0.32 the
         # dynamic slice update costs ~86 us a call at 17k positions (64 calls a forward: 5.5 ms against 0.57 ms,
         # bench/cache_write_cost.py -> bench/results/kernels/h200-cache-write.txt); the same values either way
-        idx = (self.offset + mx.arange(keys.shape[2], dtype=mx.int32))[None, None, :, None]  # [1, 1, W, 1]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)  # [1, H, S, D]
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
-        self.offset = self.offset + keys.shape[2]
+        key = (id(self.offset), tuple(keys.shape))
+        if key not in self._shared:  # the offset array is held in the entry, so its id names it for the call
+            base = (self.offset + mx.arange(keys.shape[2], dtype=mx.int32))[None, None, :, None]  # [1, 1, W, 1]
+            self._shared[key] = (self.offset, base, mx.broadcast_to(base, keys.shape), self.offset + keys.shape[2])
+        _, base, idx, after = self._shared[key]
+        self.keys = mx.put_along_axis(self.keys, idx, keys, axis=2)  # [1, H, S, D]
+        vidx = idx if values.shape == keys.shape else mx.broadcast_to(base, values.shape)
+        self.values = mx.put_along_axis(self.values, vidx, values, axis=2)
+        self.offset = after
         return self.keys, self.values
 
     def size(self) -> mx.array:
@@ -248,7 +256,8 @@ class CompiledForward:
 
         def run(offset: mx.array, *flat: mx.array) -> List[mx.array]:
             arrays, buffers = flat[:n], flat[n:]
-            caches = [TraceCache(buffers[2 * i], buffers[2 * i + 1], offset) for i in range(len(buffers) // 2)]
+            shared: Dict[Any, Any] = {}
+            caches = [TraceCache(buffers[2 * i], buffers[2 * i + 1], offset, shared) for i in range(len(buffers) // 2)]
             outs = fn(ref(), caches, *arrays)
             return [*outs, *(a for c in caches for a in (c.keys, c.values))]
 
