@@ -107,16 +107,16 @@ def per_call(t: Dict[str, float], calls: int) -> Dict[str, float]:
 
 
 def variant_name(v: Tuple[int, ...]) -> str:
-    return "kernel_g{}_s{}_u{}".format(*v) + (f"_c{v[3]}" if len(v) > 3 and v[3] > 1 else "")
+    return "kernel_g{}_s{}_u{}".format(*v)
 
 
 def parse_variants(text: str) -> List[Tuple[int, ...]]:
-    """"G,S,U[,CL];..." -> [(G, S, U[, CL]), ...]"""
+    """"G,S,U;..." -> [(G, S, U), ...]"""
     out = []
     for part in text.split(";"):
         v = tuple(int(x) for x in part.split(",") if x.strip())
-        if len(v) not in (3, 4):
-            raise SystemExit(f"--variants: got {part!r}; expected G,S,U or G,S,U,CL (integers), joined by ';'")
+        if len(v) != 3 or min(v) < 1:
+            raise SystemExit(f"--variants: got {part!r}; expected G,S,U (positive integers), joined by ';'")
         out.append(v)
     return out
 
@@ -210,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time each (G, S, U) kernel shape of VARIANTS (16 and 32 rows)")
     p.add_argument("--variants", type=parse_variants,
-                   help="with --sweep: these kernel shapes instead of VARIANTS, 'G,S,U[,CL];...' (CL > 1: cluster split-K)")
+                   help="with --sweep: these kernel shapes instead of VARIANTS, 'G,S,U;...'")
     p.add_argument("--chains-only", action="store_true", help="only the chains (no correctness table, no fused costs)")
     p.add_argument("--out", help="write the results here (JSON)")
     a = p.parse_args(argv)

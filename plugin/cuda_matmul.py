@@ -65,12 +65,12 @@ MAIN = r"""
 #pragma unroll
     for (int j = 0; j < G; ++j) c[i][j][0] = c[i][j][1] = c[i][j][2] = c[i][j][3] = 0.f;
   // U steps of a warp per chunk: all their loads in flight before the first mma
-  for (int s0 = SPLIT; s0 < steps; s0 += SS * U) {
+  for (int s0 = warp; s0 < steps; s0 += S * U) {
     uint4 wb[U][G];
     uint4 xa[U][MT][2];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kc = (s0 + u * SS) * 4 + t;
+      const int kc = (s0 + u * S) * 4 + t;
       const bool kin = kc < K8;
 #pragma unroll
       for (int j = 0; j < G; ++j) {
@@ -125,31 +125,6 @@ REDUCE = r"""
     if (n < N) yp[(long long)r * N + n] = static_cast<T>(acc);
   }
 """
-# Cluster split-K (CL > 1 blocks of one column tile, each over every CL-th run of S steps, sm90): each block
-# sums its S warps into part [rows][NB]; the cluster's blocks then add the CL parts in rank order through
-# distributed shared memory, each block writing every CL-th element (one launch, the same bits every run).
-CLUSTER_REDUCE = REDUCE.split("  const int rows")[0] + r"""
-  const int rows = M < MT * 16 ? M : MT * 16;
-  float* part = red + S * MT * 16 * P;  // [rows][NB]
-  for (int e = threadIdx.x; e < rows * NB; e += S * 32) {
-    const int r = e / NB, col = e - r * NB;
-    float acc = 0.f;
-#pragma unroll
-    for (int w2 = 0; w2 < S; ++w2) acc += red[(w2 * MT * 16 + r) * P + col];
-    part[e] = acc;
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  for (int e = rank * S * 32 + threadIdx.x; e < rows * NB; e += CL * S * 32) {
-    float acc = 0.f;
-#pragma unroll
-    for (int q = 0; q < CL; ++q) acc += cluster.map_shared_rank(part, q)[e];
-    const int r = e / NB, n = n0 + e - r * NB;
-    if (n < N) yp[(long long)r * N + n] = static_cast<T>(acc);
-  }
-  cluster.sync();  // the other blocks' parts stay until every block has read them
-"""
-CLUSTER_MAIN = MAIN + CLUSTER_REDUCE
 MAIN += REDUCE
 
 
@@ -157,9 +132,8 @@ _KERNELS: Dict[tuple, object] = {}
 _LAUNCH: Dict[tuple, object] = {}
 
 
-def shared_bytes(row_tiles: int, groups: int, splits: int, clusters: int = 1) -> int:
-    part = row_tiles * 16 * 8 * groups if clusters > 1 else 0
-    return (splits * row_tiles * 16 * (8 * groups + 1) + part) * 4
+def shared_bytes(row_tiles: int, groups: int, splits: int) -> int:
+    return splits * row_tiles * 16 * (8 * groups + 1) * 4
 
 
 # (G, S, U): column groups of 8 per warp, warps per block (K splits), steps a warp loads at once. From
@@ -168,43 +142,23 @@ def shared_bytes(row_tiles: int, groups: int, splits: int, clusters: int = 1) ->
 # two steps in flight for the wide and the deep ones (gate/up + down 46.5 against 56.8). S is the same in
 # both, and G and U leave each warp's k order as it is, so every shape gives the same bits.
 # On the H200 with this table: kernels/h200-matmul-check-table.json (q/o 26.1, k/v 17.6, gate/up + down 46.9).
-# 17-32 rows (two row tiles): (G, S, U, CL) = (8, 8, 1, 2), a cluster of two blocks per 64 columns, each over
-# half of the K steps, for every launch (kernels/h200-matmul-variants.json, 32 rows, us per chain call: q/o 36.8
-# against 49.0, gate/up + down 57.3 against 73.4, k/v 23.2 against 30.2; at 16 rows no cluster shape beat the two
-# above: gate/up + down 53-108 against 46.5).
 NARROW = (1, 8, 1)
 WIDE = (2, 8, 2)
-TALL = (8, 8, 1, 2)
 assert NARROW[1] == WIDE[1], "one K split: a fused launch's products must be the bits of each weight's own launch"
 
 
-def shape_for(columns: int, K: int, rows: int = 16) -> Tuple[int, ...]:
-    """(G, S, U[, CL]) for one launch over ``rows`` rows and ``columns`` output columns in all (every weight
-    together) over K."""
-    if rows > 16:
-        return TALL
+def shape_for(columns: int, K: int) -> Tuple[int, int, int]:
+    """(G, S, U) for one launch of ``columns`` output columns in all (every weight together) over K."""
     return NARROW if columns <= 8192 and K <= 8192 else WIDE
-
-
-_CLUSTERS: List[bool] = []
-
-
-def clusters_run() -> bool:
-    """Whether the GPU launches thread block clusters (compute capability 9.0 and up: H100, H200, B200)."""
-    if not _CLUSTERS:
-        _CLUSTERS.append(int(mx.device_info().get("compute_capability_major", 0)) >= 9)
-    return _CLUSTERS[0]
 
 
 MAX_WEIGHTS = 4  # weights one launch multiplies the same x by (sibling projections: q/k/v, gate/up)
 
 
-def _select(weights: int, clusters: int = 1) -> str:
+def _select(weights: int) -> str:
     """Source picking block blk's weight: the weights' column blocks follow one another in the grid, each
-    block doing exactly the work it does in a launch of its weight alone (so the products are the same bits).
-    With clusters, CL consecutive blocks share a column block; ``rank`` is a block's place in its cluster."""
-    code = ("int blk = blockIdx.x; const T* wp; T* yp; int N; int nb;\n" if clusters == 1 else
-            "int blk = blockIdx.x / CL; const int rank = blockIdx.x % CL; const T* wp; T* yp; int N; int nb;\n")
+    block doing exactly the work it does in a launch of its weight alone (so the products are the same bits)."""
+    code = "int blk = blockIdx.x; const T* wp; T* yp; int N; int nb;\n"
     for i in range(weights - 1):
         code += (f"nb = (w{i}_shape[0] + NB - 1) / NB;\n"
                  f"if (blk < nb) {{ wp = w{i}; yp = y{i}; N = w{i}_shape[0]; }} else {{ blk -= nb;\n")
@@ -212,33 +166,17 @@ def _select(weights: int, clusters: int = 1) -> str:
     return code + f"wp = w{last}; yp = y{last}; N = w{last}_shape[0];" + "}" * (weights - 1) + "\n"
 
 
-def kernel_source(bf: bool, row_tiles: int, groups: int, splits: int, unroll: int, weights: int = 1,
-                  clusters: int = 1) -> Tuple[str, str, str]:
-    """(name, header, body) of one kernel instance, as ``mx.fast.cuda_kernel`` takes them."""
-    consts = dtype_consts(bf) + f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n"
-    name = f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}_w{weights}"
-    if clusters == 1:
-        source = consts + "constexpr int SS = S;\n" + compact(MAIN).replace("SPLIT", "warp")
-        header = compact(HEADER)
-    else:  # the kernel MLX declares takes its cluster shape from __global__ as redefined here
-        source = (consts + f"constexpr int CL = {clusters}, SS = CL * S;\n"
-                  + compact(CLUSTER_MAIN).replace("SPLIT", "rank * S + warp"))
-        header = compact(HEADER) + (f"\n#undef __global__\n"
-                                    f"#define __global__ __location__(global) __cluster_dims__({clusters}, 1, 1)\n")
-        name += f"_c{clusters}"
-    return name, header, source.replace("SELECT_WEIGHT", _select(weights, clusters))
-
-
-def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: int, weights: int = 1,
-            clusters: int = 1) -> object:
+def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: int, weights: int = 1) -> object:
     # Constants in the source, not template arguments: a template list costs every launch its conversion
-    key = (dtype, row_tiles, groups, splits, unroll, weights, clusters)
+    key = (dtype, row_tiles, groups, splits, unroll, weights)
     if key not in _KERNELS:  # NVRTC compiles each at its first launch; MLX caches the module
-        name, header, source = kernel_source(dtype == mx.bfloat16, row_tiles, groups, splits, unroll, weights, clusters)
+        bf = dtype == mx.bfloat16
+        consts = (dtype_consts(bf) + f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n")
         _KERNELS[key] = mx.fast.cuda_kernel(
-            name=name, input_names=["x"] + [f"w{i}" for i in range(weights)],
-            output_names=[f"y{i}" for i in range(weights)], source=source, header=header,
-            shared_memory=shared_bytes(row_tiles, groups, splits, clusters))
+            name=f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}_w{weights}",
+            input_names=["x"] + [f"w{i}" for i in range(weights)], output_names=[f"y{i}" for i in range(weights)],
+            source=consts + compact(MAIN).replace("SELECT_WEIGHT", _select(weights)), header=compact(HEADER),
+            shared_memory=shared_bytes(row_tiles, groups, splits))
     return _KERNELS[key]
 
 
@@ -269,7 +207,7 @@ def plan_many(x: mx.array, ws: Sequence[mx.array]) -> Optional[Tuple[object, dic
 
 
 def _plan(xs: Tuple[int, ...], wss: Tuple[Tuple[int, ...], ...], dtype: mx.Dtype, wdtypes: Tuple[mx.Dtype, ...],
-          shape: Optional[Tuple[int, ...]] = None) -> Optional[Tuple[object, dict]]:
+          shape: Optional[Tuple[int, int, int]] = None) -> Optional[Tuple[object, dict]]:
     if not xs or dtype not in DTYPES or not 1 <= len(wss) <= MAX_WEIGHTS or \
             any(len(ws) != 2 or ws[1] != xs[-1] for ws in wss) or any(d != dtype for d in wdtypes):
         return None
@@ -280,23 +218,20 @@ def _plan(xs: Tuple[int, ...], wss: Tuple[Tuple[int, ...], ...], dtype: mx.Dtype
     if not 2 <= M <= MAX_ROWS or K % 8:
         return None
     mt = 1 if M <= 16 else 2
-    if shape is None:
-        shape = shape_for(sum(ws[0] for ws in wss), K, M if clusters_run() else 16)
-    groups, splits, unroll, *more = shape
-    clusters = more[0] if more else 1
-    blocks = sum(-(-ws[0] // (8 * groups)) for ws in wss) * clusters
-    return _kernel(dtype, mt, groups, splits, unroll, len(wss), clusters), dict(
+    groups, splits, unroll = shape or shape_for(sum(ws[0] for ws in wss), K)
+    blocks = sum(-(-ws[0] // (8 * groups)) for ws in wss)
+    return _kernel(dtype, mt, groups, splits, unroll, len(wss)), dict(
         grid=(blocks * splits * 32, 1, 1), threadgroup=(splits * 32, 1, 1),
         output_shapes=[(*xs[:-1], ws[0]) for ws in wss], output_dtypes=[dtype] * len(wss))
 
 
-def mm(x: mx.array, w: mx.array, shape: Optional[Tuple[int, ...]] = None) -> mx.array:
+def mm(x: mx.array, w: mx.array, shape: Optional[Tuple[int, int, int]] = None) -> mx.array:
     """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (f32 accumulation); see ``supports``.
-    ``shape``: (G, S, U) or (G, S, U, CL) instead of ``shape_for``'s (measurements; CL > 1: cluster split-K, sm90)."""
+    ``shape``: (G, S, U) instead of ``shape_for``'s (measurements)."""
     return mm_many(x, [w], shape)[0]
 
 
-def mm_many(x: mx.array, ws: Sequence[mx.array], shape: Optional[Tuple[int, ...]] = None) -> List[mx.array]:
+def mm_many(x: mx.array, ws: Sequence[mx.array], shape: Optional[Tuple[int, int, int]] = None) -> List[mx.array]:
     """[x @ w.T for w in ws] in one launch (1..MAX_WEIGHTS weights [N_i, K]); each equals ``mm(x, w)`` bit for bit."""
     launch = plan_many(x, ws) if shape is None else \
         _plan(x.shape, tuple(w.shape for w in ws), x.dtype, tuple(w.dtype for w in ws), shape)
@@ -313,4 +248,4 @@ def reference(x: mx.array, w: mx.array) -> mx.array:
     return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
 
 
-__all__: List[str] = ["available", "mm", "mm_many", "plan", "plan_many", "reference", "supports", "shape_for", "MAX_ROWS", "MAX_WEIGHTS", "NARROW", "WIDE", "TALL"]
+__all__: List[str] = ["available", "mm", "mm_many", "plan", "plan_many", "reference", "supports", "shape_for", "MAX_ROWS", "MAX_WEIGHTS", "NARROW", "WIDE"]

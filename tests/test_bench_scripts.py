@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -235,3 +236,20 @@ def test_verify_ahead_probe(tmp_path: Path) -> None:
         assert ("queue" in row["mean_ms"]) == verifying and ("settle" in row["mean_ms"]) == verifying, (label, row)
         assert "draft_ahead" in row["mean_ms"], (label, row)
         assert (row["rounds_verified_ahead"] > 0) == verifying, (label, row)
+
+
+def test_gpu_matmul_check_variants_and_its_cuda_guard() -> None:
+    """bench/gpu_matmul_check.py's --variants: (G, S, U) shapes joined by ';', anything else refused with what is
+    allowed; on the CPU the script refuses to run (the kernel needs MLX-CUDA) instead of timing MLX alone."""
+    sys.path.insert(0, str(BENCH))  # it imports host_split's timer as a sibling module
+    try:
+        check = script("gpu_matmul_check")
+    finally:
+        sys.path.remove(str(BENCH))
+    assert check.parse_variants("2,8,2;1,8,1") == [(2, 8, 2), (1, 8, 1)]
+    assert check.variant_name((2, 8, 2)) == "kernel_g2_s8_u2"
+    for bad in ("2,8", "2,8,2,2", "0,8,1"):
+        with pytest.raises(SystemExit, match="expected G,S,U"):
+            check.parse_variants(bad)
+    with pytest.raises(SystemExit, match="needs MLX built with CUDA"):
+        check.main(["--chains-only", "--sweep", "--variants", "1,8,1"])

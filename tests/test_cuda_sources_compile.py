@@ -69,31 +69,23 @@ def qmm_kernel(bf16: bool, row_tiles: int, gs: int, body: str = "") -> str:
                   [("x", ctype), ("w", "uint32_t"), ("scales", ctype), ("biases", ctype)], [("y", ctype)])
 
 
-def mm_kernel(bf16: bool, row_tiles: int, weights: int, shape: Tuple[int, ...]) -> Tuple[str, str]:
-    """(header, kernel) of the bf16 / f16 projection kernel as plugin/cuda_matmul.py makes it."""
+def mm_kernel(bf16: bool, row_tiles: int, weights: int, shape: Tuple[int, int, int]) -> str:
     ctype = "__nv_bfloat16" if bf16 else "__half"
-    name, header, source = cuda_matmul.kernel_source(bf16, row_tiles, *shape[:3], weights, *shape[3:])
-    return header, kernel(name, source, [("x", ctype)] + [(f"w{i}", ctype) for i in range(weights)],
-                          [(f"y{i}", ctype) for i in range(weights)])
+    g, s, u = shape
+    source = (cuda_matmul.dtype_consts(bf16) + f"constexpr int MT = {row_tiles}, G = {g}, S = {s}, U = {u};\n"
+              + compact(cuda_matmul.MAIN).replace("SELECT_WEIGHT", cuda_matmul._select(weights)))
+    return kernel(f"mm_{int(bf16)}_{row_tiles}_{weights}_{g}{s}{u}", source, [("x", ctype)] + [(f"w{i}", ctype) for i in range(weights)],
+                  [(f"y{i}", ctype) for i in range(weights)])
 
 
 def test_the_projection_kernels_compile(tmp_path: Path) -> None:
     """The 4-bit kernel at every (dtype, row tiles, group size) the plan makes, and the bf16 / f16 kernel that
     runs on the device today at both of its shapes (a control for the wrapper), alone and fused."""
     kernels = [qmm_kernel(bf16, mt, gs) for bf16 in (True, False) for mt in (1, 2) for gs in cuda_qmatmul.GROUP_SIZES]
-    kernels += [mm_kernel(bf16, mt, w, shape)[1] for bf16 in (True, False) for mt in (1, 2) for w in (1, 3)
+    kernels += [mm_kernel(bf16, mt, w, shape) for bf16 in (True, False) for mt in (1, 2) for w in (1, 3)
                 for shape in (cuda_matmul.NARROW, cuda_matmul.WIDE)]
     assert cuda_qmatmul.HEADER == cuda_matmul.HEADER
     compiles(tmp_path, "projections", compact(cuda_matmul.HEADER), kernels)
-
-
-@pytest.mark.parametrize("shape", [(8, 8, 1, 2), (2, 8, 2, 2), (4, 8, 1, 4)])
-def test_the_cluster_split_kernels_compile(tmp_path: Path, shape: Tuple[int, ...]) -> None:
-    """The cluster split-K shapes the bench sweeps (CL > 1 blocks of a column tile meeting in distributed shared
-    memory): the cluster shape comes from the header's __global__, so each shape is a translation unit of its own."""
-    made = [mm_kernel(bf16, mt, w, shape) for bf16 in (True, False) for mt in (1, 2) for w in (1, 3)]
-    err = compiles(tmp_path, "cluster", made[0][0], [k for _, k in made])
-    assert "cluster" in made[0][0] and "__cluster_dims__" in made[0][0], err
 
 
 def test_a_broken_source_fails(tmp_path: Path) -> None:
