@@ -106,11 +106,11 @@ def per_call(t: Dict[str, float], calls: int) -> Dict[str, float]:
             "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / calls, 2)}
 
 
-def variant_name(v: Tuple[int, ...]) -> str:
+def variant_name(v: Tuple[int, int, int]) -> str:
     return "kernel_g{}_s{}_u{}".format(*v)
 
 
-def parse_variants(text: str) -> List[Tuple[int, ...]]:
+def parse_variants(text: str) -> List[Tuple[int, int, int]]:
     """"G,S,U;..." -> [(G, S, U), ...]"""
     out = []
     for part in text.split(";"):
@@ -122,7 +122,7 @@ def parse_variants(text: str) -> List[Tuple[int, ...]]:
 
 
 def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: int = 6,
-                variants: Optional[List[Tuple[int, ...]]] = None) -> List[Dict[str, Any]]:
+                variants: Optional[List[Tuple[int, int, int]]] = None) -> List[Dict[str, Any]]:
     """Dependent chains of projections (each call's input the previous call's output), ``copies`` distinct
     weights in turn so that the device's L2 holds none of them: per call build / encode / device time,
     the device's being what a forward's layers pay one after another."""
@@ -210,13 +210,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time each (G, S, U) kernel shape of VARIANTS (16 and 32 rows)")
     p.add_argument("--variants", type=parse_variants,
-                   help="with --sweep: these kernel shapes instead of VARIANTS, 'G,S,U;...'")
+                   help="sweep these kernel shapes instead of VARIANTS, 'G,S,U;...' (implies --sweep)")
     p.add_argument("--chains-only", action="store_true", help="only the chains (no correctness table, no fused costs)")
     p.add_argument("--out", help="write the results here (JSON)")
     a = p.parse_args(argv)
     if not cuda_matmul.available():
         raise SystemExit("the kernel needs MLX built with CUDA and the GPU as the default device")
     mx.random.seed(0)
+    a.sweep = a.sweep or a.variants is not None
     if a.chains_only:
         report = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info(),
                   "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}

@@ -241,3 +241,25 @@ def test_a_row_joins_a_batch_after_compiled_rounds(models: Dict[str, Any], monke
             got[request.id].append(event.token)
     assert got[first.id] == m["refs"][tuple(PROMPTS[1])] and got[second.id] == m["refs"][tuple(PROMPTS[0])]
     assert target.cache_policy.forward.counts["plain: rows"] > 0
+
+
+def test_the_layers_of_a_call_share_their_write_positions() -> None:
+    """The stand-in caches of one call (one per layer, the same offset) compute the write positions and the next
+    offset once: every layer writes at the same index array, the offset after the write is one array, and each
+    cache holds what it would alone (a cache written twice, or trimmed, computes them again from its own offset)."""
+    offset = mx.array(5, dtype=mx.int32)
+    shared: Dict[Any, Any] = {}
+    buffers = [(mx.zeros((1, 2, 16, 4)), mx.zeros((1, 2, 16, 4))) for _ in range(3)]
+    caches = [compiled.TraceCache(k, v, offset, shared) for k, v in buffers]
+    new = [(mx.random.normal((1, 2, 3, 4)), mx.random.normal((1, 2, 3, 4))) for _ in caches]
+    for c, (k, v) in zip(caches, new):
+        c.update_and_fetch(k, v)
+    assert len(shared) == 1 and len({id(c.offset) for c in caches}) == 1 and caches[0].offset.item() == 8
+    for (k0, v0), c, (k, v) in zip(buffers, caches, new):
+        alone = compiled.TraceCache(k0, v0, offset)
+        alone.update_and_fetch(k, v)
+        assert mx.array_equal(c.keys, alone.keys) and mx.array_equal(c.values, alone.values)
+        assert mx.array_equal(c.keys[:, :, 5:8], k) and not mx.any(c.keys[:, :, 8:]).item()
+    caches[0].trim(1)
+    caches[0].update_and_fetch(*new[0])  # its own offset (7) now: new positions
+    assert len(shared) == 2 and caches[0].offset.item() == 10 and mx.array_equal(caches[0].keys[:, :, 7:10], new[0][0])
