@@ -79,6 +79,20 @@ def check_fused(dtype: mx.Dtype) -> List[Dict[str, Any]]:
     return out
 
 
+def check_pipe(dtype: mx.Dtype) -> List[Dict[str, Any]]:
+    """The kernel with its loads pipelined (shape (G, S, U, 1)) gives the bits of its plan's shape, every shape
+    and row count (the same products summed in the same order)."""
+    out = []
+    for name, (n, k) in SHAPES.items():
+        w = (mx.random.normal((n, k)) * k ** -0.5).astype(dtype)
+        for rows in ROWS:
+            x = inputs("rows", rows, k, dtype)
+            plan = cuda_matmul.shape_for(n, k)
+            same = mx.array_equal(cuda_matmul.mm(x, w), cuda_matmul.mm(x, w, (*plan, 1))).item()
+            out.append({"shape": name, "x": list(x.shape), "dtype": str(dtype), "ok": same})
+    return out
+
+
 def inputs(layout: str, rows: int, k: int, dtype: mx.Dtype) -> Optional[mx.array]:
     """x of ``rows`` rows: contiguous [rows, K]; [2, rows/2, K]; rows 1.. of a [1, rows+1, K] array (a view
     at an offset, as the DFlash head's input); every other row of [2 rows, K] (not row-contiguous: copied)."""
@@ -94,7 +108,7 @@ def inputs(layout: str, rows: int, k: int, dtype: mx.Dtype) -> Optional[mx.array
 CHAINS = {"q/o": [(4096, 4096)], "gate/up+down": [(14336, 4096), (4096, 14336)], "k/v+back": [(1024, 4096), (4096, 1024)]}
 # the second line: more blocks and more warps per SM (bytes in flight: the 16-row chains ran at ~50% of the
 # copy bandwidth with (2, 8, 1), 16 warps an SM)
-VARIANTS = [(2, 8, 1), (4, 4, 2), (4, 4, 4), (4, 8, 4), (8, 4, 2), (4, 16, 2), (2, 4, 4), (4, 2, 4),
+VARIANTS: List[Tuple[int, ...]] = [(2, 8, 1), (4, 4, 2), (4, 4, 4), (4, 8, 4), (8, 4, 2), (4, 16, 2), (2, 4, 4), (4, 2, 4),
             (1, 8, 1), (1, 16, 1), (2, 16, 1), (1, 16, 2), (2, 16, 2), (1, 32, 1), (1, 8, 4), (1, 16, 4), (2, 8, 2)]
 
 
@@ -106,23 +120,24 @@ def per_call(t: Dict[str, float], calls: int) -> Dict[str, float]:
             "device_us": round((t["encode_ms"] + t["wait_ms"]) * 1e3 / calls, 2)}
 
 
-def variant_name(v: Tuple[int, int, int]) -> str:
-    return "kernel_g{}_s{}_u{}".format(*v)
+def variant_name(v: Tuple[int, ...]) -> str:
+    return "kernel_g{}_s{}_u{}".format(*v) + ("_pipe" if len(v) > 3 and v[3] else "")
 
 
-def parse_variants(text: str) -> List[Tuple[int, int, int]]:
-    """"G,S,U;..." -> [(G, S, U), ...]"""
+def parse_variants(text: str) -> List[Tuple[int, ...]]:
+    """"G,S,U[,P];..." -> [(G, S, U[, P]), ...] (P 1: loads pipelined)"""
     out = []
     for part in text.split(";"):
         v = tuple(int(x) for x in part.split(",") if x.strip())
-        if len(v) != 3 or min(v) < 1:
-            raise SystemExit(f"--variants: got {part!r}; expected G,S,U (positive integers), joined by ';'")
+        if len(v) not in (3, 4) or min(v[:3]) < 1 or (len(v) == 4 and v[3] not in (0, 1)):
+            raise SystemExit(f"--variants: got {part!r}; expected G,S,U or G,S,U,P (G, S, U positive integers, "
+                             "P 0 or 1), joined by ';'")
         out.append(v)
     return out
 
 
 def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: int = 6,
-                variants: Optional[List[Tuple[int, int, int]]] = None) -> List[Dict[str, Any]]:
+                variants: Optional[List[Tuple[int, ...]]] = None) -> List[Dict[str, Any]]:
     """Dependent chains of projections (each call's input the previous call's output), ``copies`` distinct
     weights in turn so that the device's L2 holds none of them: per call build / encode / device time,
     the device's being what a forward's layers pay one after another."""
@@ -210,7 +225,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time each (G, S, U) kernel shape of VARIANTS (16 and 32 rows)")
     p.add_argument("--variants", type=parse_variants,
-                   help="sweep these kernel shapes instead of VARIANTS, 'G,S,U;...' (implies --sweep)")
+                   help="sweep these kernel shapes instead of VARIANTS, 'G,S,U[,P];...' (P 1: loads pipelined; implies --sweep)")
     p.add_argument("--chains-only", action="store_true", help="only the chains (no correctness table, no fused costs)")
     p.add_argument("--out", help="write the results here (JSON)")
     a = p.parse_args(argv)
@@ -226,15 +241,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     results = check(mx.bfloat16) + check(mx.float16)
     fused = check_fused(mx.bfloat16) + check_fused(mx.float16)
-    bad = [r for r in results + fused if not r["ok"]]
+    pipe = check_pipe(mx.bfloat16) + check_pipe(mx.float16)
+    bad = [r for r in results + fused + pipe if not r["ok"]]
     print(f"{sum(r['ok'] for r in results)} of {len(results)} cases within tolerance; worst error "
           f"{max(r['error'] for r in results):.2e} (MLX's own worst {max(r['mlx_error'] for r in results):.2e}); "
-          f"fused: {sum(r['ok'] for r in fused)} of {len(fused)} bit-equal to one launch per weight", flush=True)
+          f"fused: {sum(r['ok'] for r in fused)} of {len(fused)} bit-equal to one launch per weight; "
+          f"pipelined: {sum(r['ok'] for r in pipe)} of {len(pipe)} bit-equal to the plan's shape", flush=True)
     for r in bad[:10]:
         print("FAIL", json.dumps(r), flush=True)
     report = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info(),
-              "passed": not bad, "cases": len(results) + len(fused), "failures": bad, "results": results,
-              "fused": fused, "fused_costs": fused_costs(mx.bfloat16, a.chain, a.iters),
+              "passed": not bad, "cases": len(results) + len(fused) + len(pipe), "failures": bad, "results": results,
+              "fused": fused, "pipe": pipe, "fused_costs": fused_costs(mx.bfloat16, a.chain, a.iters),
               "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")

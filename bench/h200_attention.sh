@@ -34,7 +34,8 @@
 #   bash bench/h200_attention.sh host-split-compiled # the target's forwards plain and compiled (plugin/compiled.py)
 #   bash bench/h200_attention.sh cache-write         # K/V writes at a device-scalar offset (bench/cache_write_cost.py)
 #   bash bench/h200_attention.sh qmatmul             # MLX's 4-bit matmul by rows against its bytes (bench/quantized_matmul_cost.py)
-#   VARIANTS='2,8,2;1,8,1' bash bench/h200_attention.sh matmul-variants  # the projection kernel's chains in these shapes
+#   VARIANTS='2,8,2;1,8,1,1' bash bench/h200_attention.sh matmul-variants  # the projection kernel's chains in these
+#                                                    #   shapes (G,S,U[,P]; P 1: its loads pipelined)
 #   bash bench/h200_attention.sh qcheck              # the 4-bit projection kernel against MLX (bench/gpu_qmatmul_check.py)
 #   (TAG=-x names the 4-bit, matmul and qcheck runs' JSONs ...-x.json; SWEEP=1 runs matmul / qcheck with --sweep)
 #   (the 4-bit target's verify-width projections go through plugin/cuda_qmatmul.py; MLX_SPEC_QUANTIZED_KERNEL=off: MLX's)
@@ -112,7 +113,7 @@ case "$what" in
       --json "$OUT/h200-context-build${TAG:-}.json" | tail -12 ;;
   matmul)
     py bench/gpu_matmul_check.py ${SWEEP:+--sweep} --out "$OUT/h200-matmul-check${TAG:-}.json" | tail -12 ;;
-  matmul-variants)  # VARIANTS='G,S,U;...': the chains alone for these kernel shapes
+  matmul-variants)  # VARIANTS='G,S,U[,P];...': the chains alone for these kernel shapes
     py bench/gpu_matmul_check.py --chains-only --sweep --variants "$VARIANTS" \
       --out "$OUT/h200-matmul-variants${TAG:-}.json" 2>&1 | tee "$OUT/h200-matmul-variants${TAG:-}.log" | tail -8 ;;
   host-split)

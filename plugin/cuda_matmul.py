@@ -64,10 +64,11 @@ MAIN = r"""
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int j = 0; j < G; ++j) c[i][j][0] = c[i][j][1] = c[i][j][2] = c[i][j][3] = 0.f;
-  // U steps of a warp per chunk: all their loads in flight before the first mma
-  for (int s0 = warp; s0 < steps; s0 += S * U) {
-    uint4 wb[U][G];
-    uint4 xa[U][MT][2];
+  // U steps of a warp per chunk: all their loads in flight before the first mma. PIPE: the next chunk's loads
+  // issued before this chunk's mma, so a warp always has loads in flight (the same products in the same order)
+  uint4 wb[U][G];
+  uint4 xa[U][MT][2];
+  auto load = [&](int s0, uint4 (&w)[U][G], uint4 (&xx)[U][MT][2]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kc = (s0 + u * S) * 4 + t;
@@ -75,28 +76,51 @@ MAIN = r"""
 #pragma unroll
       for (int j = 0; j < G; ++j) {
         const int n = n0 + j * 8 + g;
-        wb[u][j] = (kin && n < N) ? ld_stream(wv + (long long)n * K8 + kc) : zero;
+        w[u][j] = (kin && n < N) ? ld_stream(wv + (long long)n * K8 + kc) : zero;
       }
 #pragma unroll
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = i * 16 + h * 8 + g;
-          xa[u][i][h] = (kin && r < M) ? xv[(long long)r * K8 + kc] : zero;
+          xx[u][i][h] = (kin && r < M) ? xv[(long long)r * K8 + kc] : zero;
         }
     }
+  };
+  auto multiply = [&](const uint4 (&w)[U][G], const uint4 (&xx)[U][MT][2]) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        const unsigned a1[4] = {xa[u][i][0].x, xa[u][i][1].x, xa[u][i][0].y, xa[u][i][1].y};
-        const unsigned a2[4] = {xa[u][i][0].z, xa[u][i][1].z, xa[u][i][0].w, xa[u][i][1].w};
+        const unsigned a1[4] = {xx[u][i][0].x, xx[u][i][1].x, xx[u][i][0].y, xx[u][i][1].y};
+        const unsigned a2[4] = {xx[u][i][0].z, xx[u][i][1].z, xx[u][i][0].w, xx[u][i][1].w};
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-          mma16816<BF>(c[i][j], a1, wb[u][j].x, wb[u][j].y);
-          mma16816<BF>(c[i][j], a2, wb[u][j].z, wb[u][j].w);
+          mma16816<BF>(c[i][j], a1, w[u][j].x, w[u][j].y);
+          mma16816<BF>(c[i][j], a2, w[u][j].z, w[u][j].w);
         }
       }
+  };
+  if (PIPE) {
+    load(warp, wb, xa);
+    for (int s0 = warp; s0 < steps; s0 += S * U) {
+      uint4 wn[U][G];
+      uint4 xn[U][MT][2];
+      load(s0 + S * U, wn, xn);
+      multiply(wb, xa);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int j = 0; j < G; ++j) wb[u][j] = wn[u][j];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) xa[u][i][0] = xn[u][i][0], xa[u][i][1] = xn[u][i][1];
+      }
+    }
+  } else {
+    for (int s0 = warp; s0 < steps; s0 += S * U) {
+      load(s0, wb, xa);
+      multiply(wb, xa);
+    }
   }
 """
 # the S warps' partial sums [S][MT*16][NB] meet in shared memory; row r, column n0 + col goes to yp[r * N + n]
@@ -166,14 +190,16 @@ def _select(weights: int) -> str:
     return code + f"wp = w{last}; yp = y{last}; N = w{last}_shape[0];" + "}" * (weights - 1) + "\n"
 
 
-def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: int, weights: int = 1) -> object:
+def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: int, weights: int = 1,
+            pipe: int = 0) -> object:
     # Constants in the source, not template arguments: a template list costs every launch its conversion
-    key = (dtype, row_tiles, groups, splits, unroll, weights)
+    key = (dtype, row_tiles, groups, splits, unroll, weights, pipe)
     if key not in _KERNELS:  # NVRTC compiles each at its first launch; MLX caches the module
         bf = dtype == mx.bfloat16
-        consts = (dtype_consts(bf) + f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n")
+        consts = (dtype_consts(bf) + f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n"
+                  + f"constexpr bool PIPE = {'true' if pipe else 'false'};\n")
         _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}_w{weights}",
+            name=f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}{'p' if pipe else ''}_w{weights}",
             input_names=["x"] + [f"w{i}" for i in range(weights)], output_names=[f"y{i}" for i in range(weights)],
             source=consts + compact(MAIN).replace("SELECT_WEIGHT", _select(weights)), header=compact(HEADER),
             shared_memory=shared_bytes(row_tiles, groups, splits))
@@ -207,7 +233,7 @@ def plan_many(x: mx.array, ws: Sequence[mx.array]) -> Optional[Tuple[object, dic
 
 
 def _plan(xs: Tuple[int, ...], wss: Tuple[Tuple[int, ...], ...], dtype: mx.Dtype, wdtypes: Tuple[mx.Dtype, ...],
-          shape: Optional[Tuple[int, int, int]] = None) -> Optional[Tuple[object, dict]]:
+          shape: Optional[Tuple[int, ...]] = None) -> Optional[Tuple[object, dict]]:
     if not xs or dtype not in DTYPES or not 1 <= len(wss) <= MAX_WEIGHTS or \
             any(len(ws) != 2 or ws[1] != xs[-1] for ws in wss) or any(d != dtype for d in wdtypes):
         return None
@@ -218,20 +244,21 @@ def _plan(xs: Tuple[int, ...], wss: Tuple[Tuple[int, ...], ...], dtype: mx.Dtype
     if not 2 <= M <= MAX_ROWS or K % 8:
         return None
     mt = 1 if M <= 16 else 2
-    groups, splits, unroll = shape or shape_for(sum(ws[0] for ws in wss), K)
+    groups, splits, unroll, *pipe = shape or shape_for(sum(ws[0] for ws in wss), K)
     blocks = sum(-(-ws[0] // (8 * groups)) for ws in wss)
-    return _kernel(dtype, mt, groups, splits, unroll, len(wss)), dict(
+    return _kernel(dtype, mt, groups, splits, unroll, len(wss), pipe[0] if pipe else 0), dict(
         grid=(blocks * splits * 32, 1, 1), threadgroup=(splits * 32, 1, 1),
         output_shapes=[(*xs[:-1], ws[0]) for ws in wss], output_dtypes=[dtype] * len(wss))
 
 
-def mm(x: mx.array, w: mx.array, shape: Optional[Tuple[int, int, int]] = None) -> mx.array:
+def mm(x: mx.array, w: mx.array, shape: Optional[Tuple[int, ...]] = None) -> mx.array:
     """x [..., K] @ w[N, K].T -> [..., N] in x's dtype (f32 accumulation); see ``supports``.
-    ``shape``: (G, S, U) instead of ``shape_for``'s (measurements)."""
+    ``shape``: (G, S, U) or (G, S, U, PIPE) instead of ``shape_for``'s (measurements; PIPE 1: the next chunk's
+    loads issued before this chunk's mma, the same bits)."""
     return mm_many(x, [w], shape)[0]
 
 
-def mm_many(x: mx.array, ws: Sequence[mx.array], shape: Optional[Tuple[int, int, int]] = None) -> List[mx.array]:
+def mm_many(x: mx.array, ws: Sequence[mx.array], shape: Optional[Tuple[int, ...]] = None) -> List[mx.array]:
     """[x @ w.T for w in ws] in one launch (1..MAX_WEIGHTS weights [N_i, K]); each equals ``mm(x, w)`` bit for bit."""
     launch = plan_many(x, ws) if shape is None else \
         _plan(x.shape, tuple(w.shape for w in ws), x.dtype, tuple(w.dtype for w in ws), shape)

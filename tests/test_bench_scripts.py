@@ -239,16 +239,16 @@ def test_verify_ahead_probe(tmp_path: Path) -> None:
 
 
 def test_gpu_matmul_check_variants_and_its_cuda_guard() -> None:
-    """bench/gpu_matmul_check.py's --variants: (G, S, U) shapes joined by ';', anything else refused with what is
-    allowed; on the CPU the script refuses to run (the kernel needs MLX-CUDA) instead of timing MLX alone."""
+    """bench/gpu_matmul_check.py's --variants: (G, S, U[, P]) shapes joined by ';', anything else refused with what
+    is allowed; on the CPU the script refuses to run (the kernel needs MLX-CUDA) instead of timing MLX alone."""
     sys.path.insert(0, str(BENCH))  # it imports host_split's timer as a sibling module
     try:
         check = script("gpu_matmul_check")
     finally:
         sys.path.remove(str(BENCH))
-    assert check.parse_variants("2,8,2;1,8,1") == [(2, 8, 2), (1, 8, 1)]
-    assert check.variant_name((2, 8, 2)) == "kernel_g2_s8_u2"
-    for bad in ("2,8", "2,8,2,2", "0,8,1"):
+    assert check.parse_variants("2,8,2;1,8,1,1") == [(2, 8, 2), (1, 8, 1, 1)]
+    assert check.variant_name((2, 8, 2)) == "kernel_g2_s8_u2" and check.variant_name((1, 8, 1, 1)) == "kernel_g1_s8_u1_pipe"
+    for bad in ("2,8", "2,8,2,2", "0,8,1", "1,8,1,1,1"):
         with pytest.raises(SystemExit, match="expected G,S,U"):
             check.parse_variants(bad)
     with pytest.raises(SystemExit, match="needs MLX built with CUDA"):

@@ -69,21 +69,23 @@ def qmm_kernel(bf16: bool, row_tiles: int, gs: int, body: str = "") -> str:
                   [("x", ctype), ("w", "uint32_t"), ("scales", ctype), ("biases", ctype)], [("y", ctype)])
 
 
-def mm_kernel(bf16: bool, row_tiles: int, weights: int, shape: Tuple[int, int, int]) -> str:
+def mm_kernel(bf16: bool, row_tiles: int, weights: int, shape: Tuple[int, ...]) -> str:
     ctype = "__nv_bfloat16" if bf16 else "__half"
-    g, s, u = shape
+    g, s, u, *pipe = shape
     source = (cuda_matmul.dtype_consts(bf16) + f"constexpr int MT = {row_tiles}, G = {g}, S = {s}, U = {u};\n"
+              + f"constexpr bool PIPE = {'true' if pipe and pipe[0] else 'false'};\n"
               + compact(cuda_matmul.MAIN).replace("SELECT_WEIGHT", cuda_matmul._select(weights)))
-    return kernel(f"mm_{int(bf16)}_{row_tiles}_{weights}_{g}{s}{u}", source, [("x", ctype)] + [(f"w{i}", ctype) for i in range(weights)],
+    return kernel(f"mm_{int(bf16)}_{row_tiles}_{weights}_{g}{s}{u}{''.join(map(str, pipe))}", source, [("x", ctype)] + [(f"w{i}", ctype) for i in range(weights)],
                   [(f"y{i}", ctype) for i in range(weights)])
 
 
 def test_the_projection_kernels_compile(tmp_path: Path) -> None:
     """The 4-bit kernel at every (dtype, row tiles, group size) the plan makes, and the bf16 / f16 kernel that
-    runs on the device today at both of its shapes (a control for the wrapper), alone and fused."""
+    runs on the device today at both of its shapes (a control for the wrapper), alone and fused, also with
+    its loads pipelined (PIPE)."""
     kernels = [qmm_kernel(bf16, mt, gs) for bf16 in (True, False) for mt in (1, 2) for gs in cuda_qmatmul.GROUP_SIZES]
     kernels += [mm_kernel(bf16, mt, w, shape) for bf16 in (True, False) for mt in (1, 2) for w in (1, 3)
-                for shape in (cuda_matmul.NARROW, cuda_matmul.WIDE)]
+                for shape in (cuda_matmul.NARROW, cuda_matmul.WIDE, (*cuda_matmul.NARROW, 1), (*cuda_matmul.WIDE, 1))]
     assert cuda_qmatmul.HEADER == cuda_matmul.HEADER
     compiles(tmp_path, "projections", compact(cuda_matmul.HEADER), kernels)
 
