@@ -45,7 +45,7 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 # k 2t..2t+1), a1 = (row g+8, same k), a2/a3 = (k 2t+8..2t+9); b0 = (k 2t..2t+1, col g), b1 = (k 2t+8..);
 # c = (row g, cols 2t..2t+1), (row g+8, ...). Logical k (2t, 2t+1, 2t+8, 2t+9) are physical 8t + 0..3 in the
 # first step and 8t + 4..7 in the second: a bijection of the 32 k, applied to x and w alike.
-MAIN = r"""
+SETUP = r"""
   constexpr int NB = 8 * G;
   constexpr int P = NB + 1;  // shared row pitch in floats
   long long nrows = 1;
@@ -64,8 +64,48 @@ MAIN = r"""
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int j = 0; j < G; ++j) c[i][j][0] = c[i][j][1] = c[i][j][2] = c[i][j][3] = 0.f;
-  // U steps of a warp per chunk: all their loads in flight before the first mma. PIPE: the next chunk's loads
-  // issued before this chunk's mma, so a warp always has loads in flight (the same products in the same order)
+"""
+LOOP = r"""
+  // U steps of a warp per chunk: all their loads in flight before the first mma
+  for (int s0 = warp; s0 < steps; s0 += S * U) {
+    uint4 wb[U][G];
+    uint4 xa[U][MT][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kc = (s0 + u * S) * 4 + t;
+      const bool kin = kc < K8;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int n = n0 + j * 8 + g;
+        wb[u][j] = (kin && n < N) ? ld_stream(wv + (long long)n * K8 + kc) : zero;
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = i * 16 + h * 8 + g;
+          xa[u][i][h] = (kin && r < M) ? xv[(long long)r * K8 + kc] : zero;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const unsigned a1[4] = {xa[u][i][0].x, xa[u][i][1].x, xa[u][i][0].y, xa[u][i][1].y};
+        const unsigned a2[4] = {xa[u][i][0].z, xa[u][i][1].z, xa[u][i][0].w, xa[u][i][1].w};
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          mma16816<BF>(c[i][j], a1, wb[u][j].x, wb[u][j].y);
+          mma16816<BF>(c[i][j], a2, wb[u][j].z, wb[u][j].w);
+        }
+      }
+  }
+"""
+# PIPE (shape (G, S, U, 1)): each chunk's loads issued before the previous chunk's mma. A source of its own
+# (MLX copies and hashes a kernel's source at every launch: the plain one stays as it is).
+PIPE_LOOP = r"""
+  // The next U steps' loads issued before this chunk's mma, so a warp always has loads in flight (the same
+  // products summed in the same order as the loop above: the same bits)
   uint4 wb[U][G];
   uint4 xa[U][MT][2];
   auto load = [&](int s0, uint4 (&w)[U][G], uint4 (&xx)[U][MT][2]) {
@@ -87,42 +127,34 @@ MAIN = r"""
         }
     }
   };
-  auto multiply = [&](const uint4 (&w)[U][G], const uint4 (&xx)[U][MT][2]) {
+  load(warp, wb, xa);
+  for (int s0 = warp; s0 < steps; s0 += S * U) {
+    uint4 wn[U][G];
+    uint4 xn[U][MT][2];
+    load(s0 + S * U, wn, xn);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        const unsigned a1[4] = {xx[u][i][0].x, xx[u][i][1].x, xx[u][i][0].y, xx[u][i][1].y};
-        const unsigned a2[4] = {xx[u][i][0].z, xx[u][i][1].z, xx[u][i][0].w, xx[u][i][1].w};
+        const unsigned a1[4] = {xa[u][i][0].x, xa[u][i][1].x, xa[u][i][0].y, xa[u][i][1].y};
+        const unsigned a2[4] = {xa[u][i][0].z, xa[u][i][1].z, xa[u][i][0].w, xa[u][i][1].w};
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-          mma16816<BF>(c[i][j], a1, w[u][j].x, w[u][j].y);
-          mma16816<BF>(c[i][j], a2, w[u][j].z, w[u][j].w);
+          mma16816<BF>(c[i][j], a1, wb[u][j].x, wb[u][j].y);
+          mma16816<BF>(c[i][j], a2, wb[u][j].z, wb[u][j].w);
         }
       }
-  };
-  if (PIPE) {
-    load(warp, wb, xa);
-    for (int s0 = warp; s0 < steps; s0 += S * U) {
-      uint4 wn[U][G];
-      uint4 xn[U][MT][2];
-      load(s0 + S * U, wn, xn);
-      multiply(wb, xa);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
-        for (int j = 0; j < G; ++j) wb[u][j] = wn[u][j];
+      for (int j = 0; j < G; ++j) wb[u][j] = wn[u][j];
 #pragma unroll
-        for (int i = 0; i < MT; ++i) xa[u][i][0] = xn[u][i][0], xa[u][i][1] = xn[u][i][1];
-      }
-    }
-  } else {
-    for (int s0 = warp; s0 < steps; s0 += S * U) {
-      load(s0, wb, xa);
-      multiply(wb, xa);
+      for (int i = 0; i < MT; ++i) xa[u][i][0] = xn[u][i][0], xa[u][i][1] = xn[u][i][1];
     }
   }
 """
+MAIN = SETUP + LOOP
+PIPE_MAIN = SETUP + PIPE_LOOP
 # the S warps' partial sums [S][MT*16][NB] meet in shared memory; row r, column n0 + col goes to yp[r * N + n]
 # (shared with plugin/cuda_qmatmul.py)
 REDUCE = r"""
@@ -150,6 +182,7 @@ REDUCE = r"""
   }
 """
 MAIN += REDUCE
+PIPE_MAIN += REDUCE
 
 
 _KERNELS: Dict[tuple, object] = {}
@@ -196,12 +229,12 @@ def _kernel(dtype: mx.Dtype, row_tiles: int, groups: int, splits: int, unroll: i
     key = (dtype, row_tiles, groups, splits, unroll, weights, pipe)
     if key not in _KERNELS:  # NVRTC compiles each at its first launch; MLX caches the module
         bf = dtype == mx.bfloat16
-        consts = (dtype_consts(bf) + f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n"
-                  + f"constexpr bool PIPE = {'true' if pipe else 'false'};\n")
+        consts = (dtype_consts(bf) + f"constexpr int MT = {row_tiles}, G = {groups}, S = {splits}, U = {unroll};\n")
         _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"spec_mm_{'bf' if bf else 'f'}{row_tiles}_{groups}_{splits}_{unroll}{'p' if pipe else ''}_w{weights}",
             input_names=["x"] + [f"w{i}" for i in range(weights)], output_names=[f"y{i}" for i in range(weights)],
-            source=consts + compact(MAIN).replace("SELECT_WEIGHT", _select(weights)), header=compact(HEADER),
+            source=consts + compact(PIPE_MAIN if pipe else MAIN).replace("SELECT_WEIGHT", _select(weights)),
+            header=compact(HEADER),
             shared_memory=shared_bytes(row_tiles, groups, splits))
     return _KERNELS[key]
 

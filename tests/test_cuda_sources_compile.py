@@ -72,9 +72,9 @@ def qmm_kernel(bf16: bool, row_tiles: int, gs: int, body: str = "") -> str:
 def mm_kernel(bf16: bool, row_tiles: int, weights: int, shape: Tuple[int, ...]) -> str:
     ctype = "__nv_bfloat16" if bf16 else "__half"
     g, s, u, *pipe = shape
+    main = cuda_matmul.PIPE_MAIN if pipe and pipe[0] else cuda_matmul.MAIN
     source = (cuda_matmul.dtype_consts(bf16) + f"constexpr int MT = {row_tiles}, G = {g}, S = {s}, U = {u};\n"
-              + f"constexpr bool PIPE = {'true' if pipe and pipe[0] else 'false'};\n"
-              + compact(cuda_matmul.MAIN).replace("SELECT_WEIGHT", cuda_matmul._select(weights)))
+              + compact(main).replace("SELECT_WEIGHT", cuda_matmul._select(weights)))
     return kernel(f"mm_{int(bf16)}_{row_tiles}_{weights}_{g}{s}{u}{''.join(map(str, pipe))}", source, [("x", ctype)] + [(f"w{i}", ctype) for i in range(weights)],
                   [(f"y{i}", ctype) for i in range(weights)])
 
