@@ -65,85 +65,64 @@ SETUP = r"""
 #pragma unroll
     for (int j = 0; j < G; ++j) c[i][j][0] = c[i][j][1] = c[i][j][2] = c[i][j][3] = 0.f;
 """
+# A chunk's loads: U steps from step START into WB [U][G] (weights) and XA [U][MT][2] (x), zeros past the edges
+LOADS = r"""
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kc = (START + u * S) * 4 + t;
+      const bool kin = kc < K8;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int n = n0 + j * 8 + g;
+        WB[u][j] = (kin && n < N) ? ld_stream(wv + (long long)n * K8 + kc) : zero;
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = i * 16 + h * 8 + g;
+          XA[u][i][h] = (kin && r < M) ? xv[(long long)r * K8 + kc] : zero;
+        }
+    }
+"""
+# A chunk's products: c += xa wb over its U steps
+MMAS = r"""
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const unsigned a1[4] = {xa[u][i][0].x, xa[u][i][1].x, xa[u][i][0].y, xa[u][i][1].y};
+        const unsigned a2[4] = {xa[u][i][0].z, xa[u][i][1].z, xa[u][i][0].w, xa[u][i][1].w};
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          mma16816<BF>(c[i][j], a1, wb[u][j].x, wb[u][j].y);
+          mma16816<BF>(c[i][j], a2, wb[u][j].z, wb[u][j].w);
+        }
+      }
+"""
+
+
+def _loads(start: str, wb: str, xa: str) -> str:
+    return LOADS.replace("START", start).replace("WB", wb).replace("XA", xa)
+
+
 LOOP = r"""
   // U steps of a warp per chunk: all their loads in flight before the first mma
   for (int s0 = warp; s0 < steps; s0 += S * U) {
     uint4 wb[U][G];
     uint4 xa[U][MT][2];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kc = (s0 + u * S) * 4 + t;
-      const bool kin = kc < K8;
-#pragma unroll
-      for (int j = 0; j < G; ++j) {
-        const int n = n0 + j * 8 + g;
-        wb[u][j] = (kin && n < N) ? ld_stream(wv + (long long)n * K8 + kc) : zero;
-      }
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = i * 16 + h * 8 + g;
-          xa[u][i][h] = (kin && r < M) ? xv[(long long)r * K8 + kc] : zero;
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        const unsigned a1[4] = {xa[u][i][0].x, xa[u][i][1].x, xa[u][i][0].y, xa[u][i][1].y};
-        const unsigned a2[4] = {xa[u][i][0].z, xa[u][i][1].z, xa[u][i][0].w, xa[u][i][1].w};
-#pragma unroll
-        for (int j = 0; j < G; ++j) {
-          mma16816<BF>(c[i][j], a1, wb[u][j].x, wb[u][j].y);
-          mma16816<BF>(c[i][j], a2, wb[u][j].z, wb[u][j].w);
-        }
-      }
-  }
-"""
-# PIPE (shape (G, S, U, 1)): each chunk's loads issued before the previous chunk's mma. A source of its own
-# (MLX copies and hashes a kernel's source at every launch: the plain one stays as it is).
+""" + _loads("s0", "wb", "xa") + MMAS + "  }\n"
+# PIPE (shape (G, S, U, 1)): each chunk's loads issued before the previous chunk's mma, so a warp always has loads
+# in flight; the same products summed in the same order (the same bits). A source of its own: MLX copies and
+# hashes a kernel's source at every launch, and the plan's stays as it is.
 PIPE_LOOP = r"""
-  // The next U steps' loads issued before this chunk's mma, so a warp always has loads in flight (the same
-  // products summed in the same order as the loop above: the same bits)
   uint4 wb[U][G];
   uint4 xa[U][MT][2];
-  auto load = [&](int s0, uint4 (&w)[U][G], uint4 (&xx)[U][MT][2]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kc = (s0 + u * S) * 4 + t;
-      const bool kin = kc < K8;
-#pragma unroll
-      for (int j = 0; j < G; ++j) {
-        const int n = n0 + j * 8 + g;
-        w[u][j] = (kin && n < N) ? ld_stream(wv + (long long)n * K8 + kc) : zero;
-      }
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = i * 16 + h * 8 + g;
-          xx[u][i][h] = (kin && r < M) ? xv[(long long)r * K8 + kc] : zero;
-        }
-    }
-  };
-  load(warp, wb, xa);
+""" + _loads("warp", "wb", "xa") + r"""
   for (int s0 = warp; s0 < steps; s0 += S * U) {
     uint4 wn[U][G];
     uint4 xn[U][MT][2];
-    load(s0 + S * U, wn, xn);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        const unsigned a1[4] = {xa[u][i][0].x, xa[u][i][1].x, xa[u][i][0].y, xa[u][i][1].y};
-        const unsigned a2[4] = {xa[u][i][0].z, xa[u][i][1].z, xa[u][i][0].w, xa[u][i][1].w};
-#pragma unroll
-        for (int j = 0; j < G; ++j) {
-          mma16816<BF>(c[i][j], a1, wb[u][j].x, wb[u][j].y);
-          mma16816<BF>(c[i][j], a2, wb[u][j].z, wb[u][j].w);
-        }
-      }
+""" + _loads("s0 + S * U", "wn", "xn") + MMAS + r"""
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
