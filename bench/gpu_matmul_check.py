@@ -233,9 +233,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("the kernel needs MLX built with CUDA and the GPU as the default device")
     mx.random.seed(0)
     a.sweep = a.sweep or a.variants is not None
+    machine = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info()}
     if a.chains_only:
-        report = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info(),
-                  "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}
+        report = {**machine, "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}
         if a.out:
             Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
         return 0
@@ -249,9 +249,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"pipelined: {sum(r['ok'] for r in pipe)} of {len(pipe)} bit-equal to the plan's shape", flush=True)
     for r in bad[:10]:
         print("FAIL", json.dumps(r), flush=True)
-    report = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info(),
-              "passed": not bad, "cases": len(results) + len(fused) + len(pipe), "failures": bad, "results": results,
-              "fused": fused, "pipe": pipe, "fused_costs": fused_costs(mx.bfloat16, a.chain, a.iters),
+    report = {**machine, "passed": not bad, "cases": len(results) + len(fused) + len(pipe), "failures": bad,
+              "results": results, "fused": fused, "pipe": pipe, "fused_costs": fused_costs(mx.bfloat16, a.chain, a.iters),
               "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")

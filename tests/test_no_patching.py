@@ -15,6 +15,7 @@ imported.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import sys
@@ -316,8 +317,6 @@ SOURCE_ROOTS = ("plugin", "hooks", "drafters", "bench", "examples")
 
 
 def _imported(tree: Any) -> set:
-    import ast
-
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -329,8 +328,6 @@ def _imported(tree: Any) -> set:
 
 def assignments_to_imports(source: str) -> List[str]:
     """The statements of ``source`` that assign (or delete) an attribute of a name bound by an import."""
-    import ast
-
     tree = ast.parse(source)
     names = _imported(tree)
     found = []
