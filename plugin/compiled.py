@@ -66,6 +66,7 @@ class TraceCache:
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, shared: Optional[Dict[Any, Any]] = None):
         self.keys, self.values, self.offset = keys, values, offset
         self._shared: Dict[Any, Any] = {} if shared is None else shared
+        self._written: Optional[Tuple[mx.array, int, mx.array]] = None  # (offset after, W, offset before) of the last write
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         # put_along_axis at offset + arange(W), not slice_update with an array start: on MLX-CUDA 0.32 the
@@ -79,6 +80,7 @@ class TraceCache:
         self.keys = mx.put_along_axis(self.keys, idx, keys, axis=2)  # [1, H, S, D]
         vidx = idx if values.shape == keys.shape else mx.broadcast_to(base, values.shape)
         self.values = mx.put_along_axis(self.values, vidx, values, axis=2)
+        self._written = (after, keys.shape[2], self.offset)
         self.offset = after
         return self.keys, self.values
 
@@ -86,7 +88,11 @@ class TraceCache:
         return self.offset
 
     def trim(self, n: int) -> int:
-        self.offset = self.offset - n
+        # Trimming the last write gives back the offset before it (the same array): the next layer's writes and
+        # masks are then keyed alike (a drafter's block writes its K/V and trims them off in every layer).
+        w = self._written
+        self.offset = w[2] if w is not None and w[0] is self.offset and w[1] == n else self.offset - n
+        self._written = None
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:

@@ -13,6 +13,7 @@ batches take the plain forward) equals mlx-lm's plain decoding with zero, partia
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -28,6 +29,7 @@ from mlx_speculative.hooks import taps
 from mlx_speculative.hooks.batch import forward
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.plugin import cache_policy, compiled
+from mlx_speculative.plugin.adaptive import BlockSizeController
 from test_attention_dispatch import dispatcher
 from test_attention_rounds import MAX_TOKENS, PROMPTS, decode, long_prompt, models  # noqa: F401 - models: the fixture
 
@@ -189,12 +191,12 @@ def test_ngram_and_dflash_rounds_equal_plain_decoding(models: Dict[str, Any], mo
     tokens, totals = decode(host, target, PROMPTS, batch=False)  # the verify also taps layers 0 and 2
     assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
     assert fwd.counts["compiled"] == totals["rounds"] > 0 and not fwd.failed, fwd.counts
-    # the drafter's blocks and its context appends of a round (not the prompt's: more than 32 positions) too;
-    # drafting ahead, each request's first block is drafted in place, every later one during the round before
-    # (the last one drafted ahead is left unused when the request ends)
-    assert fwd.counts["compiled dflash block"] == len(PROMPTS), fwd.counts
-    assert fwd.counts["compiled dflash block ahead"] == fwd.counts["compiled dflash context ahead"] == totals["rounds"]
-    assert {k[1] for k in fwd._fns} == {("forward", (0, 2)), ("dflash block",), ("dflash context",)}
+    # the drafter's rounds too, each in one call (block, head and argmax; drafting ahead, the round's context
+    # first): each request's first block is drafted in place, every later one during the round before (the last
+    # one drafted ahead is left unused when the request ends)
+    assert fwd.counts["compiled dflash draft"] == len(PROMPTS), fwd.counts
+    assert fwd.counts["compiled dflash draft ahead"] == totals["rounds"] and fwd.counts["compiled dflash block"] == 0
+    assert {k[1][:2] for k in fwd._fns} == {("forward", (0, 2)), ("dflash draft", False), ("dflash draft", True)}
 
 
 def test_prewarm_traces_every_shape_at_load(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,14 +214,46 @@ def test_prewarm_traces_every_shape_at_load(models: Dict[str, Any], monkeypatch:
     assert all(getattr(type(taps.decoder_layers(target.model)[i]), "_spec_tapped", False) for i in (0, 2))
     # the target: widths 2, 4, 8 (block 5 -> 8) at buffer lengths 128 and 256; the drafter (its own calls,
     # plugin/compiled.py's call; its block 16 prewarms): appends of 1..16 and blocks of 2..16 with and without
-    # widths, at each
+    # widths, at each, as blocks (sampled rows), greedy drafts and drafts ahead
     assert fwd.counts["compiled"] == 6 and fwd.counts["compiled dflash block"] == 16, fwd.report()
-    assert fwd.counts["compiled dflash context"] == 10 and len(fwd.trace_ms) == 6 + 16 + 10 and not fwd.failed
+    assert fwd.counts["compiled dflash draft"] == fwd.counts["compiled dflash draft ahead"] == 16, fwd.report()
+    assert fwd.counts["compiled dflash context"] == 10 and len(fwd.trace_ms) == 6 + 3 * 16 + 10 and not fwd.failed
     tokens, totals = decode(host, target, [PROMPTS[0]], batch=False)  # 7 + 20 positions: buffers of 256
     assert tokens == [m["refs"][tuple(PROMPTS[0])]] and totals["rounds"] > 0
-    assert len(fwd.trace_ms) == 32 and fwd.counts["compiled"] == 6 + totals["rounds"], fwd.report()
+    assert len(fwd.trace_ms) == 64 and fwd.counts["compiled"] == 6 + totals["rounds"], fwd.report()
     # the first round's block in place, every later one drafted ahead (the last left unused): no trace of their own
-    assert fwd.counts["compiled dflash block"] == 16 + 1 and fwd.counts["compiled dflash block ahead"] == totals["rounds"]
+    assert fwd.counts["compiled dflash draft"] == 16 + 1 and fwd.counts["compiled dflash draft ahead"] == 16 + totals["rounds"]
+
+
+def test_adaptive_blocks_meet_no_new_trace(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive blocks change width between rounds (here the controller's sizes cycle): a block is drafted ahead
+    for as many drafts as the round before it verifies (one the next round wants more of is dropped), so each
+    call's widths are a pair prewarm traced, and such requests too meet no new trace."""
+    m = models["llama"]
+    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(compiled.ENV, "on")
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "256")
+    monkeypatch.setattr(compiled, "DEFAULT_GROW", 128)
+    sizes = itertools.cycle([16, 5, 3, 9, 12, 2])
+    monkeypatch.setattr(BlockSizeController, "update", lambda self, accepted, drafted: setattr(self, "size", next(sizes)))
+    host = make_host({"draft_model": str(models["dflash"]), "kind": "dflash", "block_size": 16, "adaptive": False})
+    target = host.load(str(m["target"]))
+    fwd = target.cache_policy.forward
+    traced = len(fwd.trace_ms)
+    widths = []
+    original = compiled.CompiledForward.call
+
+    def call(self: compiled.CompiledForward, key: Any, owner: Any, fn: Any, cache: Any, arrays: Any, *args: Any,
+             **kw: Any) -> Any:
+        if key[0] == "dflash draft" and key[2]:  # drafting ahead: (verified positions, block width)
+            widths.append((arrays[-2].shape[1], arrays[0].shape[1]))
+        return original(self, key, owner, fn, cache, arrays, *args, **kw)
+
+    monkeypatch.setattr(compiled.CompiledForward, "call", call)
+    tokens, totals = decode(host, target, PROMPTS, batch=False)
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS] and totals["rounds"] > 0
+    assert len(set(widths)) > 2 and all(v == w for v, w in widths), widths  # widths changed between rounds
+    assert len(fwd.trace_ms) == traced, fwd.report()
 
 
 def test_a_row_joins_a_batch_after_compiled_rounds(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,3 +297,22 @@ def test_the_layers_of_a_call_share_their_write_positions() -> None:
     caches[0].trim(1)
     caches[0].update_and_fetch(*new[0])  # its own offset (7) now: new positions
     assert len(shared) == 2 and caches[0].offset.item() == 10 and mx.array_equal(caches[0].keys[:, :, 7:10], new[0][0])
+
+
+def test_trimming_the_last_write_gives_back_the_offset_before_it() -> None:
+    """A drafter's block writes its K/V and trims them off in every layer: the trimmed offset is the array it was
+    before (so the next layer's writes and masks are keyed alike), and any other trim subtracts."""
+    offset = mx.array(5, dtype=mx.int32)
+    shared: Dict[Any, Any] = {}
+    caches = [compiled.TraceCache(mx.zeros((1, 2, 16, 4)), mx.zeros((1, 2, 16, 4)), offset, shared) for _ in range(2)]
+    kv = (mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
+    for c in caches:
+        c.update_and_fetch(*kv)
+        c.trim(3)
+        assert c.offset is offset
+    assert len(shared) == 1  # the second layer wrote at the first one's positions
+    caches[0].update_and_fetch(*kv)
+    caches[0].trim(2)  # not the whole write: 8 - 2
+    assert caches[0].offset is not offset and caches[0].offset.item() == 6
+    caches[0].trim(1)  # no write since: 6 - 1
+    assert caches[0].offset.item() == 5

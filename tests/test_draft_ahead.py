@@ -119,7 +119,7 @@ def test_forced_rounds_equal_plain_decoding(batch: bool, models: Dict[str, Any],
     assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
     counts = target.cache_policy.forward.counts
     if batch:  # batches take the plain forward and draft in place
-        assert seen["ahead_used"] == 0 and counts["compiled dflash block ahead"] == 0, counts
+        assert seen["ahead_used"] == 0 and counts["compiled dflash draft ahead"] == 0, counts
     else:  # every round but each request's first drafts its block during the round before
         assert seen["ahead_used"] == totals["rounds"] - len(PROMPTS) > 0, (seen, totals)
 
@@ -183,8 +183,8 @@ def test_more_drafts_wanted_than_drafted_ahead(models: Dict[str, Any], monkeypat
     tokens, states = run(host, target, PROMPTS, batch=False)
     assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
     counts = target.cache_policy.forward.counts
-    assert seen["ahead_used"] == 0 and counts["compiled dflash block"] == seen["rounds"] > 0, counts
-    assert counts["compiled dflash block ahead"] > 0  # drafted, its context kept, its one token not enough
+    assert seen["ahead_used"] == 0 and counts["compiled dflash draft"] == seen["rounds"] > 0, counts
+    assert counts["compiled dflash draft ahead"] > 0  # drafted, its context kept, its one token not enough
 
 
 @pytest.mark.parametrize("wrong", ["accepted", "bonus"])
@@ -205,22 +205,23 @@ def test_an_outcome_other_than_assumed_is_not_used(wrong: str, models: Dict[str,
     force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
     tokens, states = run(host, target, PROMPTS, batch=False)
     assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
-    assert seen["ahead_used"] == 0 and target.cache_policy.forward.counts["compiled dflash block ahead"] > 0
+    assert seen["ahead_used"] == 0 and target.cache_policy.forward.counts["compiled dflash draft ahead"] > 0
 
 
 def test_a_failing_ahead_falls_back_without_losing_a_token(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     m = models["llama"]
     host, target = dflash_host(monkeypatch, models)
     calls = {"n": 0}
-    original = DFlashDrafter.block_ahead
+    original = DFlashDrafter.draft
 
-    def block_ahead(self: DFlashDrafter, *args: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("ahead broke")
+    def draft(self: DFlashDrafter, *args: Any) -> Any:
+        if len(args) > 3 and args[3] is not None:  # features given: drafting ahead
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("ahead broke")
         return original(self, *args)
 
-    monkeypatch.setattr(DFlashDrafter, "block_ahead", block_ahead)
+    monkeypatch.setattr(DFlashDrafter, "draft", draft)
     tokens, states = run(host, target, PROMPTS[:1], batch=False)
     assert tokens == [m["refs"][tuple(PROMPTS[0])]]  # nothing lost or repeated
     stats = states[0].report["speculative"]
@@ -235,7 +236,8 @@ def test_sampled_rows_draft_in_place(models: Dict[str, Any], monkeypatch: pytest
         host, target = dflash_host(monkeypatch, models, ahead=mode)
         got[mode], states = run(host, target, PROMPTS[:2], batch=False, params=params)
         counts = target.cache_policy.forward.counts
-        assert counts["compiled dflash block ahead"] == 0 and counts["compiled dflash block"] > 0, counts
+        assert counts["compiled dflash draft ahead"] == counts["compiled dflash draft"] == 0, counts
+        assert counts["compiled dflash block"] > 0
     assert got["on"] == got["off"]  # the same draws: nothing was drafted ahead
 
 

@@ -94,7 +94,7 @@ def test_the_default_verifies_in_place(models: Dict[str, Any], monkeypatch: pyte
     tokens, states = run(host, target, PROMPTS, batch=False)
     assert tokens == refs(models, PROMPTS)
     counts = target.cache_policy.forward.counts
-    assert seen["offered"] == counts["compiled ahead"] == 0 and counts["compiled dflash block ahead"] > 0, counts
+    assert seen["offered"] == counts["compiled ahead"] == 0 and counts["compiled dflash draft ahead"] > 0, counts
 
 
 def test_drafts_other_than_queued_are_verified_again(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,21 +84,20 @@ class DFlashDrafter(Drafter):
                 return got[0]
         return self.model(self.embed(tokens), caches, widths)
 
-    def append_ahead(self, caches: List[Any], feats: mx.array) -> bool:
-        """``feats`` [1, W, taps*H]'s context K/V written right past the context in ``caches``, whose offsets
-        stay (drafting ahead: the host keeps some of them later). Compiled calls only; False: declined."""
-        return self.compiler is not None and feats.shape[0] == 1 and feats.shape[1] <= 32 and self.compiler.call(
-            ("dflash context",), self, _append, caches, [feats], feats.shape[1], 0, "compiled dflash context ahead") is not None
-
-    def block_ahead(self, caches: List[Any], tokens: mx.array, widths: Optional[mx.array], shift: mx.array,
-                    past: int) -> Optional[mx.array]:
-        """``block`` run ``shift`` (a device scalar <= ``past``) positions past the context in ``caches``: over
-        the context and the first ``shift`` positions ``append_ahead`` wrote after it. Compiled calls only;
-        None: declined."""
+    def draft(self, caches: List[Any], tokens: mx.array, widths: Optional[mx.array] = None,
+              feats: Optional[mx.array] = None, shift: Optional[mx.array] = None) -> Optional[mx.array]:
+        """Greedy drafts [1, T - 1] for one row in one compiled call: the head's argmax over the block's positions
+        1.. (``block`` and the head in one graph). With ``feats`` [1, W, taps*H] (drafting ahead): their context
+        K/V first written right past the context in ``caches``, whose offsets stay (the host keeps some of them
+        later), and the block run ``shift`` (a device scalar <= W) positions past the context. Compiled calls
+        only; None: declined."""
         if self.compiler is None or tokens.shape[0] != 1:
             return None
-        got = self.compiler.call(("dflash block",), self, _block, caches, [tokens] if widths is None else [tokens, widths],
-                                 past + tokens.shape[1], 0, "compiled dflash block ahead", shift=shift)
+        arrays = [tokens] + ([] if widths is None else [widths]) + ([] if feats is None else [feats, shift])
+        past = 0 if feats is None else feats.shape[1]
+        got = self.compiler.call(("dflash draft", widths is not None, feats is not None), self,
+                                 _DRAFTS[widths is not None, feats is not None], caches, arrays, past + tokens.shape[1], 0,
+                                 "compiled dflash draft" + (" ahead" if feats is not None else ""))
         return None if got is None else got[0]
 
 
@@ -109,6 +108,24 @@ def _append(d: DFlashDrafter, caches: List[Any], feats: mx.array) -> List[mx.arr
 
 def _block(d: DFlashDrafter, caches: List[Any], tokens: mx.array, widths: Optional[mx.array] = None) -> List[mx.array]:
     return [d.model(d.embed(tokens), caches, widths)]
+
+
+def _draft_fn(with_widths: bool, with_feats: bool) -> Callable[..., List[mx.array]]:
+    def fn(d: DFlashDrafter, caches: List[Any], tokens: mx.array, *rest: mx.array) -> List[mx.array]:
+        if with_feats:
+            feats, shift = rest[-2:]
+            base = caches[0].offset
+            d.model.append_context(feats, caches)
+            at = base + shift.astype(mx.int32)  # one array for every layer: their writes and masks are made once
+            for c in caches:
+                c.offset = at
+        h = d.model(d.embed(tokens), caches, rest[0] if with_widths else None)  # [1, T, H]
+        return [mx.argmax(d.head(h[:, 1:]).astype(mx.float32), axis=-1)]  # [1, T - 1]
+
+    return fn
+
+
+_DRAFTS = {(w, f): _draft_fn(w, f) for w in (False, True) for f in (False, True)}
 
 
 # -- detection and validation -----------------------------------------------------------------
@@ -301,7 +318,9 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int, context_counts:
 def prewarm_compiled(drafter: DFlashDrafter, caches: List[Any], shapes: List[Any], max_tokens: int,
                      widths: List[int]) -> int:
     """The compiled calls' traces (plugin/compiled.py) at every buffer length up to ``max_tokens``: each block
-    width, with and without per-row widths, and each power-of-two context append up to the block."""
+    width, with and without per-row widths, as a block, as greedy drafts and as drafts ahead of as many verified
+    positions (a block is drafted ahead for as many drafts as the round that verifies before it); and each
+    power-of-two context append up to the block."""
     grow, dtype = drafter.compiler.grow, drafter.model.norm.weight.dtype
     taps = len(drafter.args.target_layer_ids) * drafter.args.hidden_size
     runs = 0
@@ -312,9 +331,15 @@ def prewarm_compiled(drafter: DFlashDrafter, caches: List[Any], shapes: List[Any
             mx.eval([c.keys for c in caches])
             runs += 1
             for per_row in ([None, mx.array([w - 1])] if w > 1 else []):
+                block = mx.zeros((1, w), dtype=mx.uint32)
                 zeroed(caches, shapes, length, length - w)
-                mx.eval(drafter.block(caches, mx.zeros((1, w), dtype=mx.uint32), per_row), [c.keys for c in caches])
-                runs += 1
+                mx.eval(drafter.block(caches, block, per_row), [c.keys for c in caches])
+                zeroed(caches, shapes, length, length - w)
+                mx.eval(drafter.draft(caches, block, per_row), [c.keys for c in caches])
+                zeroed(caches, shapes, length, length - 2 * w)  # drafting ahead: as many verified positions, then the block
+                mx.eval(drafter.draft(caches, block, per_row, mx.zeros((1, w, taps), dtype), mx.array(1)),
+                        [c.keys for c in caches])
+                runs += 3
     return runs
 
 

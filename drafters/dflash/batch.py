@@ -145,10 +145,16 @@ class DFlashBatch(DraftBatch):
         width = 1 << (W - 1).bit_length() if d.shape_stable else W
         block = mx.array([[r.pending] + [d.mask_token_id] * (width - 1) for r in rows], dtype=mx.uint32)  # [B, width]
         widths = None if width == W and min(max_drafts) == k else mx.array([m + 1 for m in max_drafts])
+        greedy = [r.sampling.greedy for r in rows]
+        drafted = d.draft(self.cache, block, widths) if all(greedy) else None  # [1, width - 1]: one compiled call
+        if drafted is not None:
+            self.forwards += 1
+            tokens = drafted if width == W else drafted[:, :k]
+            mx.async_eval(tokens)
+            return [Proposal(tokens[0, :max_drafts[0]]) if max_drafts[0] else Proposal([])]
         h = d.block(self.cache, block, widths)  # [B, width, H]
         self.forwards += 1
         logits = d.head(h[:, 1:W]).astype(mx.float32)  # [B, k, V]
-        greedy = [r.sampling.greedy for r in rows]
         if all(greedy):
             # Greedy rounds compare tokens only: no q to hand back.
             tokens, qs = mx.argmax(logits, axis=-1), [None] * len(rows)  # [B, k]
@@ -187,19 +193,16 @@ class DFlashBatch(DraftBatch):
         if self.pending.get(id(row)) or not o.captures:
             return
         feats = target_features(o.captures, d.capture_layers(), d.final_norm)  # [1, W, taps*H]
-        W = feats.shape[1]
-        if not d.append_ahead(self.cache, feats):
-            return
         width = 1 << k.bit_length()  # k + 1 positions, padded to a power of two as ``propose`` pads them
         block = mx.concatenate([o.bonus.reshape(1).astype(mx.uint32),
                                 mx.full((width - 1,), d.mask_token_id, dtype=mx.uint32)])[None]  # [1, width]
-        h = d.block_ahead(self.cache, block, None if width == k + 1 else mx.array([k + 1]), o.accepted + 1, W)
-        if h is None:
+        drafted = d.draft(self.cache, block, None if width == k + 1 else mx.array([k + 1]), feats, o.accepted + 1)
+        if drafted is None:
             return
         self.forwards += 1
-        tokens = mx.argmax(d.head(h[:, 1:k + 1]).astype(mx.float32), axis=-1)[0]  # [k]
+        tokens = drafted[0] if width == k + 1 else drafted[0, :k]  # [k]
         mx.async_eval(tokens)
-        self.ahead = Ahead(row, self.context[0], W, o, tokens)
+        self.ahead = Ahead(row, self.context[0], feats.shape[1], o, tokens)
 
     def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
         ahead = self.ahead

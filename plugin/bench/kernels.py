@@ -109,18 +109,31 @@ def dflash_context(drafter: Any, key_length: int, new_context: int = 7) -> Tuple
 
 
 def dflash_round(drafter: Any, caches: List[Any], new: mx.array, block: int) -> Graph:
-    """A DFlash round's draft: the new context appended, the block through the drafter, the shared head's
-    argmax ([1, block - 1]); undo trims the appended context."""
+    """A DFlash round's draft as a greedy round makes it ([1, block - 1]). Drafting ahead (the default where the
+    policy compiles the drafter's calls): one call writes a verify's ``block`` positions of features past the
+    context, the first ``new``'s count of them kept (as if accepted), runs the block past those and takes the
+    head's argmax; the offsets stay, so undo has nothing to do. Elsewhere: ``new`` appended, the block, the
+    head's argmax; undo trims the appended context."""
     toks = mx.array([[5] * block], dtype=mx.uint32)
+    n = new.shape[1]
+    if drafter.compiler is not None:
+        kept = min(n, block)
+        feats = mx.concatenate([new[:, :kept], mx.zeros((1, block - kept, new.shape[2]), new.dtype)], axis=1)
+        shift = mx.array(kept, dtype=mx.int32)
+        mx.eval(feats, shift)
+        drafts = drafter.draft(caches, toks, None, feats, shift)
+        if drafts is not None:  # traced and run once: the policy takes these caches
+            mx.eval(drafts)
+            return lambda: drafter.draft(caches, toks, None, feats, shift), lambda: None
 
     def build() -> mx.array:
-        drafter.append_context(caches, new)  # as a round does: compiled where the policy compiles
+        drafter.append_context(caches, new)
         h = drafter.block(caches, toks)
         return mx.argmax(drafter.head(h[:, 1:block]).astype(mx.float32), axis=-1)
 
     def undo() -> None:
         for c in caches:
-            c.trim(new.shape[1])
+            c.trim(n)
 
     return build, undo
 
