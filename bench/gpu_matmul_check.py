@@ -8,7 +8,7 @@ block's columns, K not of 32), bfloat16 and float16. Error = max |y - y_f32| / m
 passes where its error is at most twice MLX's own matmul's in the same dtype plus 1e-3 (both round
 one f32 sum to 16 bits; the order of the sum differs).
 
-Fused siblings (``mm_many``: q/k/v, gate/up, odd shapes; rows 2..32): each output must be bit-equal to
+Fused siblings (``mm_many``: q/k/v, gate/up, odd shapes, ten k/v weights; rows 2..32): each output must be bit-equal to
 ``mm``'s for its weight alone.
 
 Cost: dependent chains of projections (q/o; gate/up then down; k/v then back), each call's input the
@@ -62,7 +62,8 @@ def check(dtype: mx.Dtype) -> List[Dict[str, Any]]:
 
 
 GROUPS = {"q/k/v": [(4096, 4096), (1024, 4096), (1024, 4096)], "gate/up": [(14336, 4096), (14336, 4096)],
-          "odd": [(1000, 520), (24, 520), (8, 520), (136, 520)]}
+          "odd": [(1000, 520), (24, 520), (8, 520), (136, 520)],
+          "dflash k/v": [(1024, 4096)] * cuda_matmul.MAX_WEIGHTS}  # a DFlash drafter's context K/V, 5 layers
 
 
 def check_fused(dtype: mx.Dtype) -> List[Dict[str, Any]]:

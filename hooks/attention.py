@@ -25,7 +25,8 @@ instance of THAT model (exactly that class: quantized and other layers keep thei
 ``__call__`` asks the dispatcher first, for inputs of ``dispatcher.rows`` = (min, max) rows where it has
 that attribute, and runs ``nn.Linear.__call__`` when it answers None; the bias is added after the
 dispatcher's product. A dispatcher with ``many(x, weights)`` also gets sibling layers multiplying the
-same x (q/k/v, gate/up: learned from the calls, see ``_Learner``) in one launch. A dispatcher whose
+same x (q/k/v, gate/up: learned from the calls, see ``_Learner``; or named by model code, ``project_all``) in
+one launch. A dispatcher whose
 ``routes_quantized`` is true also gets the model's ``nn.QuantizedLinear`` instances (exactly that class):
 their ``__call__`` asks ``dispatcher.quantized(x, layer)`` first and runs ``nn.QuantizedLinear.__call__``
 when it answers None. Nothing is assigned to ``mlx.nn`` or to any other model.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -304,6 +305,26 @@ def unroute_projections(model: nn.Module) -> int:
             del m._spec_min_size, m._spec_max_size, m._spec_sib
             n += 1
     return n
+
+
+def project_all(layers: Sequence[nn.Module], x: mx.array) -> List[mx.array]:
+    """``[layer(x) for layer in layers]``, where the layers are routed ``nn.Linear`` under one dispatcher with
+    ``many`` and x has its rows: in launches of up to ``dispatcher.max_weights`` weights each. For model code
+    that knows which layers multiply the same x (a drafter's K/V of every layer from one context); the
+    learned fusing (``_Learner``) sees only runs that recur alike. The same values either way."""
+    first = layers[0]
+    disp = vars(type(first)).get("_spec_projections")
+    if disp is None or not hasattr(disp, "many") or not isinstance(first, nn.Linear) \
+            or any(type(m) is not type(first) for m in layers) \
+            or not first._spec_min_size <= x.size <= first._spec_max_size:
+        return [m(x) for m in layers]
+    most = max(1, getattr(disp, "max_weights", 1))
+    out: List[mx.array] = []
+    for i in range(0, len(layers), most):
+        group = layers[i:i + most]
+        ys = disp.many(x, [m["weight"] for m in group]) if len(group) > 1 else None
+        out += [m(x) for m in group] if ys is None else [y + m["bias"] if "bias" in m else y for m, y in zip(group, ys)]
+    return out
 
 
 def routed_projections(model: nn.Module) -> int:

@@ -188,7 +188,7 @@ def shape_for(columns: int, K: int) -> Tuple[int, int, int]:
     return NARROW if columns <= 8192 and K <= 8192 else WIDE
 
 
-MAX_WEIGHTS = 4  # weights one launch multiplies the same x by (sibling projections: q/k/v, gate/up)
+MAX_WEIGHTS = 10  # weights one launch multiplies the same x by (siblings: q/k/v, gate/up; a DFlash drafter's K/V of 5 layers)
 
 
 def _select(weights: int) -> str:

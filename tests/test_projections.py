@@ -179,8 +179,52 @@ def test_fused_launches_decline_mixed_or_too_many_weights() -> None:
     assert cuda_matmul.plan_many(x, []) is None
     assert cuda_matmul.plan_many(x, [w, mx.zeros((32, 48), mx.bfloat16)]) is None  # another K
     assert cuda_matmul.plan_many(x, [w, w.astype(mx.float16)]) is None
-    with pytest.raises(ValueError, match="1..4 weights"):
+    with pytest.raises(ValueError, match=f"1..{cuda_matmul.MAX_WEIGHTS} weights"):
         cuda_matmul.mm_many(x, [w, mx.zeros((32, 48), mx.bfloat16)])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_model_code_names_the_layers_multiplying_one_x(bias: bool) -> None:
+    """``project_all``: the layers' products from launches of up to ``max_weights`` weights (biases added),
+    the values each layer gives alone; each layer's own call where it is not routed or x has other rows."""
+    mx.random.seed(8)
+    layers = [nn.Linear(32, 8 + 4 * i, bias=bias) for i in range(6)]
+    holder = nn.Sequential(*layers)
+    x = mx.random.normal((3, 4, 32))  # 12 rows
+    want = [m(x) for m in layers]
+    same = lambda got: all(mx.allclose(g, w, atol=1e-5).item() for g, w in zip(got, want))  # noqa: E731
+    assert same(host_attention.project_all(layers, x))  # not routed: their own calls
+    disp = projections.stand_in()
+    disp.max_weights = 4
+    host_attention.route_projections(holder, disp)
+    assert same(host_attention.project_all(layers, x)) and disp.counts == {"kernel": 2, "fused": 4}, disp.counts
+    assert not any(sib(m).seen or sib(m).group for m in layers)  # the learner saw none of these
+    one = mx.random.normal((1, 32))  # one row: outside the dispatcher's rows, each layer's own matmul
+    assert all(mx.array_equal(g, m(one)).item() for g, m in zip(host_attention.project_all(layers, one), layers))
+    assert disp.counts == {"kernel": 2, "fused": 4}
+
+
+def test_a_dflash_drafter_projects_with_few_launches() -> None:
+    """The DFlash drafter names its siblings: its context append makes every layer's K and V in one launch, and
+    each block layer q/k/v in one and gate/up in one; its block's hidden states equal an unrouted copy's."""
+    from mlx_speculative.drafters.dflash.model import Model, ModelArgs
+
+    args = ModelArgs(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     num_hidden_layers=3, vocab_size=384, target_layer_ids=[0, 2], mask_token_id=383)
+    mx.random.seed(9)
+    routed_model, other = Model(args), Model(args)
+    other.update(routed_model.parameters())
+    disp = projections.stand_in()
+    host_attention.route_projections(routed_model, disp)
+    feats, block = mx.random.normal((1, 7, 128)), mx.random.normal((1, 16, 64))
+    out = []
+    for m in (other, routed_model):
+        caches = m.make_cache()
+        m.append_context(feats, caches)
+        out.append(m(block, caches))
+    assert mx.array_equal(out[0], out[1]).item()
+    # fc; the 6 K/V projections (one launch); per layer q/k/v, o, gate/up, down
+    assert disp.counts == {"kernel": 1 + 1 + 3 * 4, "fused": 5 + 3 * (2 + 1)}, disp.counts
 
 
 def test_reference_is_the_product() -> None:

@@ -20,7 +20,7 @@ from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ...hooks.attention import MaskSpec, describe
+from ...hooks.attention import MaskSpec, describe, project_all
 
 # Architectures of the DFlash2 line: extra convolutions and a candidate selector this model lacks.
 UNSUPPORTED_ARCHITECTURES = ("DFlash2DraftModel",)
@@ -196,17 +196,19 @@ class Attention(nn.Module):
         # ``sliding_window`` (their eager/sdpa paths build no mask and would attend to everything).
         self.window = args.sliding_window if sliding else None
 
-    def keys_values(self, x: mx.array, offset: Any) -> Tuple[mx.array, mx.array]:
+    def keys_values(self, x: mx.array, offset: Any, kv: Optional[List[mx.array]] = None) -> Tuple[mx.array, mx.array]:
         """K/V of positions offset.. (context or block alike): [B, n_kv, L, D] each, K roped.
-        ``offset``: an int, or [B] per row (a batch's rows sit at different positions)."""
+        ``offset``: an int, or [B] per row (a batch's rows sit at different positions).
+        ``kv``: k_proj(x), v_proj(x) where the caller made them (one launch with siblings)."""
         B, L, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k, v = kv if kv is not None else project_all([self.k_proj, self.v_proj], x)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def append(self, context: mx.array, cache: Any) -> None:
+    def append(self, context: mx.array, cache: Any, kv: Optional[List[mx.array]] = None) -> None:
         """Context K/V ([B, n, H] context states) appended to the layer's cache at each row's offset."""
-        cache.update_and_fetch(*self.keys_values(context, cache.offset))
+        cache.update_and_fetch(*self.keys_values(context, cache.offset, kv))
 
     def __call__(self, x: mx.array, cache: Any, widths: Optional[mx.array] = None, masks: Optional[dict] = None) -> mx.array:
         """The block [B, T, H] attending, non-causally, to the context in ``cache`` and to itself.
@@ -221,9 +223,10 @@ class Attention(nn.Module):
         start = cache.offset  # int, or [B]: the block continues each row's context positions
         end = cache.size()  # the slot the block starts at (batched rows are left-padded up to it)
         lp = getattr(cache, "left_padding", None)
-        q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q, *kv = project_all([self.q_proj, self.k_proj, self.v_proj], x)
+        q = self.q_norm(q.reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
-        k, v = cache.update_and_fetch(*self.keys_values(x, start))  # [B, n_kv, S, D]: context, block, padding
+        k, v = cache.update_and_fetch(*self.keys_values(x, start, kv))  # [B, n_kv, S, D]: context, block, padding
         cache.trim(T)
         masks = {} if masks is None else masks
         key = (self.window, k.shape[2], end)  # every layer's cache holds the same positions: one mask a block
@@ -299,7 +302,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_all([self.gate_proj, self.up_proj], x)
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -340,8 +344,10 @@ class Model(nn.Module):
         """Append the context K/V of ``hidden`` ([B, n, n_taps*H] target features of committed
         positions) to every layer's cache, each row at its own context length."""
         context = self.context_states(hidden)
-        for layer, c in zip(self.layers, cache):
-            layer.self_attn.append(context, c)
+        # every layer's K and V from the same context states: one launch for all where projections are routed
+        kv = project_all([p for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)], context)
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            layer.self_attn.append(context, c, kv[2 * i:2 * i + 2])
 
     def __call__(self, embeddings: mx.array, cache: List[Any], widths: Optional[mx.array] = None) -> mx.array:
         """The block's final hidden states [B, T, H] (normed): ``embeddings`` [B, T, H] of
