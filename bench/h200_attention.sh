@@ -32,6 +32,8 @@
 #   bash bench/h200_attention.sh host-split          # build / encode / device per forward, MLX's matmuls and the
 #                                                    #   projection kernel in one process (bench/host_split.py)
 #   bash bench/h200_attention.sh host-split-compiled # the target's forwards plain and compiled (plugin/compiled.py)
+#   bash bench/h200_attention.sh host-split-dflash   # the DFlash round alone, plain and compiled (TAG=-x: ...-x.json;
+#                                                    #   MOST=10,4,1: a row per bound on the weights of one launch)
 #   bash bench/h200_attention.sh cache-write         # K/V writes at a device-scalar offset (bench/cache_write_cost.py)
 #   bash bench/h200_attention.sh qmatmul             # MLX's 4-bit matmul by rows against its bytes (bench/quantized_matmul_cost.py)
 #   VARIANTS='2,8,2;1,8,1,1' bash bench/h200_attention.sh matmul-variants  # the projection kernel's chains in these
@@ -120,11 +122,14 @@ case "$what" in
     py bench/host_split.py --keys 4096,16384 --linear mlx,kernel --json "$OUT/h200-host-split-projections.json" | tail -8 ;;
   host-split-compiled)
     py bench/host_split.py --keys 4096,16384 --linear kernel --compiled both --json "$OUT/h200-host-split-compiled.json" | tail -8 ;;
+  host-split-dflash)  # the DFlash round alone, plain and compiled
+    py bench/host_split.py --keys 4096,16384 --linear kernel --compiled both --drafter-only ${MOST:+--max-weights "$MOST"} \
+      --json "$OUT/h200-host-split-dflash${TAG:-}.json" | tail -8 ;;
   cache-write)
     py bench/cache_write_cost.py | tee "$OUT/h200-cache-write.txt" ;;
   qcheck)
     py bench/gpu_qmatmul_check.py ${SWEEP:+--sweep} --watchdog "${WATCHDOG:-500}" --out "$OUT/h200-qmatmul-check${TAG:-}.json" "$@" 2>&1 | tee "$OUT/h200-qmatmul-check${TAG:-}.log" | tail -40 ;;
   qmatmul)
     py bench/quantized_matmul_cost.py --skeleton --json "$OUT/h200-quantized-matmul-cost${TAG:-}.json" ;;
-  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | trace [LENGTHS] | context | matmul | matmul-variants | host-split | host-split-compiled | cache-write | qmatmul | qcheck)"; exit 2 ;;
+  *) echo "unknown: '$what' (check | forwards | forwards-4bit | e2e on|off RUN [LENGTHS] | e2e-4bit on|off [LENGTHS] | e2e-kvcache on|off RUN [LENGTHS] | profile | trace [LENGTHS] | context | matmul | matmul-variants | host-split | host-split-compiled | host-split-dflash | cache-write | qmatmul | qcheck)"; exit 2 ;;
 esac

@@ -20,7 +20,8 @@ count. So for each forward this script reports, warm, median of ``--iters``:
 Forwards: the target over 1 and 16 positions after ``keys`` cached positions (the cache the plugin
 uses on CUDA: padded, bucket 256, attention through the project's kernel where it takes the call);
 the DFlash-shape drafter's round (7 new context positions, the 16-position block, the head's
-argmax: ``kernels.dflash_round``, what ``mlx-spec bench`` times); and the target's matmuls alone (each layer's seven
+argmax: ``kernels.dflash_round``, what ``mlx-spec bench`` times; compiled, one call drafting ahead; alone with
+``--drafter-only``, by the bound on a launch's weights with ``--max-weights``); and the target's matmuls alone (each layer's seven
 projections over 1 and 16 rows, chained as in a forward), which separates what 16 rows cost the
 matmuls from the rest of the layer.
 """
@@ -190,6 +191,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="the target's multi-position forwards through plugin/compiled.py (mx.compile of its own "
                         "forward; both: plain and compiled in turn, rows '<linear>+compiled')")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--max-weights", type=_ints, default=[],
+                   help="with --linear kernel: rows for each of these bounds on the weights one launch of named siblings "
+                        "takes (hooks/attention.py project_all: 10 = a DFlash drafter's K/V of 5 layers in one; 1 = "
+                        "each projection alone); default: the dispatcher's own, one row")
+    p.add_argument("--drafter-only", action="store_true", help="the DFlash round alone (no target forwards, no matmuls)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (checks the script; kernel off)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
@@ -209,6 +215,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "kernel" in a.linear and not cuda_matmul.available():
         raise SystemExit("--linear kernel: the projection kernel needs MLX built with CUDA and the GPU as the default "
                          f"device; this process runs on {mx.default_device()} (allowed here: mlx, gather)")
+    if a.max_weights and "kernel" not in a.linear:
+        raise SystemExit(f"--max-weights: bounds the projection kernel's launches; got --linear {','.join(a.linear)} "
+                         "(allowed with: --linear kernel)")
     proj = projections.Projections() if "kernel" in a.linear else None
     fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS))  # 1: a plain step compiled
 
@@ -228,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report: Dict[str, Any] = {"linear_checks": checks, "target": note, "drafter": desc, "device": str(mx.default_device()),
                               "mlx": mx.__version__, "kernel": "on" if on else "off", "settings": vars(a),
                               "matmuls": {}, "by_keys": {}}
-    for how in a.linear:
+    for how in [] if a.drafter_only else a.linear:
         use(how)
         report["matmuls"][how] = matmul_split(target.model, a.widths, a.iters)
         print(how, json.dumps(report["matmuls"][how]), flush=True)
@@ -237,12 +246,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         for how in a.linear:
             use(how)
             for f in {"off": [None], "on": [fwd], "both": [None, fwd]}[a.compiled]:
-                drafter.compiler = f  # the drafter's block and context append compiled with the target's forwards
-                row = {"target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, f),
-                       "dflash_round": drafter_split(drafter, keys, a.block, a.iters)}
-                name = how if f is None else how + "+compiled"
-                report["by_keys"][str(keys)][name] = row
-                print(keys, name, json.dumps(row), flush=True)
+                for most in a.max_weights if how == "kernel" and a.max_weights else [None]:
+                    if most is not None:  # weights a launch of project_all takes; traced afresh (a new CompiledForward)
+                        proj.max_weights = most
+                        f = f if f is None else compiled.CompiledForward(cache_policy.PaddedKVCache, f.widths)
+                    drafter.compiler = f  # the drafter's block and context append compiled with the target's forwards
+                    row = {} if a.drafter_only else {
+                        "target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, f)}
+                    row["dflash_round"] = drafter_split(drafter, keys, a.block, a.iters)
+                    name = (how if f is None else how + "+compiled") + ("" if most is None else f" w{most}")
+                    seen = report["by_keys"][str(keys)]
+                    name += f" #{sum(k.split(' #')[0] == name for k in seen) + 1}" if name in seen else ""  # a repeat
+                    report["by_keys"][str(keys)][name] = row
+                    print(keys, name, json.dumps(row), flush=True)
             drafter.compiler = None
     use("mlx")
     if disp is not None:

@@ -158,11 +158,26 @@ def test_host_split_compiled(tmp_path: Path) -> None:
     row = report["by_keys"]["40"]["mlx+compiled"]
     assert set(row["target"]) == {"1", "4"} and row["dflash_round"]["sync_ms"] > 0
     calls = report["compiled_forward"]["calls"]
-    assert calls["compiled"] > 0 and calls["compiled dflash block"] > 0 and not report["compiled_forward"]["failed"]
+    assert calls["compiled"] > 0 and calls["compiled dflash draft ahead"] > 0 and not report["compiled_forward"]["failed"]
     # what the encode launches: mx.compile fuses the plain forward's elementwise chains
     plain, fused = report["by_keys"]["40"]["mlx"]["target"]["4"]["ops"], row["target"]["4"]["ops"]
     assert 0 < fused["total"] < plain["total"] and any(k.startswith("Compiled") for k in fused), (plain, fused)
     assert fused["total"] == sum(v for k, v in fused.items() if k != "total")
+
+
+def test_host_split_drafter_only(tmp_path: Path) -> None:
+    """--drafter-only: the DFlash round alone (no target forwards, no matmul chains); --max-weights needs the kernel."""
+    report = run("host_split", ["--synthetic-target", "tiny", "--cpu", "--keys", "40", "--block", "4", "--iters", "2",
+                                "--linear", "mlx", "--compiled", "on", "--drafter-only"], tmp_path / "d.json")
+    assert report["matmuls"] == {} and list(report["by_keys"]["40"]) == ["mlx+compiled"]
+    assert list(report["by_keys"]["40"]["mlx+compiled"]) == ["dflash_round"]
+    assert report["compiled_forward"]["calls"]["compiled dflash draft ahead"] > 0
+    device = mx.default_device()
+    try:
+        with pytest.raises(SystemExit, match="--max-weights: bounds the projection kernel's launches; got --linear mlx"):
+            script("host_split").main(["--synthetic-target", "tiny", "--cpu", "--max-weights", "10,1"])
+    finally:
+        mx.set_default_device(device)
 
 
 def test_quantized_matmul_cost(tmp_path: Path) -> None:
