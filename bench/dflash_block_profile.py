@@ -11,7 +11,9 @@ head; plugin/bench/synthetic.py) after ``keys`` context positions, warm and sync
   ``DFlashDrafter.append_context`` as a round does (compiled where the policy compiles; so is the block);
 - ``layers_ms``: the block through the layers (append + layers, less ``append_ms``);
 - ``head_ms``: the final norm'd B-1 states through the shared head and the argmax;
-- ``block_ms``: all of it in one graph (kernels.dflash_block_ms, what ``mlx-spec bench`` reports).
+- ``block_ms``: all of it as a greedy round drafts (kernels.dflash_block_ms, what ``mlx-spec bench`` reports:
+  where the policy compiles, one call that writes a verify's ``--block`` positions of features, keeps
+  ``new_context`` of them and runs the block and the head's argmax past them).
 
 ``read_bound_ms`` is what the block must read (every drafter weight, the head, the context K/V of every
 layer) at the device's bandwidth, measured here by a bare copy of a ``--copy-mib`` array;
