@@ -147,11 +147,11 @@ class DFlashBatch(DraftBatch):
         widths = None if width == W and min(max_drafts) == k else mx.array([m + 1 for m in max_drafts])
         greedy = [r.sampling.greedy for r in rows]
         drafted = d.draft(self.cache, block, widths) if all(greedy) else None  # [1, width - 1]: one compiled call
-        if drafted is not None:
+        if drafted is not None:  # one row: its k drafts, the call's output itself where it has no padding
             self.forwards += 1
-            tokens = drafted if width == W else drafted[:, :k]
+            tokens = drafted[0] if width == W else drafted[0, :k]  # [k]
             mx.async_eval(tokens)
-            return [Proposal(tokens[0, :max_drafts[0]]) if max_drafts[0] else Proposal([])]
+            return [Proposal(tokens) if k else Proposal([])]
         h = d.block(self.cache, block, widths)  # [B, width, H]
         self.forwards += 1
         logits = d.head(h[:, 1:W]).astype(mx.float32)  # [B, k, V]
