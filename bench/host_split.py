@@ -257,7 +257,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     name = (how if f is None else how + "+compiled") + ("" if most is None else f" w{most}")
                     seen = report["by_keys"][str(keys)]
                     name += f" #{sum(k.split(' #')[0] == name for k in seen) + 1}" if name in seen else ""  # a repeat
-                    report["by_keys"][str(keys)][name] = row
+                    seen[name] = row
                     print(keys, name, json.dumps(row), flush=True)
             drafter.compiler = None
     use("mlx")
