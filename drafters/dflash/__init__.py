@@ -28,7 +28,8 @@ from ...hooks.cache_ops import zeroed
 from .batch import CONTEXT_CHUNK, DFlashBatch
 from ..target_parts import target_embedding_and_head
 from .features import final_norm_tap
-from .model import MUSE_ASSISTANT, UNSUPPORTED_ARCHITECTURES, Model, ModelArgs, canonical_name, config_layout
+from .config import MUSE_ASSISTANT, UNSUPPORTED_ARCHITECTURES, config_layout
+from .model import Model, ModelArgs, canonical_name
 
 KIND = "dflash"
 

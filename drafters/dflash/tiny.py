@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .model import Model, ModelArgs, config_layout, set_dflash_fields
+from .config import config_layout, set_dflash_fields
+from .model import Model, ModelArgs
 
 TINY = {
     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

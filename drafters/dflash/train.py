@@ -23,7 +23,8 @@ from ..base import DraftTarget
 from ..compat import config_value
 from ..training.spec import Batch, FamilyTrainer, TrainOptions, TrainTarget
 from . import features
-from .model import Model, ModelArgs, build_target_layer_ids, set_dflash_fields
+from .config import build_target_layer_ids, set_dflash_fields
+from .model import Model, ModelArgs
 from .tiny import tensor_names
 
 DEFAULT_BLOCK_SIZE = 16
