@@ -106,7 +106,10 @@ def inputs(layout: str, rows: int, k: int, dtype: mx.Dtype) -> Optional[mx.array
     return mx.random.normal((2 * rows, k)).astype(dtype)[::2]
 
 
-CHAINS = {"q/o": [(4096, 4096)], "gate/up+down": [(14336, 4096), (4096, 14336)], "k/v+back": [(1024, 4096), (4096, 1024)]}
+CHAINS = {"q/o": [(4096, 4096)], "gate/up+down": [(14336, 4096), (4096, 14336)], "k/v+back": [(1024, 4096), (4096, 1024)],
+          # independent calls on one x (an output cannot feed the next): the shared head, a DFlash drafter's fc
+          "lm_head": [(128256, 4096)], "fc": [(4096, 20480)]}
+DEFAULT_CHAINS = ["q/o", "gate/up+down", "k/v+back"]
 # the second line: more blocks and more warps per SM (bytes in flight: the 16-row chains ran at ~50% of the
 # copy bandwidth with (2, 8, 1), 16 warps an SM)
 VARIANTS: List[Tuple[int, ...]] = [(2, 8, 1), (4, 4, 2), (4, 4, 4), (4, 8, 4), (8, 4, 2), (4, 16, 2), (2, 4, 4), (4, 2, 4),
@@ -137,14 +140,27 @@ def parse_variants(text: str) -> List[Tuple[int, ...]]:
     return out
 
 
+def parse_chains(text: str) -> List[str]:
+    """"q/o,lm_head" -> the names of CHAINS to time (any other name refused with those allowed)."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CHAINS]
+    if unknown or not names:
+        raise SystemExit(f"--chains: got {text!r}; expected names of {', '.join(CHAINS)} joined by ','")
+    return names
+
+
 def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: int = 6,
-                variants: Optional[List[Tuple[int, ...]]] = None) -> List[Dict[str, Any]]:
-    """Dependent chains of projections (each call's input the previous call's output), ``copies`` distinct
-    weights in turn so that the device's L2 holds none of them: per call build / encode / device time,
-    the device's being what a forward's layers pay one after another."""
+                variants: Optional[List[Tuple[int, ...]]] = None, chains: Optional[List[str]] = None
+                ) -> List[Dict[str, Any]]:
+    """Dependent chains of projections (each call's input the previous call's output; a single weight whose
+    output cannot be its input, as the head's: independent calls on one x), ``copies`` distinct weights in turn
+    so that the device's L2 holds none of them: per call build / encode / device time, the device's being what
+    a forward's layers pay one after another."""
     variants = VARIANTS if variants is None else variants
     out = []
-    for name, shapes in CHAINS.items():
+    for name in chains or DEFAULT_CHAINS:
+        shapes = CHAINS[name]
+        independent = shapes[-1][0] != shapes[0][1]  # the last output cannot feed the first link
         ws = [[(mx.random.normal(s) * s[1] ** -0.5).astype(dtype) for s in shapes] for _ in range(copies)]
         mx.eval(ws)
         for rows in (1, 16, 32):
@@ -153,6 +169,8 @@ def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: i
 
             def chain(f: Callable[[mx.array, mx.array], mx.array]) -> Callable[[], List[mx.array]]:
                 def run() -> List[mx.array]:
+                    if independent:
+                        return [f(x0, w) for i in range(length) for w in ws[i % copies]]
                     x = x0
                     for i in range(length):
                         for w in ws[i % copies]:
@@ -161,7 +179,8 @@ def chain_costs(dtype: mx.Dtype, length: int, iters: int, sweep: bool, copies: i
                 return run
 
             calls = length * len(shapes)
-            row: Dict[str, Any] = {"chain": name, "rows": rows, "calls": calls}
+            row: Dict[str, Any] = {"chain": name, "rows": rows, "calls": calls,
+                                   "weight_mb": round(sum(n * k for n, k in shapes) * 2 / len(shapes) / 1e6, 1)}
             ways: List[Any] = [("mlx", chain(lambda x, w: x @ w.T))]
             if rows > 1:
                 ways.append(("kernel", chain(cuda_matmul.mm)))
@@ -228,6 +247,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--variants", type=parse_variants,
                    help="sweep these kernel shapes instead of VARIANTS, 'G,S,U[,P];...' (P 1: loads pipelined; implies --sweep)")
     p.add_argument("--chains-only", action="store_true", help="only the chains (no correctness table, no fused costs)")
+    p.add_argument("--chains", type=parse_chains,
+                   help=f"time these chains, comma-separated, of {', '.join(CHAINS)} (default {','.join(DEFAULT_CHAINS)})")
     p.add_argument("--out", help="write the results here (JSON)")
     a = p.parse_args(argv)
     if not cuda_matmul.available():
@@ -236,7 +257,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.sweep = a.sweep or a.variants is not None
     machine = {"device": str(mx.default_device()), "mlx": mx.__version__, "device_info": mx.device_info()}
     if a.chains_only:
-        report = {**machine, "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}
+        report = {**machine, "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants, chains=a.chains)}
         if a.out:
             Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
         return 0
@@ -252,7 +273,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("FAIL", json.dumps(r), flush=True)
     report = {**machine, "passed": not bad, "cases": len(results) + len(fused) + len(pipe), "failures": bad,
               "results": results, "fused": fused, "pipe": pipe, "fused_costs": fused_costs(mx.bfloat16, a.chain, a.iters),
-              "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants)}
+              "chains": chain_costs(mx.bfloat16, a.chain, a.iters, a.sweep, variants=a.variants, chains=a.chains)}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if not bad else 1

@@ -33,11 +33,13 @@
 #                                                    #   projection kernel in one process (bench/host_split.py)
 #   bash bench/h200_attention.sh host-split-compiled # the target's forwards plain and compiled (plugin/compiled.py)
 #   bash bench/h200_attention.sh host-split-dflash   # the DFlash round alone, plain and compiled (TAG=-x: ...-x.json;
-#                                                    #   MOST=10,4,1: a row per bound on the weights of one launch)
+#                                                    #   MOST=10,4,1: a row per bound on the weights of one launch;
+#                                                    #   compiled staged and as one graph: STAGED=on|off|both)
 #   bash bench/h200_attention.sh cache-write         # K/V writes at a device-scalar offset (bench/cache_write_cost.py)
 #   bash bench/h200_attention.sh qmatmul             # MLX's 4-bit matmul by rows against its bytes (bench/quantized_matmul_cost.py)
 #   VARIANTS='2,8,2;1,8,1,1' bash bench/h200_attention.sh matmul-variants  # the projection kernel's chains in these
-#                                                    #   shapes (G,S,U[,P]; P 1: its loads pipelined)
+#                                                    #   shapes (G,S,U[,P]; P 1: its loads pipelined; CHAINS=lm_head,fc:
+#                                                    #   those of gpu_matmul_check.py's CHAINS, default q/o, gate/up+down, k/v+back)
 #   bash bench/h200_attention.sh qcheck              # the 4-bit projection kernel against MLX (bench/gpu_qmatmul_check.py)
 #   (TAG=-x names the 4-bit, matmul and qcheck runs' JSONs ...-x.json; SWEEP=1 runs matmul / qcheck with --sweep)
 #   (the 4-bit target's verify-width projections go through plugin/cuda_qmatmul.py; MLX_SPEC_QUANTIZED_KERNEL=off: MLX's)
@@ -116,14 +118,14 @@ case "$what" in
   matmul)
     py bench/gpu_matmul_check.py ${SWEEP:+--sweep} --out "$OUT/h200-matmul-check${TAG:-}.json" | tail -12 ;;
   matmul-variants)  # VARIANTS='G,S,U[,P];...': the chains alone for these kernel shapes
-    py bench/gpu_matmul_check.py --chains-only --sweep --variants "$VARIANTS" \
+    py bench/gpu_matmul_check.py --chains-only --sweep --variants "$VARIANTS" ${CHAINS:+--chains "$CHAINS"} \
       --out "$OUT/h200-matmul-variants${TAG:-}.json" 2>&1 | tee "$OUT/h200-matmul-variants${TAG:-}.log" | tail -8 ;;
   host-split)
     py bench/host_split.py --keys 4096,16384 --linear mlx,kernel --json "$OUT/h200-host-split-projections.json" | tail -8 ;;
   host-split-compiled)
     py bench/host_split.py --keys 4096,16384 --linear kernel --compiled both --json "$OUT/h200-host-split-compiled.json" | tail -8 ;;
   host-split-dflash)  # the DFlash round alone, plain and compiled
-    py bench/host_split.py --keys 4096,16384 --linear kernel --compiled both --drafter-only ${MOST:+--max-weights "$MOST"} \
+    py bench/host_split.py --keys 4096,16384 --linear kernel --compiled both --drafter-only ${MOST:+--max-weights "$MOST"} --staged "${STAGED:-both}" \
       --json "$OUT/h200-host-split-dflash${TAG:-}.json" | tail -8 ;;
   cache-write)
     py bench/cache_write_cost.py | tee "$OUT/h200-cache-write.txt" ;;

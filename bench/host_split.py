@@ -195,6 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="with --linear kernel: rows for each of these bounds on the weights one launch of named siblings "
                         "takes (hooks/attention.py project_all: 10 = a DFlash drafter's K/V of 5 layers in one; 1 = "
                         "each projection alone); default: the dispatcher's own, one row")
+    p.add_argument("--staged", choices=["on", "off", "both"], default="on",
+                   help="the DFlash draft queued in stages (context writes, each layer; the default) or as one graph")
     p.add_argument("--drafter-only", action="store_true", help="the DFlash round alone (no target forwards, no matmuls)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (checks the script; kernel off)")
     p.add_argument("--json", help="write the results here")
@@ -253,12 +255,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                     drafter.compiler = f  # the drafter's block and context append compiled with the target's forwards
                     row = {} if a.drafter_only else {
                         "target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, f)}
-                    row["dflash_round"] = drafter_split(drafter, keys, a.block, a.iters)
-                    name = (how if f is None else how + "+compiled") + ("" if most is None else f" w{most}")
-                    seen = report["by_keys"][str(keys)]
-                    name += f" #{sum(k.split(' #')[0] == name for k in seen) + 1}" if name in seen else ""  # a repeat
-                    seen[name] = row
-                    print(keys, name, json.dumps(row), flush=True)
+                    for staged in [True] if f is None else {"on": [True], "off": [False], "both": [True, False]}[a.staged]:
+                        drafter.staged = staged
+                        row["dflash_round"] = drafter_split(drafter, keys, a.block, a.iters)
+                        name = (how if f is None else how + "+compiled") + ("" if most is None else f" w{most}") + \
+                            ("" if staged else " one graph")
+                        seen = report["by_keys"][str(keys)]
+                        name += f" #{sum(k.split(' #')[0] == name for k in seen) + 1}" if name in seen else ""  # a repeat
+                        seen[name] = row
+                        print(keys, name, json.dumps(row), flush=True)
+                        row = {k: v for k, v in row.items() if k != "dflash_round"}
             drafter.compiler = None
     use("mlx")
     if disp is not None:

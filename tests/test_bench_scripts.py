@@ -172,11 +172,15 @@ def test_host_split_compiled(tmp_path: Path) -> None:
 
 
 def test_host_split_drafter_only(tmp_path: Path) -> None:
-    """--drafter-only: the DFlash round alone (no target forwards, no matmul chains); --max-weights needs the kernel."""
+    """--drafter-only: the DFlash round alone (no target forwards, no matmul chains), staged and as one graph;
+    --max-weights needs the kernel."""
     report = run("host_split", ["--synthetic-target", "tiny", "--cpu", "--keys", "40", "--block", "4", "--iters", "2",
-                                "--linear", "mlx", "--compiled", "on", "--drafter-only"], tmp_path / "d.json")
-    assert report["matmuls"] == {} and list(report["by_keys"]["40"]) == ["mlx+compiled"]
-    assert list(report["by_keys"]["40"]["mlx+compiled"]) == ["dflash_round"]
+                                "--linear", "mlx", "--compiled", "on", "--drafter-only", "--staged", "both"], tmp_path / "d.json")
+    rows = report["by_keys"]["40"]
+    assert report["matmuls"] == {} and list(rows) == ["mlx+compiled", "mlx+compiled one graph"]
+    assert all(list(r) == ["dflash_round"] for r in rows.values())
+    # staged, the graph left to build's caller holds the last stage alone (the head's side of the last layer)
+    assert rows["mlx+compiled"]["dflash_round"]["ops"]["total"] < rows["mlx+compiled one graph"]["dflash_round"]["ops"]["total"]
     assert report["compiled_forward"]["calls"]["compiled dflash draft ahead"] > 0
     refused("host_split", ["--synthetic-target", "tiny", "--cpu", "--max-weights", "10,1"],
             "--max-weights: bounds the projection kernel's launches; got --linear mlx")
@@ -256,8 +260,8 @@ def test_verify_ahead_probe(tmp_path: Path) -> None:
 
 
 def test_gpu_matmul_check_variants_and_its_cuda_guard() -> None:
-    """bench/gpu_matmul_check.py's --variants: (G, S, U[, P]) shapes joined by ';', anything else refused with what
-    is allowed; on the CPU the script refuses to run (the kernel needs MLX-CUDA) instead of timing MLX alone."""
+    """bench/gpu_matmul_check.py's --variants: (G, S, U[, P]) shapes joined by ';', and --chains: names of its
+    CHAINS; anything else refused with what is allowed; on the CPU the script refuses to run (the kernel needs MLX-CUDA) instead of timing MLX alone."""
     sys.path.insert(0, str(BENCH))  # it imports host_split's timer as a sibling module
     try:
         check = script("gpu_matmul_check")
@@ -268,5 +272,9 @@ def test_gpu_matmul_check_variants_and_its_cuda_guard() -> None:
     for bad in ("2,8", "2,8,2,2", "0,8,1", "1,8,1,1,1"):
         with pytest.raises(SystemExit, match="expected G,S,U"):
             check.parse_variants(bad)
+    assert check.parse_chains("lm_head, q/o") == ["lm_head", "q/o"]
+    for bad in ("lm-head", "q/o,nope", ","):
+        with pytest.raises(SystemExit, match="expected names of q/o, gate/up"):
+            check.parse_chains(bad)
     with pytest.raises(SystemExit, match="needs MLX built with CUDA"):
         check.main(["--chains-only", "--sweep", "--variants", "1,8,1"])

@@ -273,3 +273,33 @@ def test_prewarm_runs_every_bucket_and_width(models: Dict[str, Path]) -> None:
     # spans 16..64 x widths 2, 4, 8, 16, and context counts 1, 2, 4 .. 512
     assert prewarm(drafter, 64, 16) == 4 * 4 + 10
     assert prewarm(drafter, 50, 16) == 4 * 4 + 10  # 50 keys need the 64-key span too
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_staged_draft_equals_one_graph(ahead: bool, models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DFlashDrafter.draft`` queues its context writes and layers one by one (``staged``); the same compiled
+    call as one graph gives bit-equal drafts and cache buffers, in place and drafting ahead."""
+    host = make_host({"draft_model": str(models["drafter"]), "block_size": BLOCK})
+    drafter = host.load(str(models["llama"])).attachments["speculative"].drafter
+    drafter.cache_policy, drafter.shape_stable = ShapeStablePolicy(8, prewarm_tokens=0), True
+    drafter.compiler = CompiledForward(PaddedKVCache, grow=16)
+    taps = len(drafter.args.target_layer_ids) * drafter.args.hidden_size
+    mx.random.seed(5)
+    context, feats = mx.random.normal((1, 11, taps)), mx.random.normal((1, BLOCK, taps))
+    tokens = mx.array([[7] + [383] * (BLOCK - 1)], dtype=mx.uint32)
+    got = {}
+    for staged in (True, False):
+        monkeypatch.setattr(DFlashDrafter, "staged", staged)
+        caches = drafter.make_cache()
+        drafter.append_context(caches, context)
+        rest = (None, feats, mx.array(4)) if ahead else ()
+        drafts = drafter.draft(caches, tokens, *rest)
+        assert drafts is not None and drafts.shape == (1, BLOCK - 1)
+        mx.eval(drafts, [c.keys for c in caches])
+        got[staged] = (drafts, [(c.keys, c.values, c.offset) for c in caches])
+    (drafts, cached), (plain, expected) = got[True], got[False]
+    assert drafts.tolist() == plain.tolist()
+    for (k, v, o), (k0, v0, o0) in zip(cached, expected):
+        assert o == o0 == 11 and mx.array_equal(k, k0) and mx.array_equal(v, v0)
+    counts = drafter.compiler.counts
+    assert counts["compiled dflash draft" + (" ahead" if ahead else "")] == 2 and not drafter.compiler.failed, counts

@@ -37,6 +37,7 @@ KIND = "dflash"
 class DFlashDrafter(Drafter):
     kind = KIND
     family = "dflash"
+    staged = True  # ``draft`` queues its stages one after another (False: one graph; the bench's A/B)
 
     def __init__(self, model: Model, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array],
                  cache_policy: Any = None):
@@ -91,15 +92,31 @@ class DFlashDrafter(Drafter):
         1.. (``block`` and the head in one graph). With ``feats`` [1, W, taps*H] (drafting ahead): their context
         K/V first written right past the context in ``caches``, whose offsets stay (the host keeps some of them
         later), and the block run ``shift`` (a device scalar <= W) positions past the context. Compiled calls
-        only; None: declined."""
+        only; None: declined.
+
+        ``staged`` (the default): the call's context writes, then each layer, queued to the device one after
+        another (``mx.async_eval``) before the drafts are returned. MLX commits queued work to the device every
+        100 operations or 1000 MB of arrays (MLX-CUDA), so one graph of the whole draft (~200 operations,
+        3.4 GB at the Llama-3-8B shape) first reaches the device after about two layers' encoding; in stages
+        the device starts after the context writes' and runs while the host encodes the rest."""
         if self.compiler is None or tokens.shape[0] != 1:
             return None
         arrays = [tokens] + ([] if widths is None else [widths]) + ([] if feats is None else [feats, shift])
         past = 0 if feats is None else feats.shape[1]
-        got = self.compiler.call(("dflash draft", widths is not None, feats is not None), self,
-                                 _DRAFTS[widths is not None, feats is not None], caches, arrays, past + tokens.shape[1], 0,
-                                 "compiled dflash draft" + (" ahead" if feats is not None else ""))
-        return None if got is None else got[0]
+        how = (widths is not None, feats is not None, self.staged)
+        got = self.compiler.call(("dflash draft",) + how, self, _DRAFTS[how], caches, arrays, past + tokens.shape[1],
+                                 0, "compiled dflash draft" + (" ahead" if feats is not None else ""))
+        if got is None:
+            return None
+        drafts, stages = got[0], got[1:]
+        del got
+        written = 2 * len(caches) if feats is not None else 0  # the context writes' buffers: one stage
+        if written:
+            mx.async_eval(*stages[:written])
+            del stages[:written]
+        while stages:  # no reference kept to an evaluated stage: the cache writes after it then run in place
+            mx.async_eval(stages.pop(0))
+        return drafts
 
 
 def _append(d: DFlashDrafter, caches: List[Any], feats: mx.array) -> List[mx.array]:
@@ -111,22 +128,25 @@ def _block(d: DFlashDrafter, caches: List[Any], tokens: mx.array, widths: Option
     return [d.model(d.embed(tokens), caches, widths)]
 
 
-def _draft_fn(with_widths: bool, with_feats: bool) -> Callable[..., List[mx.array]]:
+def _draft_fn(with_widths: bool, with_feats: bool, staged: bool) -> Callable[..., List[mx.array]]:
     def fn(d: DFlashDrafter, caches: List[Any], tokens: mx.array, *rest: mx.array) -> List[mx.array]:
+        stages: List[mx.array] = []
         if with_feats:
             feats, shift = rest[-2:]
             base = caches[0].offset
             d.model.append_context(feats, caches)
+            if staged:
+                stages += [a for c in caches for a in (c.keys, c.values)]
             at = base + shift.astype(mx.int32)  # one array for every layer: their writes and masks are made once
             for c in caches:
                 c.offset = at
-        h = d.model(d.embed(tokens), caches, rest[0] if with_widths else None)  # [1, T, H]
-        return [mx.argmax(d.head(h[:, 1:]).astype(mx.float32), axis=-1)]  # [1, T - 1]
+        h = d.model(d.embed(tokens), caches, rest[0] if with_widths else None, stages if staged else None)  # [1, T, H]
+        return [mx.argmax(d.head(h[:, 1:]).astype(mx.float32), axis=-1)] + stages  # [1, T - 1], then the stages
 
     return fn
 
 
-_DRAFTS = {(w, f): _draft_fn(w, f) for w in (False, True) for f in (False, True)}
+_DRAFTS = {(w, f, s): _draft_fn(w, f, s) for w in (False, True) for f in (False, True) for s in (False, True)}
 
 
 # -- detection and validation -----------------------------------------------------------------

@@ -248,14 +248,18 @@ class Model(nn.Module):
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             layer.self_attn.append(context, c, kv[2 * i:2 * i + 2])
 
-    def __call__(self, embeddings: mx.array, cache: List[Any], widths: Optional[mx.array] = None) -> mx.array:
+    def __call__(self, embeddings: mx.array, cache: List[Any], widths: Optional[mx.array] = None,
+                 outputs: Optional[List[mx.array]] = None) -> mx.array:
         """The block's final hidden states [B, T, H] (normed): ``embeddings`` [B, T, H] of
         [last committed token, mask x (T-1)] attending to the context in ``cache``.
-        ``widths`` [B]: real block positions per row (the rest pads the block)."""
+        ``widths`` [B]: real block positions per row (the rest pads the block).
+        ``outputs``: each layer's output but the last appended (a caller evaluating the block in stages)."""
         h = embeddings
         masks: dict = {}
-        for layer, c in zip(self.layers, cache):
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, c, widths, masks)
+            if outputs is not None and i < len(self.layers) - 1:
+                outputs.append(h)
         return self.norm(h)
 
     def blocks(self, embeddings: mx.array, hidden: mx.array, anchors: mx.array) -> mx.array:
