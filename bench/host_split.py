@@ -253,18 +253,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                         proj.max_weights = most
                         f = f if f is None else compiled.CompiledForward(cache_policy.PaddedKVCache, f.widths)
                     drafter.compiler = f  # the drafter's block and context append compiled with the target's forwards
-                    row = {} if a.drafter_only else {
+                    base = {} if a.drafter_only else {
                         "target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, f)}
                     for staged in [True] if f is None else {"on": [True], "off": [False], "both": [True, False]}[a.staged]:
                         drafter.staged = staged
-                        row["dflash_round"] = drafter_split(drafter, keys, a.block, a.iters)
+                        row = {**base, "dflash_round": drafter_split(drafter, keys, a.block, a.iters)}
                         name = (how if f is None else how + "+compiled") + ("" if most is None else f" w{most}") + \
                             ("" if staged else " one graph")
                         seen = report["by_keys"][str(keys)]
                         name += f" #{sum(k.split(' #')[0] == name for k in seen) + 1}" if name in seen else ""  # a repeat
                         seen[name] = row
                         print(keys, name, json.dumps(row), flush=True)
-                        row = {k: v for k, v in row.items() if k != "dflash_round"}
             drafter.compiler = None
     use("mlx")
     if disp is not None:

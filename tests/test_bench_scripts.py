@@ -261,7 +261,8 @@ def test_verify_ahead_probe(tmp_path: Path) -> None:
 
 def test_gpu_matmul_check_variants_and_its_cuda_guard() -> None:
     """bench/gpu_matmul_check.py's --variants: (G, S, U[, P]) shapes joined by ';', and --chains: names of its
-    CHAINS; anything else refused with what is allowed; on the CPU the script refuses to run (the kernel needs MLX-CUDA) instead of timing MLX alone."""
+    CHAINS; anything else refused with what is allowed; on the CPU the script refuses to run (the kernel needs
+    MLX-CUDA) instead of timing MLX alone."""
     sys.path.insert(0, str(BENCH))  # it imports host_split's timer as a sibling module
     try:
         check = script("gpu_matmul_check")
