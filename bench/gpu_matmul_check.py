@@ -88,8 +88,8 @@ def check_pipe(dtype: mx.Dtype) -> List[Dict[str, Any]]:
         w = (mx.random.normal((n, k)) * k ** -0.5).astype(dtype)
         for rows in ROWS:
             x = inputs("rows", rows, k, dtype)
-            plan = cuda_matmul.shape_for(n, k)
-            same = mx.array_equal(cuda_matmul.mm(x, w), cuda_matmul.mm(x, w, (*plan, 1))).item()
+            plan = cuda_matmul.shape_for(n, k, rows)[:3]
+            same = mx.array_equal(cuda_matmul.mm(x, w, plan), cuda_matmul.mm(x, w, (*plan, 1))).item()
             out.append({"shape": name, "x": list(x.shape), "dtype": str(dtype), "ok": same})
     return out
 
@@ -108,7 +108,9 @@ def inputs(layout: str, rows: int, k: int, dtype: mx.Dtype) -> Optional[mx.array
 
 CHAINS = {"q/o": [(4096, 4096)], "gate/up+down": [(14336, 4096), (4096, 14336)], "k/v+back": [(1024, 4096), (4096, 1024)],
           # independent calls on one x (an output cannot feed the next): the shared head, a DFlash drafter's fc
-          "lm_head": [(128256, 4096)], "fc": [(4096, 20480)]}
+          "lm_head": [(128256, 4096)], "fc": [(4096, 20480)],
+          # a forward's wide and deep projections alone (8B llama: gate or up, down)
+          "gate/up": [(14336, 4096)], "down": [(4096, 14336)]}
 DEFAULT_CHAINS = ["q/o", "gate/up+down", "k/v+back"]
 # the second line: more blocks and more warps per SM (bytes in flight: the 16-row chains ran at ~50% of the
 # copy bandwidth with (2, 8, 1), 16 warps an SM)

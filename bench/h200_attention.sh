@@ -35,6 +35,9 @@
 #   bash bench/h200_attention.sh host-split-dflash   # the DFlash round alone, plain and compiled (TAG=-x: ...-x.json;
 #                                                    #   MOST=10,4,1: a row per bound on the weights of one launch;
 #                                                    #   compiled staged and as one graph: STAGED=on|off|both)
+#   bash bench/h200_attention.sh ncu [--keys 4096]  # each kernel of the target's 1- and 16-position forwards and the
+#                                                    #   DFlash round, by Nsight Compute (bench/forward_kernels.py);
+#                                                    #   ncu --shapes --variants '1,8,1;2,8,2': each projection alone
 #   bash bench/h200_attention.sh cache-write         # K/V writes at a device-scalar offset (bench/cache_write_cost.py)
 #   bash bench/h200_attention.sh qmatmul             # MLX's 4-bit matmul by rows against its bytes (bench/quantized_matmul_cost.py)
 #   VARIANTS='2,8,2;1,8,1,1' bash bench/h200_attention.sh matmul-variants  # the projection kernel's chains in these
@@ -127,6 +130,13 @@ case "$what" in
   host-split-dflash)  # the DFlash round alone, plain and compiled
     py bench/host_split.py --keys 4096,16384 --linear kernel --compiled both --drafter-only ${MOST:+--max-weights "$MOST"} --staged "${STAGED:-both}" \
       --json "$OUT/h200-host-split-dflash${TAG:-}.json" | tail -8 ;;
+  ncu)  # each kernel of the forwards timed by Nsight Compute, summed by group (bench/forward_kernels.py)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
+    env PYTHONPATH="$SITE:/tmp/new" timeout "${NCU_LIMIT:-480}" "$NCU" --profile-from-start off --clock-control none \
+      --cache-control none --metrics gpu__time_duration.sum --print-units base --csv --log-file "$OUT/h200-forward-kernels${TAG:-}.csv" \
+      python3 bench/forward_kernels.py --windows "$OUT/h200-forward-kernels-windows${TAG:-}.json" "$@" | tail -12
+    py bench/forward_kernels.py --windows "$OUT/h200-forward-kernels-windows${TAG:-}.json" \
+      --summarise "$OUT/h200-forward-kernels${TAG:-}.csv" --json "$OUT/h200-forward-kernels${TAG:-}.json" | tail -${LINES_SHOWN:-12} ;;
   cache-write)
     py bench/cache_write_cost.py | tee "$OUT/h200-cache-write.txt" ;;
   qcheck)

@@ -172,19 +172,30 @@ def shared_bytes(row_tiles: int, groups: int, splits: int) -> int:
     return splits * row_tiles * 16 * (8 * groups + 1) * 4
 
 
-# (G, S, U): column groups of 8 per warp, warps per block (K splits), steps a warp loads at once. From
-# bench/results/kernels/h200-matmul-check-sweep2.json (16 rows, µs per chain call): one group per warp for
-# the 4096-wide projections (q/o 23.3 against 29.2 at (2, 8, 1), k/v 17-19 against 22.4), two groups and
-# two steps in flight for the wide and the deep ones (gate/up + down 46.5 against 56.8). S is the same in
-# both, and G and U leave each warp's k order as it is, so every shape gives the same bits.
-# On the H200 with this table: kernels/h200-matmul-check-table.json (q/o 26.1, k/v 17.6, gate/up + down 46.9).
+# (G, S, U[, PIPE]): column groups of 8 per warp, warps per block (K splits), steps a warp loads at once, and
+# whether a chunk's loads are issued before the previous chunk's mma. S is the same in every shape, and G, U
+# and PIPE leave each warp's k order as it is, so every shape gives the same bits (a fused launch's products
+# are those of each weight's own launch).
+# Up to 16 rows (the default block), each launch timed alone by Nsight Compute with the weight out of the L2
+# (bench/forward_kernels.py --shapes, kernels/h200-forward-kernels-shapes.json), us: the deep ones need loads
+# always in flight (down 4096 x 14336: 39 PIPED against 46-51 for every unpipelined shape, the DFlash fc
+# 4096 x 20480: 54 against 64-70), and so do the narrow ones (q/o 16 against 18, k/v 11 against 13-14); the
+# wide ones over K <= 8192 do not (gate/up 40 WIDE against 42 PIPED).
+# Over 17-32 rows (two row tiles: twice the registers), bench/results/kernels/h200-matmul-check-sweep2.json
+# (µs per chain call): one group per warp for the 4096-wide projections, two groups and two steps in flight
+# for the wide and the deep ones.
 NARROW = (1, 8, 1)
 WIDE = (2, 8, 2)
-assert NARROW[1] == WIDE[1], "one K split: a fused launch's products must be the bits of each weight's own launch"
+PIPED = (2, 8, 2, 1)
+assert NARROW[1] == WIDE[1] == PIPED[1], "one K split: a fused launch's products must be the bits of each weight's own"
 
 
-def shape_for(columns: int, K: int) -> Tuple[int, int, int]:
-    """(G, S, U) for one launch of ``columns`` output columns in all (every weight together) over K."""
+def shape_for(columns: int, K: int, rows: int = 16) -> Tuple[int, ...]:
+    """(G, S, U[, PIPE]) for one launch of ``columns`` output columns in all (every weight together) over K and
+    ``rows`` rows."""
+    wide = columns > 8192 and K <= 8192
+    if rows <= 16:
+        return WIDE if wide else PIPED
     return NARROW if columns <= 8192 and K <= 8192 else WIDE
 
 
@@ -256,7 +267,7 @@ def _plan(xs: Tuple[int, ...], wss: Tuple[Tuple[int, ...], ...], dtype: mx.Dtype
     if not 2 <= M <= MAX_ROWS or K % 8:
         return None
     mt = 1 if M <= 16 else 2
-    groups, splits, unroll, *pipe = shape or shape_for(sum(ws[0] for ws in wss), K)
+    groups, splits, unroll, *pipe = shape or shape_for(sum(ws[0] for ws in wss), K, M)
     blocks = sum(-(-ws[0] // (8 * groups)) for ws in wss)
     return _kernel(dtype, mt, groups, splits, unroll, len(wss), pipe[0] if pipe else 0), dict(
         grid=(blocks * splits * 32, 1, 1), threadgroup=(splits * 32, 1, 1),
@@ -287,4 +298,5 @@ def reference(x: mx.array, w: mx.array) -> mx.array:
     return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
 
 
-__all__: List[str] = ["available", "mm", "mm_many", "plan", "plan_many", "reference", "supports", "shape_for", "MAX_ROWS", "MAX_WEIGHTS", "NARROW", "WIDE"]
+__all__: List[str] = ["available", "mm", "mm_many", "plan", "plan_many", "reference", "supports", "shape_for", "MAX_ROWS", "MAX_WEIGHTS", "NARROW", "WIDE",
+                     "PIPED"]

@@ -6,6 +6,7 @@ of the engine that breaks one of them fails here. bench/server_load.py has its o
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -279,3 +280,42 @@ def test_gpu_matmul_check_variants_and_its_cuda_guard() -> None:
             check.parse_chains(bad)
     with pytest.raises(SystemExit, match="needs MLX built with CUDA"):
         check.main(["--chains-only", "--sweep", "--variants", "1,8,1"])
+
+
+def test_forward_kernels_summary(tmp_path: Path) -> None:
+    """ncu's CSV split at the window markers and summed by group (the ncu run itself needs MLX-CUDA)."""
+    fk = script("forward_kernels")
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",' \
+           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+
+    def row(i: int, name: str, us: float, metric: str = "gpu__time_duration.sum") -> str:
+        return f'"{i}","1","python3","h","{name}","1","7","(32, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler ' \
+               f'metrics","{metric}","nsecond","{us * 1000:,.0f}"\n'
+
+    kernels = [f"custom_kernel_{fk.MARK}", "custom_kernel_spec_mm_bf16_2_8_1_w1", "rms_norm<bf16, 4>(float*, int)",
+               "custom_kernel_spec_attn_split_bf128_0", "rope_single<bf16>", "scatter_axis<bf16>", "binary_ss_Add",
+               f"custom_kernel_{fk.MARK}", "gemv_single<bf16, 8>(...)", "gemv_single<bf16, 8>(...)"]
+    times = [1000, 3000, 500, 2000, 250, 250, 1000, 1000, 1500, 2500]
+    text = "==PROF== Connected to process 1\n" + head + "".join(
+        row(i, n, t) + row(i, n, 99, "launch__grid_size") for i, (n, t) in enumerate(zip(kernels, times)))
+    log = tmp_path / "k.csv"
+    log.write_text(text)
+    meta = {"target": "t", "windows": [{"name": "target 16 @ 4096", "keys": 4096, "weight_bytes": 6_000_000_000},
+                                       {"name": "target 1 @ 4096", "keys": 4096, "weight_bytes": 6_000_000_000}]}
+    (tmp_path / "w.json").write_text(json.dumps(meta))
+    report = run("forward_kernels", ["--windows", str(tmp_path / "w.json"), "--summarise", str(log)], tmp_path / "o.json")
+    w16, w1 = report["windows"]["target 16 @ 4096"], report["windows"]["target 1 @ 4096"]
+    assert (w16["kernels"], w16["device_ms"], w1["kernels"], w1["device_ms"]) == (6, 7.0, 2, 4.0)
+    assert {g: v["kernels"] for g, v in w16["groups"].items()} == {
+        "projections": 1, "attention": 1, "other": 1, "norms": 1, "rope": 1, "cache writes": 1}
+    assert w16["groups"]["projections"]["ms"] == 3.0 and w16["projection_tb_s"] == 2.0  # 6 GB in 3 ms
+    assert w1["names"] == {"gemv_single": {"kernels": 2, "us": 4000.0}} and w1["projection_tb_s"] == 1.5
+    meta["windows"].append({"name": "one more", "keys": 1})
+    (tmp_path / "w.json").write_text(json.dumps(meta))
+    refused("forward_kernels", ["--windows", str(tmp_path / "w.json"), "--summarise", str(log)],
+            "2 windows marked; the run wrote 3")
+    refused("forward_kernels", ["--windows", str(tmp_path / "w.json")], "needs MLX built with CUDA")
+    assert fk._variants("1,8,1;2,8,2,1") == [(1, 8, 1), (2, 8, 2, 1)]
+    for bad in ("1,8", "2,8,2,3", "a,b,c", "0,8,1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected G,S,U or G,S,U,P"):
+            fk._variants(bad)

@@ -85,7 +85,7 @@ def test_the_projection_kernels_compile(tmp_path: Path) -> None:
     MAX_WEIGHTS weights), also with its loads pipelined (PIPE)."""
     kernels = [qmm_kernel(bf16, mt, gs) for bf16 in (True, False) for mt in (1, 2) for gs in cuda_qmatmul.GROUP_SIZES]
     kernels += [mm_kernel(bf16, mt, w, shape) for bf16 in (True, False) for mt in (1, 2) for w in (1, 3, cuda_matmul.MAX_WEIGHTS)
-                for shape in (cuda_matmul.NARROW, cuda_matmul.WIDE, (*cuda_matmul.NARROW, 1), (*cuda_matmul.WIDE, 1))]
+                for shape in (cuda_matmul.NARROW, cuda_matmul.WIDE, cuda_matmul.PIPED, (*cuda_matmul.NARROW, 1))]
     assert cuda_qmatmul.HEADER == cuda_matmul.HEADER
     compiles(tmp_path, "projections", compact(cuda_matmul.HEADER), kernels)
 

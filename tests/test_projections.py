@@ -162,15 +162,20 @@ def test_the_kernel_declines_what_it_does_not_take(shape_x: Any, shape_w: Any, d
     assert cuda_matmul.plan_many(x, [w, w]) is None
 
 
-@pytest.mark.parametrize("columns, K, shape", [
-    (4096, 4096, "narrow"), (1024, 4096, "narrow"), (6144, 4096, "narrow"),  # q/o, k/v, fused q/k/v
-    (28672, 4096, "wide"), (4096, 14336, "wide"), (128256, 4096, "wide"),  # fused gate/up, down, the head
-    (8192, 8192, "narrow"), (8193, 8192, "wide"), (8192, 8200, "wide"),
+@pytest.mark.parametrize("columns, K, rows, shape", [
+    (4096, 4096, 16, "piped"), (1024, 4096, 2, "piped"), (6144, 4096, 16, "piped"),  # q/o, k/v, fused q/k/v
+    (4096, 14336, 16, "piped"), (4096, 20480, 8, "piped"),  # down, a DFlash fc: deep ones
+    (28672, 4096, 16, "wide"), (128256, 4096, 16, "wide"), (8193, 8192, 16, "wide"),  # fused gate/up, the head
+    (4096, 4096, 17, "narrow"), (1024, 4096, 32, "narrow"), (8192, 8192, 32, "narrow"),  # two row tiles
+    (28672, 4096, 32, "wide"), (4096, 14336, 32, "wide"), (8192, 8200, 32, "wide"),
 ])
-def test_the_projection_kernel_shape_by_launch(columns: int, K: int, shape: str) -> None:
-    """One column group per warp up to 8192 columns over K <= 8192, two above; the K split is the same."""
-    assert cuda_matmul.shape_for(columns, K) == {"narrow": cuda_matmul.NARROW, "wide": cuda_matmul.WIDE}[shape]
-    assert cuda_matmul.NARROW[1] == cuda_matmul.WIDE[1] and cuda_matmul.NARROW != cuda_matmul.WIDE
+def test_the_projection_kernel_shape_by_launch(columns: int, K: int, rows: int, shape: str) -> None:
+    """Up to 16 rows: two column groups, loads pipelined, but for the wide launches over K <= 8192 (unpipelined);
+    over 16 rows: one column group up to 8192 columns over K <= 8192, two above. The K split is the same."""
+    want = {"narrow": cuda_matmul.NARROW, "wide": cuda_matmul.WIDE, "piped": cuda_matmul.PIPED}[shape]
+    assert cuda_matmul.shape_for(columns, K, rows) == want
+    assert cuda_matmul.NARROW[1] == cuda_matmul.WIDE[1] == cuda_matmul.PIPED[1]
+    assert len({cuda_matmul.NARROW, cuda_matmul.WIDE, cuda_matmul.PIPED}) == 3
 
 
 def test_fused_launches_decline_mixed_or_too_many_weights() -> None:
