@@ -30,8 +30,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlx_speculative.plugin.bench import _ints  # noqa: E402 - the bench CLI's own list parser (clear errors)
 
 MARK = "forward_kernels_window"
 GROUPS: List[Tuple[str, str]] = [  # (group, regex over the lower-cased kernel name), first match wins
@@ -171,7 +174,7 @@ def run(a: argparse.Namespace) -> List[Dict[str, Any]]:
     fwd = compiled.CompiledForward(cache_policy.PaddedKVCache)
     drafter.compiler = fwd
     window = Windows()
-    weights = sum(v.nbytes for k, v in _params(target.model) if "embed_tokens" not in k or _tied(target.model))
+    weights = _read_bytes(target.model)
     for keys in a.keys:
         cache = kernels._filled_caches(target.model, keys, cache_policy.DEFAULT_BUCKET)
         for n in a.widths:
@@ -212,13 +215,11 @@ def run_shapes(a: argparse.Namespace) -> List[Dict[str, Any]]:
     return window.rows
 
 
-def _params(model: Any) -> List[Tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-    return tree_flatten(model.parameters())
-
-
-def _tied(model: Any) -> bool:
-    return bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+def _read_bytes(model: Any) -> int:
+    """The weights a forward reads: every parameter but the embedding (a forward gathers its rows), which a
+    tied head reads whole."""
+    tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+    return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if tied or "embed_tokens" not in k)
 
 
 def _variants(text: str) -> List[Tuple[int, ...]]:
@@ -236,12 +237,12 @@ def _variants(text: str) -> List[Tuple[int, ...]]:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--synthetic-target", default="llama-8b")
-    p.add_argument("--keys", type=lambda t: [int(x) for x in t.split(",")], default=[4096, 16384])
-    p.add_argument("--widths", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16])
+    p.add_argument("--keys", type=_ints, default=[4096, 16384])
+    p.add_argument("--widths", type=_ints, default=[1, 16])
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--dflash-layers", type=int, default=5)
     p.add_argument("--shapes", action="store_true", help="each projection shape alone, per kernel shape (--variants)")
-    p.add_argument("--rows", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16], help="with --shapes")
+    p.add_argument("--rows", type=_ints, default=[1, 16], help="with --shapes")
     p.add_argument("--variants", type=_variants,
                    default=[(1, 8, 1), (2, 8, 2)], help="with --shapes: G,S,U[,P] kernel shapes joined by ';'")
     p.add_argument("--windows", required=True, help="the windows' order (written by the run, read by --summarise)")

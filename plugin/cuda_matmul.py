@@ -178,9 +178,10 @@ def shared_bytes(row_tiles: int, groups: int, splits: int) -> int:
 # are those of each weight's own launch).
 # Up to 16 rows (the default block), each launch timed alone by Nsight Compute with the weight out of the L2
 # (bench/forward_kernels.py --shapes, kernels/h200-forward-kernels-shapes.json), us: the deep ones need loads
-# always in flight (down 4096 x 14336: 39 PIPED against 46-51 for every unpipelined shape, the DFlash fc
-# 4096 x 20480: 54 against 64-70), and so do the narrow ones (q/o 16 against 18, k/v 11 against 13-14); the
-# wide ones over K <= 8192 do not (gate/up 40 WIDE against 42 PIPED).
+# always in flight (down 4096 x 14336: 39 PIPED against 50 for the previous plan, 46 the best unpipelined shape;
+# the DFlash fc 4096 x 20480: 54 against 68 and 64), and so do the narrow ones (q/o 16 against 18; k/v 11
+# against 13, 8 only with 32 warps splitting K, which the fused q/k/v launch would not share); the wide ones
+# over K <= 8192 do not (gate/up 39-40 WIDE against 42 PIPED).
 # Over 17-32 rows (two row tiles: twice the registers), bench/results/kernels/h200-matmul-check-sweep2.json
 # (µs per chain call): one group per warp for the 4096-wide projections, two groups and two steps in flight
 # for the wide and the deep ones.
@@ -193,9 +194,8 @@ assert NARROW[1] == WIDE[1] == PIPED[1], "one K split: a fused launch's products
 def shape_for(columns: int, K: int, rows: int = 16) -> Tuple[int, ...]:
     """(G, S, U[, PIPE]) for one launch of ``columns`` output columns in all (every weight together) over K and
     ``rows`` rows."""
-    wide = columns > 8192 and K <= 8192
     if rows <= 16:
-        return WIDE if wide else PIPED
+        return WIDE if columns > 8192 and K <= 8192 else PIPED
     return NARROW if columns <= 8192 and K <= 8192 else WIDE
 
 

@@ -282,7 +282,7 @@ def test_gpu_matmul_check_variants_and_its_cuda_guard() -> None:
         check.main(["--chains-only", "--sweep", "--variants", "1,8,1"])
 
 
-def test_forward_kernels_summary(tmp_path: Path) -> None:
+def test_forward_kernels_summary(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """ncu's CSV split at the window markers and summed by group (the ncu run itself needs MLX-CUDA)."""
     fk = script("forward_kernels")
     head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",' \
@@ -319,3 +319,6 @@ def test_forward_kernels_summary(tmp_path: Path) -> None:
     for bad in ("1,8", "2,8,2,3", "a,b,c", "0,8,1"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected G,S,U or G,S,U,P"):
             fk._variants(bad)
+    with pytest.raises(SystemExit):
+        fk.main(["--windows", str(tmp_path / "w.json"), "--shapes", "--rows", "1,x"])
+    assert "got '1,x'; expected integers separated by commas" in capsys.readouterr().err
