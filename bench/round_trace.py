@@ -75,11 +75,11 @@ def traced_step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     on_rows, on_reqs = [rows[b] for b in on], [reqs[b] for b in on]
     rnd._observe(batch, br, on_rows, on_reqs)
     br.draft.sync(on_rows)
-    plans = [rnd._plan(r, q) for r, q in zip(on_rows, on_reqs)]
+    plans = [rnd._plan(r, q, br.draft) for r, q in zip(on_rows, on_reqs)]
     if not any(plans):
         outs = [StepOutput([], None) for _ in rows]
         for b, row, req in zip(on, on_rows, on_reqs):
-            outs[b].plain_steps = rnd._grant(row, req)
+            outs[b].plain_steps = rnd._grant(row, req, False)
             req.expected = row.generated
         return outs
     return traced_round(batch, att, br, rows, on, plans)
@@ -151,7 +151,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     commit.commit_drafter(br.draft, drafted, on_rows, commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
     lap = Laps()  # the round's own laps, by the phases above (synchronised, unlike the round's)
     lap.seconds = {"draft": t1 - t0, "verify": t2 - t1, "commit_drafter": time.perf_counter() - t2}
-    rnd.record(rows, on, reqs, plans, outcomes, lap)
+    rnd.record(rows, on, reqs, plans, outcomes, lap, int(inputs.shape[1]))
     phase("finish")
     out = [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
            for b, o in enumerate(outcomes)]

@@ -1,17 +1,23 @@
-"""Does the server batch on this machine? Concurrent clients against a real HTTP server on a
-synthetic target, plain decoding and DFlash rounds (oracle acceptance), mean rows per decode step.
+"""Served speed: concurrent clients against a real HTTP server, plain batching against speculative rounds.
 
-Not a test. The target is built in memory (``--synthetic-target``, plugin/bench/synthetic.py: random
-weights with large logit margins) with a word-level tokenizer of its vocabulary made here, and served
-in this process by the real server (hooks/server.py: HTTP threads, the engine's generation thread,
-the scheduler); ``--clients`` threads send completions for
-``--duration`` seconds. Each output is compared with the same request answered alone first.
-For ``dflash`` a DFlash-shape drafter runs for real and its proposals are replaced by each request's
-reference continuation with errors injected (mean acceptance length ``--tau``), as ``mlx-spec bench``'s
-oracle does. Reported per mode, from the server's /metrics: decode steps, rows over those steps,
-their ratio (mean rows per target forward), rounds and tau; and the clients' tokens per second.
+Not a test. The target is built in memory (``--synthetic-target``, plugin/bench/synthetic.py: random weights
+with large logit margins; ``--quantize-target 4``: its weights in 4 bits) with a word-level tokenizer of its
+vocabulary made here, and served in this process by the real server (hooks/server.py: HTTP threads, the
+engine's generation thread, the scheduler, the plugins as a deployment registers them). For each mode and
+each client count of ``--clients``, that many threads send completions for ``--duration`` seconds; every
+output is compared with the same request answered alone first (0 mismatches expected in every mode).
 
-    python bench/server_batching.py --synthetic-target llama-8b --clients 8 --duration 40 --json out.json
+Modes: ``plain`` (the host's plain decoding, the plugins registered as installed: on CUDA the plugin's
+backend serves plain steps too), ``mlx-lm`` (no plugin: mlx-lm's own caches and kernels), ``dflash`` (a
+DFlash-shape drafter runs for real, its proposals replaced by each request's reference continuation with
+errors injected at mean acceptance length ``--tau``, as ``mlx-spec bench``'s oracle does; adaptive blocks of
+at most ``--block``) and ``dflash-tau1`` (the same drafts never accepted). Reported per mode and client
+count, from the server's /metrics and the responses: tok/s, decode steps and mean rows per step (one target
+forward each), ms per decode step, rounds and tau, the round's steps (ms per round, from the requests'
+``timings``), and the plugin's compiled-call and attention-kernel counts.
+
+    python bench/server_batching.py --synthetic-target llama-8b --clients 1,2,4,8 --duration 30 \\
+        --max-tokens 256 --prompt-words 256 --json bench/results/served/h100-llama8b.json
 """
 
 from __future__ import annotations
@@ -19,13 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
+import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_speculative.hooks.host import GenerationParams, Host
 from mlx_speculative.hooks.manager import make_plugin_manager
@@ -36,6 +46,8 @@ from mlx_speculative.plugin import cache_policy, hookimpls
 from mlx_speculative.plugin.bench import oracle as orc
 from mlx_speculative.plugin.bench import synthetic
 from mlx_speculative.plugin.settings import SpeculativeSettings
+
+MODES = ("plain", "mlx-lm", "dflash", "dflash-tau1")
 
 
 def word_tokenizer(vocab: int, root: Path) -> Any:
@@ -56,49 +68,46 @@ def word_tokenizer(vocab: int, root: Path) -> Any:
 
 
 def prompts(n: int, vocab: int, length: int) -> List[str]:
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     return [" ".join(f"w{rng.randrange(3, vocab)}" for _ in range(length + 7 * i)) for i in range(n)]
 
 
-def serve(target: LoadedTarget, settings_over: Dict[str, Any]) -> Server:
+def serve(target: LoadedTarget, plugins: List[Any], settings_over: Dict[str, Any]) -> Server:
     settings = server_settings(HostConfig(overrides={"server": {"port": 0, **settings_over}}))
-    plugins = [hookimpls] if hookimpls.NAME in target.attachments else []
     server = build_server(HostConfig(), target.name, settings, pm=make_plugin_manager(False, plugins), target=target)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
 
 def metrics(server: Server) -> Dict[str, float]:
-    import urllib.request
-
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=30).read().decode()
     return {n: float(v) for n, v in (l.rsplit(" ", 1) for l in text.splitlines() if l and not l.startswith("#"))}
 
 
-def one(url: str, prompt: str, max_tokens: int) -> Tuple[str, int]:
-    """One completion (urllib: the GPU machine has no openai client): (text, completion tokens)."""
-    import urllib.request
-
+def one(url: str, prompt: str, max_tokens: int) -> Tuple[Tuple[str, int], Dict[str, Any]]:
+    """One completion (urllib: the GPU machine has no openai client): ((text, completion tokens), timings)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
     out = json.loads(urllib.request.urlopen(req, timeout=600).read())
-    return out["choices"][0]["text"], out["usage"]["completion_tokens"]
+    return (out["choices"][0]["text"], out["usage"]["completion_tokens"]), out.get("timings") or {}
 
 
 def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: int, duration: float,
          max_tokens: int) -> Dict[str, Any]:
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     lock = threading.Lock()
-    stats = {"requests": 0, "errors": 0, "mismatches": 0, "tokens": 0}
+    stats: Dict[str, Any] = {"requests": 0, "errors": 0, "mismatches": 0, "tokens": 0}
+    steps: Dict[str, float] = {}
+    rounds = [0]
     stop_at = time.monotonic() + duration
 
     def loop(i: int) -> None:
         k = i
         while time.monotonic() < stop_at:
-            j = k % len(reqs)
+            j = k % clients  # client i sends prompts i, i + 1, ... of the first ``clients``
             k += 1
             try:
-                got = one(url, reqs[j], max_tokens)
+                got, timing = one(url, reqs[j], max_tokens)
             except Exception:  # noqa: BLE001
                 with lock:
                     stats["errors"] += 1
@@ -107,6 +116,9 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
                 stats["requests"] += 1
                 stats["tokens"] += max(got[1], 0)
                 stats["mismatches"] += int(got != refs[j])
+                rounds[0] += int(timing.get("draft_rounds") or 0)
+                for name, ms in (timing.get("round_steps_ms") or {}).items():
+                    steps[name] = steps.get(name, 0.0) + ms
 
     before = metrics(server)
     t0 = time.monotonic()
@@ -116,70 +128,121 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
     for t in threads:
         t.join()
     wall = time.monotonic() - t0
-    after = metrics(server)
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    steps, rows = d.get("mlx_spec_decode_steps_total", 0), d.get("mlx_spec_decode_rows_total", 0)
+    d = {k: v - before.get(k, 0.0) for k, v in metrics(server).items()}
+    n_steps, rows = d.get("mlx_spec_decode_steps_total", 0), d.get("mlx_spec_decode_rows_total", 0)
     drafts = d.get("spec_decode_num_drafts_total", 0)
     return {**stats, "clients": clients, "seconds": round(wall, 1), "tokens_per_s": round(stats["tokens"] / wall, 1),
-            "decode_steps": int(steps), "rows_over_steps": int(rows),
-            "mean_rows_per_step": round(rows / steps, 3) if steps else None, "rounds": int(drafts),
-            "tau": round(1 + d.get("spec_decode_num_accepted_tokens_total", 0) / drafts, 3) if drafts else None}
+            "decode_steps": int(n_steps), "mean_rows_per_step": round(rows / n_steps, 3) if n_steps else None,
+            "ms_per_decode_step": round(1e3 * wall / n_steps, 2) if n_steps else None, "rounds": int(drafts),
+            "tau": round(1 + d.get("spec_decode_num_accepted_tokens_total", 0) / drafts, 3) if drafts else None,
+            # a batched round's steps are recorded by each of its rows: per row-round
+            "ms_per_row_round": {k: round(v / rounds[0], 3) for k, v in sorted(steps.items())} if rounds[0] else None}
+
+
+def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: Any, name: str, block: int, tau: float,
+               reqs: List[str], max_tokens: int) -> Tuple[LoadedTarget, List[Any]]:
+    """The target as the server gets it for ``mode``, and the host plugins a deployment registers."""
+    target = LoadedTarget(model=model, tokenizer=tokenizer, path=Path("synthetic"), model_config=config, name=name)
+    if mode == "mlx-lm":
+        return target, []
+    policy = cache_policy.policy_for()
+    if mode == "plain":
+        settings = SpeculativeSettings(enabled=False)
+        target.attachments[hookimpls.NAME] = hookimpls.Attachment(settings=settings, policy=hookimpls.plain_policy(policy))
+        return target, [hookimpls]
+    drafter, _ = synthetic.dflash_drafter(model, config, block, 5, 2, policy)
+    ora = orc.Oracle(orc.alpha_for_tau(1.0 if mode == "dflash-tau1" else tau, block), config["vocab_size"])
+    plain = Host(HostConfig(), pm=make_plugin_manager(False))
+    for p in reqs:  # each request's reference continuation, for the oracle
+        ids = tokenizer.encode(p, add_special_tokens=False)
+        ora.register(ids, plain.generate(target, ids, GenerationParams(max_tokens=max_tokens)).tokens)
+    settings = SpeculativeSettings(enabled=True, kind="dflash", block_size=None, adaptive=True)
+    if policy is not None:
+        policy.block_size = block
+    target.attachments[hookimpls.NAME] = hookimpls.Attachment(
+        settings=settings, drafter=orc.WrappedDrafter(drafter, ora), block_size=block, policy=policy)
+    return target, [hookimpls]
+
+
+def plugin_counts(target: LoadedTarget) -> Dict[str, Any]:
+    policy = target.cache_policy
+    out: Dict[str, Any] = {"cache_policy": getattr(policy, "name", "mlx-lm")}
+    for name in ("forward", "attention", "projections"):
+        part = getattr(policy, name, None)
+        if part is not None and hasattr(part, "report"):
+            out[name] = part.report()
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--synthetic-target", default="tiny", choices=list(synthetic.SPECS))
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompt-words", type=int, default=128, help="length of the shortest prompt")
-    ap.add_argument("--tau", type=float, default=6.5, help="oracle mean acceptance length for dflash")
+    ap.add_argument("--quantize-target", type=int, default=None, choices=[4, 8], metavar="BITS")
+    ap.add_argument("--clients", default="1,2,4,8", help="client counts, one load each per mode")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode and client count")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--prompt-words", type=int, default=256, help="length of the shortest prompt")
+    ap.add_argument("--tau", type=float, default=6.0, help="oracle mean acceptance length for dflash")
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--modes", default="plain,dflash")
+    ap.add_argument("--modes", default="plain,dflash,dflash-tau1", help=f"any of {', '.join(MODES)}")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    clients = [int(c) for c in args.clients.split(",")]
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not clients or min(clients) < 1:
+        ap.error(f"--modes: got {args.modes!r}; allowed: {', '.join(MODES)}" if bad else
+                 f"--clients: got {args.clients!r}; allowed: positive integers joined by commas")
     if args.cpu:
         mx.set_default_device(mx.cpu)
     config = synthetic.config_for(args.synthetic_target)
     model = synthetic.build(config)
+    if args.quantize_target:
+        nn.quantize(model, group_size=64, bits=args.quantize_target)
     vocab = config["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = word_tokenizer(vocab, Path(tmp) / "tokenizer")
-    reqs = prompts(args.clients, vocab, args.prompt_words)
-    policy = cache_policy.policy_for()
+    reqs = prompts(max(clients), vocab, args.prompt_words)
     results: Dict[str, Any] = {}
-    for mode in args.modes.split(","):
-        target = LoadedTarget(model=model, tokenizer=tokenizer, path=Path("synthetic"), model_config=config,
-                              name=args.synthetic_target)
-        if mode == "dflash":
-            drafter, _ = synthetic.dflash_drafter(model, config, args.block, 5, 2, policy)
-            ora = orc.Oracle(orc.alpha_for_tau(args.tau, args.block), vocab)
-            plain = Host(HostConfig(), pm=make_plugin_manager(False))
-            for p in reqs:  # each request's reference continuation, for the oracle
-                ids = tokenizer.encode(p, add_special_tokens=False)
-                ora.register(ids, plain.generate(target, ids, GenerationParams(max_tokens=args.max_tokens)).tokens)
-            settings = SpeculativeSettings(enabled=True, kind="dflash", block_size=args.block, adaptive=False)
-            target.attachments[hookimpls.NAME] = hookimpls.Attachment(
-                settings=settings, drafter=orc.WrappedDrafter(drafter, ora), block_size=args.block, policy=policy)
-            if getattr(policy, "shape_stable", False):  # the padded caches' shapes (the routed policy has none)
-                policy.prewarm(model, args.block)
-        server = serve(target, {"max_active": args.clients, "max_queue": 4 * args.clients})
+    for mode in modes:
+        target, plugins = target_for(mode, model, config, tokenizer, args.synthetic_target, args.block, args.tau, reqs,
+                                     args.max_tokens)
+        t0 = time.perf_counter()
+        server = serve(target, plugins, {"max_active": max(clients), "max_queue": 4 * max(clients)})
         try:
             url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-            refs = [one(url, p, args.max_tokens) for p in reqs]  # each request alone
-            results[mode] = load(server, reqs, refs, args.clients, args.duration, args.max_tokens)
+            refs = [one(url, p, args.max_tokens)[0] for p in reqs]  # each request alone
+            results[mode] = {"load_and_refs_s": round(time.perf_counter() - t0, 1), "by_clients": {}}
+            for n in clients:
+                row = load(server, reqs, refs, n, args.duration, args.max_tokens)
+                results[mode]["by_clients"][str(n)] = row
+                print(f"{mode} x{n}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            results[mode]["plugin"] = plugin_counts(server.engine.target or target)
         finally:
             server.shutdown()
             server.engine.stop()
+            server.engine.thread.join(timeout=120)  # no MLX work left in flight when the process exits
             server.server_close()
-        print(f"{mode}: {json.dumps(results[mode])}", flush=True)
-    report = {"command": "python bench/server_batching.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
-              "target": args.synthetic_target, "device": str(mx.default_device()), "mlx": mx.__version__,
-              "platform": platform.platform(), "cache_policy": policy.name if policy else "mlx-lm", "results": results}
+    ratios: Dict[str, Dict[str, float]] = {}
+    if "plain" in results:
+        base = results["plain"]["by_clients"]
+        for mode in results:
+            ratios[mode] = {n: round(r["tokens_per_s"] / base[n]["tokens_per_s"], 3)
+                            for n, r in results[mode]["by_clients"].items() if base[n]["tokens_per_s"]}
+        one_client = base.get("1", {}).get("tokens_per_s")
+        if one_client:
+            ratios["plain_over_plain_x1"] = {n: round(r["tokens_per_s"] / one_client, 3) for n, r in base.items()}
+    report = {"command": "python bench/server_batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "target": args.synthetic_target, "quantized_bits": args.quantize_target, "max_tokens": args.max_tokens,
+              "prompt_words": args.prompt_words, "tau": args.tau, "block": args.block,
+              "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
+              "results": results, "tokens_per_s_over_plain": ratios}
+    print(json.dumps(ratios, indent=1))
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
-    ok = all(r["errors"] == 0 and r["requests"] > 0 for r in results.values())
+    ok = all(r["errors"] == 0 and r["requests"] > 0 for m in results.values() for r in m["by_clients"].values())
     return 0 if ok else 1
 
 

@@ -128,6 +128,10 @@ class DraftSession(abc.ABC):
         """After verification: how many of the positions this round wrote into ``caches()`` stay."""
         return 0
 
+    def worth_probing(self, state: Any) -> bool:
+        """``DraftBatch.worth_probing`` for this request (False by default)."""
+        return False
+
 
 class DraftBatch(abc.ABC):
     """The drafting state of the rows of one batch (``hooks.batch.DecodeBatch``) using one drafter.
@@ -161,6 +165,12 @@ class DraftBatch(abc.ABC):
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         """Per row: positions of ``propose``'s writes to its caches that stay (0 by default)."""
         return [0] * len(rows)
+
+    def worth_probing(self, row: Any) -> bool:
+        """Whether a row the adaptive controller paused (its drafts were not paying) is likely to draft well now,
+        told without drafting (e.g. an n-gram match appeared in its tokens): it then probes at once instead of
+        waiting out its pause, and is asked every few plain steps while paused. False by default."""
+        return False
 
     def drafts_ahead(self, rows: Sequence[Any]) -> bool:
         """Whether ``draft_ahead`` may draft for these rows this round (the round then computes their outcomes
@@ -231,6 +241,10 @@ class SessionBatch(DraftBatch):
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         return [self.sessions[id(r)].commit(r, v) for r, v in zip(rows, verified)]
 
+    def worth_probing(self, row: Any) -> bool:
+        session = self.sessions.get(id(row))
+        return session is not None and session.worth_probing(row)
+
 
 class Drafter(abc.ABC):
     """A loaded drafter, shared by every request on one target."""
@@ -238,6 +252,9 @@ class Drafter(abc.ABC):
     kind: str = ""
     family: str = ""
     default_block_size: int = 4
+    # Adaptive blocks may grow past the default up to this while the measured costs say it pays (None: the
+    # default is the most: e.g. a DFlash drafter drafts the block it was trained for).
+    max_block_size: Optional[int] = None
 
     def capture_layers(self) -> List[int]:
         """Target decoder layers whose outputs this drafter reads (0-based: layer i's output)."""

@@ -38,7 +38,7 @@ class KVView:
         return KVView(self.keys[index], self.values[index], self.positions[index])
 
 
-SUPPORTED = ("KVCache", "BatchKVCache", "RotatingKVCache", "BatchRotatingKVCache")
+SUPPORTED = ("KVCache", "BatchKVCache", "RotatingKVCache", "BatchRotatingKVCache", "RaggedBatchKVCache")
 
 
 def committed_kv(cache: Any) -> Optional[KVView]:
@@ -51,6 +51,14 @@ def committed_kv(cache: Any) -> Optional[KVView]:
         return _batch_rotating(cache)
     if isinstance(cache, RotatingKVCache):
         return _rotating(cache)
+    lengths = getattr(cache, "lengths", None)
+    if isinstance(lengths, tuple) and hasattr(cache, "set_lengths"):  # rows at their own lengths (plugin/ragged_cache.py)
+        if cache.keys is None or max(lengths) == 0:
+            return None
+        n = max(lengths)
+        slot = mx.arange(n, dtype=mx.int32)[None]  # [1, S]: a row's slots are its positions
+        return KVView(cache.keys[..., :n, :], cache.values[..., :n, :],
+                      mx.where(slot < cache.offset[:, None], slot, -1).astype(mx.int32))
     if isinstance(cache, BatchKVCache):
         if cache.keys is None or cache._idx == 0:
             return None

@@ -39,6 +39,15 @@ class PlainRun:
         """Queue one step for ``rows``: ``fed`` [B] is the lazy tokens to feed (None: the pending ones)."""
         inputs = mx.array([[r.pending] for r in rows], dtype=mx.uint32) if fed is None else fed[:, None]
         logits, captured = self.batch.forward(inputs)  # [B, 1, V]
+        if len(rows) > 1 and all(r.sampling.greedy and not r.logits_processors and not r.capture_layers for r in rows):
+            # Every row greedy as is: the batch's log-probabilities and argmax in one go (mlx-lm's greedy sampler
+            # is the argmax), not a few operations per row, each encoded on the host.
+            last = logits[:, -1, :]  # [B, V]
+            lp = last - mx.logsumexp(last, axis=-1, keepdims=True)
+            y = mx.argmax(lp, axis=-1).astype(mx.uint32)  # [B]
+            mx.async_eval(y, lp)
+            self._queued = (rows, y, [lp[b : b + 1] for b in range(len(rows))])
+            return
         sampled, logprobs = [], []
         for b, row in enumerate(rows):
             if row.capture_layers:

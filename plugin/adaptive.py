@@ -21,8 +21,17 @@ average over rounds, so that one bad round after good ones does not shrink the b
   round costs no more than ``probe_budget`` of it: (round / plain step - 1) / probe_budget steps.
   No probe when fewer tokens are left than the pause before it (``skip_probe``).
 
-Costs are the round loop's wall-clock measurements (``record_round``, ``record_plain``), averaged
-like the rates; before a plain step was measured only the acceptance rules apply.
+Costs come from the loaded target's ``CostTable`` (plugin/costs.py): a round of each (rows, verify width) and a
+plain step of each row count, measured once each (the median of a shape's first few), not a running average
+of wall clock, so that a request's decisions do not move with the machine's load; before a plain step of the
+row count was measured only the acceptance rules apply. ``shape`` is the (rows, verify width) of the row's
+latest round: a row in a batch pays its share, so it loses when (1 + accepted) / round < 1 / plain step.
+
+Growth may pass the drafter's own block size up to ``cap`` (a drafter's ``max_block_size``: a draft model
+accepting everything at its default 4 does better at 8 and more), but only while the costs measured say the
+bigger block returns more tokens per second (``pays_to_grow``); a size whose round was never measured is tried.
+``alpha`` is the per-position acceptance estimate (accepted drafts over drafts tried until the first
+rejection, exponentially averaged) that prices a block: 1 + alpha + ... + alpha**k tokens a round.
 
 An explicit ``block_size`` pins the size (``adaptive=False``). ``history`` holds the size each
 round used; the stats report it (``SpecStats.block_sizes``).
@@ -32,7 +41,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
+
+from .costs import CostTable, expected_tokens
 
 
 @dataclass
@@ -51,8 +62,12 @@ class BlockSizeController:
     min_pause: int = 8
     max_pause: int = 256
     probe_budget: float = 0.05  # a probe round costs at most this share of the pause before it
-    round_seconds: float = 0.0  # exponential average of a round's wall clock (0: not measured)
-    plain_seconds: float = 0.0  # exponential average of a plain step's wall clock (0: not measured)
+    start: int = 0  # the first rounds' size (0: the cap); the drafter's own block where the cap is above it
+    costs: CostTable = field(default_factory=CostTable)  # the target's, shared by its requests (round.py)
+    shape: Tuple[int, int] = (1, 0)  # (rows, verify width) of the latest round (width 0: its block size)
+    width_for: Callable[[int], int] = lambda n: n  # the verify width a block of n positions takes (the cache policy's)
+    accepted_trials: float = 0.0  # exponentially averaged drafts accepted ...
+    trials: float = 0.0  # ... and drafts tried up to the first rejection: alpha
     pause: int = 0  # length of the next pause, in plain steps (0: not pausing)
     paused_left: int = 0  # plain steps still to take before the next probe round
     plain_steps: int = 0  # plain steps taken while paused, for the stats
@@ -62,8 +77,8 @@ class BlockSizeController:
     def __post_init__(self) -> None:
         if self.cap < self.floor:
             self.floor = max(2, self.cap)
-        self.size = self.cap
-        self.recent_accepted = float(self.cap - 1)
+        self.size = min(self.cap, self.start) if self.start >= self.floor else self.cap
+        self.recent_accepted = float(self.size - 1)
         if self.recent_rate < 0:
             self.recent_rate = self.good_rate
 
@@ -80,6 +95,12 @@ class BlockSizeController:
             self.probing = True
         return n
 
+    def end_pause(self) -> None:
+        """Probe now: the drafter has a likely proposal (e.g. an n-gram match appeared), the pause's steps left go."""
+        if self.paused_left:
+            self.paused_left = 0
+            self.probing = True
+
     def skip_probe(self, remaining: int) -> bool:
         """The next round would probe after a pause, with no more tokens left than that pause:
         it could not pay for itself, so the rest are plain steps (``plain_to_end``)."""
@@ -89,29 +110,59 @@ class BlockSizeController:
         self.plain_steps += steps
         return steps
 
-    def _average(self, old: float, new: float) -> float:
-        return new if old <= 0 else self.decay * new + (1 - self.decay) * old
+    @property
+    def alpha(self) -> float:
+        """Per-position acceptance estimate (the good rate until a round was seen)."""
+        return self.accepted_trials / self.trials if self.trials > 0 else self.good_rate
+
+    @property
+    def round_seconds(self) -> float:
+        """A round of this row's latest shape, as measured (0: not yet)."""
+        rows, width = self.shape
+        return self.costs.get("round", rows, width or self.size) or 0.0
+
+    @property
+    def plain_seconds(self) -> float:
+        """A plain step of as many rows, as measured (0: not yet)."""
+        return self.costs.get("plain", self.shape[0], 1) or 0.0
 
     def record_round(self, seconds: float) -> None:
-        """A round's wall clock, drafting to commit."""
-        self.round_seconds = self._average(self.round_seconds, seconds)
+        """A round's wall clock, drafting to commit, at ``shape``."""
+        rows, width = self.shape
+        self.costs.observe("round", rows, width or self.size, seconds)
 
-    def record_plain(self, steps: int, seconds: float) -> None:
-        """The wall clock of ``steps`` plain one-token steps taken during a pause."""
+    def record_plain(self, steps: int, seconds: float, rows: int = 1) -> None:
+        """The wall clock of ``steps`` plain one-token steps of ``rows`` rows taken during a pause."""
         if steps > 0 and seconds > 0:
-            self.plain_seconds = self._average(self.plain_seconds, seconds / steps)
+            self.costs.observe("plain", rows, 1, seconds / steps)
 
     def losing(self) -> bool:
-        """Rounds yield fewer tokens per second than plain steps, at the measured costs."""
-        if not (self.round_seconds > 0 and self.plain_seconds > 0):
-            return False
-        return (1 + self.recent_accepted) * self.plain_seconds < self.round_seconds
+        """Rounds yield fewer tokens per second than plain steps, at the measured costs (this row's share)."""
+        r, p = self.round_seconds, self.plain_seconds
+        return r > 0 and p > 0 and (1 + self.recent_accepted) * p < r
+
+    def pays_to_grow(self, new: int) -> bool:
+        """Whether blocks of ``new`` positions return more tokens per second than blocks of ``size`` at this
+        alpha, at the measured costs of the row's shape (a size never measured is tried)."""
+        rows = self.shape[0]
+        old_cost = self.costs.get("round", rows, self.width_for(self.size))
+        new_cost = self.costs.get("round", rows, self.width_for(new))
+        if old_cost is None or new_cost is None:
+            return True
+        a = self.alpha
+        return expected_tokens(a, new - 1) / new_cost >= expected_tokens(a, self.size - 1) / old_cost
+
+    def pause_now(self) -> None:
+        """Pause: the batch's round would lose against plain steps at the measured costs (plugin/round.py)."""
+        if self.adaptive:
+            self._pause()
 
     def _pause(self) -> None:
         backoff = min(self.max_pause, self.pause * 2) if self.pause else self.min_pause
         probe_paid = 0
-        if self.round_seconds > 0 and self.plain_seconds > 0:
-            extra = max(0.0, self.round_seconds / self.plain_seconds - 1.0)
+        r, p = self.round_seconds, self.plain_seconds
+        if r > 0 and p > 0:
+            extra = max(0.0, r / p - 1.0)
             probe_paid = min(self.max_pause, math.ceil(extra / self.probe_budget))
         self.pause = max(backoff, probe_paid)
         self.paused_left = self.pause
@@ -122,6 +173,8 @@ class BlockSizeController:
         if not self.adaptive or draft_tokens == 0:
             return
         rate = accepted / draft_tokens
+        self.accepted_trials = self.decay * accepted + (1 - self.decay) * self.accepted_trials
+        self.trials = self.decay * (accepted + (accepted < draft_tokens)) + (1 - self.decay) * self.trials
         self.recent_rate = self.decay * rate + (1 - self.decay) * self.recent_rate
         self.recent_accepted = self.decay * accepted + (1 - self.decay) * self.recent_accepted
         collapsed = self.recent_rate < self.collapse_rate
@@ -138,7 +191,9 @@ class BlockSizeController:
             self.pause = 0
             self._good += 1
             if self._good >= self.grow_after and self.size < self.cap:
-                self.size = min(self.cap, self.size + max(1, self.size // 4))
+                new = min(self.cap, self.size + max(1, self.size // 4))
+                if self.pays_to_grow(new):
+                    self.size = new
                 self._good = 0
         else:
             self._good = 0

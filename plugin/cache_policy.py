@@ -5,8 +5,8 @@ Why: MLX's CUDA backend compiles attention per (query length, key length) pair o
 step and every round meets a new key length on a fresh prompt. ``PaddedKVCache`` returns keys and
 values padded up to a multiple of ``bucket`` and a boolean mask ``[N, padded]`` that hides the
 padding (and the stale tail left by ``trim``), so a whole bucket of positions shares one shape;
-``PaddedBatchKVCache`` does the same for rows of a batch (it is what ``PaddedKVCache.merge``
-makes). ``ShapeStablePolicy.prewarm`` runs the model once per (query width, bucket) at load, and
+rows of a batch merge into a ``RaggedBatchKVCache`` (plugin/ragged_cache.py: each row at its own length,
+keys padded the same way, a ragged commit moves nothing). ``ShapeStablePolicy.prewarm`` runs the model once per (query width, bucket) at load, and
 ``verify_width`` rounds a round's verify forward up to a power of two so that adaptive block sizes
 reuse those shapes. Everything CUDA-specific about caches lives here: the cache classes, their
 transaction handlers, verify widths and pre-warming; drafters make their own attention caches
@@ -58,6 +58,7 @@ from ..hooks.transaction import BatchTrimHandler, TrimHandler
 from .attention import ROUTED_MIN_KEYS, Dispatcher, dispatcher_for
 from .compiled import forward_for as compiled_for
 from .projections import Projections, projections_for
+from .ragged_cache import RaggedBatchKVCache
 
 DEFAULT_BUCKET = 256
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
@@ -127,65 +128,8 @@ class PaddedKVCache(KVCache):
         return self.keys[..., :span, :], self.values[..., :span, :]
 
     @classmethod
-    def merge(cls, caches: List[Any]) -> "PaddedBatchKVCache":
-        return PaddedBatchKVCache.merge(caches)
-
-
-class PaddedBatchKVCache(BatchKVCache):
-    """Rows of a batch (left-padded, mlx-lm's ``BatchKVCache``) with keys padded to ``bucket``."""
-
-    transaction_handler = BatchTrimHandler()
-
-    def __init__(self, left_padding: List[int], bucket: int = DEFAULT_BUCKET):
-        super().__init__(left_padding)
-        self.bucket = bucket
-
-    def span(self, end: int) -> int:
-        return max(1, -(-end // self.bucket)) * self.bucket
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        super().update_and_fetch(keys, values)
-        self._fit()
-        return self.keys_and_values()
-
-    def _fit(self) -> None:
-        """Grow the buffer to a whole bucket past the last position (it grows in steps of 256)."""
-        if self.keys is not None and self.span(self.size()) > self.keys.shape[2]:
-            pad = [(0, 0), (0, 0), (0, self.span(self.size()) - self.keys.shape[2]), (0, 0)]
-            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
-
-    def keys_and_values(self):
-        span = self.span(self.size())
-        return self.keys[..., :span, :], self.values[..., :span, :]  # [B, H, span, D]
-
-    def extend(self, other: Any) -> None:
-        super().extend(other)
-        self._fit()
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        if kwargs.get("window_size") is not None:
-            raise ValueError("PaddedBatchKVCache does not support sliding-window attention; use the model's own cache")
-        # Called before update_and_fetch: rows are positions size()..size()+N-1 of the batch's index.
-        start, span = self.size(), self.span(self.size() + N)
-        rows = mx.arange(start, start + N)[:, None]
-        cols = mx.arange(span)[None]
-        mask = (rows >= cols)[None, None]  # [1, 1, N, span]
-        mask = mask & (cols >= self.left_padding[:, None])[:, None, None, :]  # [B, 1, N, span]
-        return describe(mask, MaskSpec(N, span, self.left_padding, start + N, start, start + N))
-
-    @classmethod
-    def merge(cls, caches: List[Any]) -> "PaddedBatchKVCache":
-        merged = BatchKVCache.merge(caches)
-        out = cls([0] * len(caches), getattr(caches[0], "bucket", DEFAULT_BUCKET))
-        out.state = merged.state
-        out._fit()
-        return out
-
-    def extract(self, idx: int) -> "PaddedKVCache":
-        plain = super().extract(idx)
-        cache = PaddedKVCache(self.bucket)
-        cache.keys, cache.values, cache.offset = plain.keys, plain.values, plain.offset
-        return cache
+    def merge(cls, caches: List[Any]) -> RaggedBatchKVCache:
+        return RaggedBatchKVCache.merge(caches)
 
 
 def make_padded_cache(

@@ -22,8 +22,10 @@ leaves (positions past the offset are never read, as after ``trim``).
 ``call`` does the same for any function over padded caches: the DFlash drafter's block and context appends
 (drafters/dflash, through its policy). ``plugin/cache_policy.prewarm_compiled`` traces at load.
 
-Takes: one row, ``widths`` positions (the verify widths), every cache a ``PaddedKVCache`` at one offset;
-anything else answers None and the host's own forward runs. A trace that raises (model code that needs
+Takes: ``widths`` positions (the verify widths) over one row, every cache a ``PaddedKVCache`` at one offset, or
+over a batch, every cache a ``RaggedBatchKVCache`` at the same per-row lengths (plugin/ragged_cache.py: the offset
+is then a device array [B], each row's writes, rope and mask at its own); anything else answers None and the
+host's own forward runs. A trace that raises (model code that needs
 an int offset) marks that model as not compiled, with the reason in ``failed``, and it runs plainly from
 then on: nothing is lost, as the real caches are written only after a successful call.
 
@@ -48,6 +50,7 @@ import mlx.nn as nn
 from ..hooks import taps
 from ..hooks.attention import MaskSpec, describe
 from .cuda_attention import available
+from .ragged_cache import lengths_array, row_lengths
 
 ENV = "MLX_SPEC_COMPILED_FORWARD"
 MODES = ("auto", "on", "off")
@@ -74,7 +77,11 @@ class TraceCache:
         # bench/cache_write_cost.py -> bench/results/kernels/h200-cache-write.txt); the same values either way
         key = (id(self.offset), tuple(keys.shape))
         if key not in self._shared:  # the offset array is held in the entry, so its id names it for the call
-            base = (self.offset + mx.arange(keys.shape[2], dtype=mx.int32))[None, None, :, None]  # [1, 1, W, 1]
+            W = mx.arange(keys.shape[2], dtype=mx.int32)
+            if self.offset.ndim:  # rows at their own offsets (plugin/ragged_cache.py): [B, 1, W, 1]
+                base = (self.offset[:, None] + W[None])[:, None, :, None]
+            else:
+                base = (self.offset + W)[None, None, :, None]  # [1, 1, W, 1]
             self._shared[key] = (self.offset, base, mx.broadcast_to(base, keys.shape), self.offset + keys.shape[2])
         _, base, idx, after = self._shared[key]
         self.keys = mx.put_along_axis(self.keys, idx, keys, axis=2)  # [1, H, S, D]
@@ -100,8 +107,12 @@ class TraceCache:
             raise ValueError("a compiled forward does not support sliding-window attention")
         span = self.keys.shape[2]
         end = self.offset + N
-        rows = (self.offset + mx.arange(N))[:, None]
-        mask = rows >= mx.arange(span)[None]  # [N, span]: the buffer's tail is "future" positions
+        if self.offset.ndim:  # rows at their own offsets: [B, 1, N, span]
+            rows = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
+            mask = (mx.arange(span, dtype=mx.int32)[None, None] <= rows[:, :, None])[:, None]
+        else:
+            rows = (self.offset + mx.arange(N))[:, None]
+            mask = rows >= mx.arange(span)[None]  # [N, span]: the buffer's tail is "future" positions
         return describe(mask, MaskSpec(N, span, 0, end, self.offset, span))
 
 
@@ -163,7 +174,7 @@ class CompiledForward:
         self._fns: Dict[tuple, Tuple[Any, Callable[..., List[mx.array]]]] = {}  # (id(owner), key, n) -> (weakref, fn)
 
     def __call__(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int]) -> Optional[Forward]:
-        if not self._takes(inputs):
+        if not self._takes(inputs, cache):
             return None
         W = inputs.shape[1]
         out = self.call(("forward", tuple(layers)), model, _forward_fn(tuple(layers)), cache, [inputs.astype(mx.uint32)],
@@ -175,7 +186,7 @@ class CompiledForward:
         """The forward built at the device offset base + shift (verifying ahead, plugin/verify_ahead.py), the caches
         left as they are: (logits, captured, [(keys, values)] per cache: its buffers with the W positions written
         past that offset, for the round to install when it adopts the forward), or None as ``__call__``."""
-        if not self._takes(inputs):
+        if not self._takes(inputs, cache):
             return None
         W, here = inputs.shape[1], cache[0].offset if cache else 0
         if not 0 <= base <= here:
@@ -188,11 +199,12 @@ class CompiledForward:
         n = len(out) - 2 * len(cache)
         return out[0], dict(zip(layers, out[1:n])), [(out[n + 2 * i], out[n + 2 * i + 1]) for i in range(len(cache))]
 
-    def _takes(self, inputs: mx.array) -> bool:
+    def _takes(self, inputs: mx.array, cache: Sequence[Any]) -> bool:
         if not isinstance(inputs, mx.array) or inputs.ndim != 2 or inputs.shape[1] not in self.widths:
             self.counts["plain: width"] += 1
             return False
-        if inputs.shape[0] != 1:
+        lengths = row_lengths(cache)
+        if inputs.shape[0] != (1 if lengths is None else len(lengths)):
             self.counts["plain: rows"] += 1
             return False
         return True
@@ -213,13 +225,18 @@ class CompiledForward:
         if why:
             self.counts[f"plain: {why}"] += 1
             return None
-        offset = cache[0].offset if base is None else base
+        lengths = row_lengths(cache)  # rows at their own offsets, or None: one row
+        if lengths is not None and (shift is not None or base is not None):
+            self.counts["plain: rows"] += 1
+            return None
+        offset = (max(lengths) if lengths is not None else cache[0].offset) if base is None else base
         buffers = [grown(a, offset + writes, self.grow) for c in cache for a in (c.keys, c.values)]
         compiled = self._compiled(owner, key, fn, len(arrays))
         shape = (id(owner), key, tuple(tuple(a.shape) for a in arrays), buffers[0].shape[2])
         t = time.perf_counter()
         try:
-            start = positions(offset + 1)[offset]  # []
+            # [] one row's offset (a view into a device-resident arange), or [B] each row's
+            start = positions(offset + 1)[offset] if lengths is None else lengths_array(lengths)
             out = compiled(start if shift is None else start + shift.astype(mx.int32), *arrays, *buffers)
         except Exception as e:  # noqa: BLE001 - model code the trace cannot follow: plain from now on
             self.failed[id(owner)] = f"{type(e).__name__}: {e}"
@@ -236,7 +253,10 @@ class CompiledForward:
         n = len(out) - len(buffers)
         for i, c in enumerate(cache):
             c.keys, c.values = out[n + 2 * i], out[n + 2 * i + 1]
-            c.offset = offset + advance
+            if lengths is None:
+                c.offset = offset + advance
+            else:
+                c.set_lengths([m + advance for m in lengths])
         return out[:n]
 
     def declines(self, owner: nn.Module, cache: Sequence[Any]) -> str:
@@ -245,6 +265,8 @@ class CompiledForward:
             return "off"
         if id(owner) in self.failed and self._failed_refs[id(owner)]() is owner:
             return "trace failed"
+        if cache and row_lengths(cache) is not None:  # a batch's rows, each at its own offset
+            return "" if all(c.keys is not None for c in cache) else "caches"
         if not cache or any(type(c) is not self.cache_type or c.keys is None for c in cache):
             return "caches"
         offset = cache[0].offset

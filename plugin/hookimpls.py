@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..drafters import registry
@@ -13,6 +13,7 @@ from ..hooks.specs import Description, Metric, RowSnapshot, hookimpl
 from ..hooks.state import CachePolicy, CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
 from ..hooks.transaction import check_supported
 from . import cache_policy, draft, round
+from .costs import CostTable
 from .metrics import METRICS
 from .settings import SpeculativeSettings, resolve
 
@@ -29,6 +30,8 @@ class Attachment:
     error: Optional[str] = None
     block_size: int = 0
     policy: Optional[CachePolicy] = None  # shape-stable caches (CUDA), for the target and the drafter
+    max_block: int = 0  # adaptive blocks grow up to this (the drafter's max_block_size; block_size when pinned)
+    costs: CostTable = field(default_factory=CostTable)  # rounds and plain steps by shape, for the controllers
     ahead_mode: str = "on"  # what rounds queue before reading their outcome ($MLX_SPEC_DRAFT_AHEAD: on | verify | off)
 
     @property
@@ -59,10 +62,21 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     options: Dict[str, Any] = {"ngram_n": settings.ngram_n, "block_size": settings.block_size}
     drafter = registry.load(resolution, draft_target(target, policy), options)
     block = settings.block_size or drafter.default_block_size
+    most = block if settings.block_size or not settings.adaptive else max(block, drafter.max_block_size or block)
     if policy is not None:
-        policy.block_size = block  # the host warms the policy's shapes after routing attention (prepare)
+        policy.block_size = most  # the host warms the policy's shapes after routing attention (prepare)
         policy.capture_layers = tuple(drafter.capture_layers())  # tapped by the host before prepare
-    return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy, ahead_mode=mode)
+    return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy, ahead_mode=mode,
+                      max_block=most)
+
+
+def plain_policy(policy: Optional[CachePolicy]) -> Optional[CachePolicy]:
+    """The backend's caches and forwards for a target decoded plainly (speculation off): a batch's one-token
+    steps then run over rows at their own lengths with shape-stable keys, as rounds do (CUDA; None elsewhere)."""
+    if policy is not None:
+        policy.block_size = 1  # plain steps only: the widths prewarm warms are 1 and 2
+        policy.capture_layers = ()
+    return policy
 
 
 @hookimpl
@@ -70,7 +84,7 @@ def host_model_loaded(target: LoadedTarget, config: HostConfig) -> None:
     settings = resolve(config.section("speculative") if "speculative" in config.sections else None,
                        cli=config.overrides.get("speculative"))
     if not settings.enabled:
-        target.attachments[NAME] = Attachment(settings=settings)
+        target.attachments[NAME] = Attachment(settings=settings, policy=plain_policy(cache_policy.policy_for()))
         return
     try:
         target.attachments[NAME] = attach(target, settings)
@@ -88,7 +102,7 @@ def _attached(target: LoadedTarget) -> Optional[Attachment]:
 
 @hookimpl
 def host_cache_policy(target: LoadedTarget) -> Optional[CachePolicy]:
-    att = _attached(target)
+    att: Optional[Attachment] = target.attachments.get(NAME)
     return att.policy if att is not None else None
 
 

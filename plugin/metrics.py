@@ -141,6 +141,9 @@ class Metrics:
         self.num_accepted_tokens = 0
         self.accepted_per_pos: Dict[int, int] = {}
         self.fallbacks = 0
+        self.verify_forwards = 0  # verify forwards (one per round, for every row of its batch)
+        self.verify_positions = 0  # their rows' real positions: each row's pending token and its drafts
+        self.verify_slots = 0  # their rows x width: the real positions and the filler after shorter rows
 
     def record(self, outcome: RoundOutcome) -> None:
         with self._lock:
@@ -157,6 +160,12 @@ class Metrics:
             for i in range(outcome.accepted - cut, outcome.accepted):
                 self.accepted_per_pos[i] -= 1
 
+    def record_verify(self, positions: int, slots: int) -> None:
+        with self._lock:
+            self.verify_forwards += 1
+            self.verify_positions += positions
+            self.verify_slots += slots
+
     def record_fallback(self) -> None:
         with self._lock:
             self.fallbacks += 1
@@ -169,6 +178,9 @@ class Metrics:
                 "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
                 "spec_decode_num_accepted_tokens_per_pos_total": dict(self.accepted_per_pos),
                 "spec_decode_fallbacks_total": self.fallbacks,
+                "mlx_spec_verify_forwards_total": self.verify_forwards,
+                "mlx_spec_verify_positions_total": self.verify_positions,
+                "mlx_spec_verify_slots_total": self.verify_slots,
             }
 
     def prometheus(self) -> List[Metric]:
@@ -186,6 +198,14 @@ class Metrics:
                    [(f'{{position="{i}"}}', per_pos[i]) for i in sorted(per_pos)]),
             Metric("spec_decode_fallbacks_total", "counter", "Drafter failures mid-request (plain decoding after).",
                    [("", snap["spec_decode_fallbacks_total"])]),
+            Metric("mlx_spec_verify_forwards_total", "counter", "Verify forwards (one per round for all its rows).",
+                   [("", snap["mlx_spec_verify_forwards_total"])]),
+            Metric("mlx_spec_verify_positions_total", "counter",
+                   "Positions the verify forwards checked: each row's pending token and its draft tokens.",
+                   [("", snap["mlx_spec_verify_positions_total"])]),
+            Metric("mlx_spec_verify_slots_total", "counter",
+                   "Rows x width of the verify forwards: the positions and the filler after shorter rows.",
+                   [("", snap["mlx_spec_verify_slots_total"])]),
         ]
 
 

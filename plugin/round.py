@@ -28,6 +28,7 @@ from ..hooks.transaction import CacheTransaction, UnsupportedCache
 from . import commit
 from .accept import RoundOutcome, plan_rows, read_plans, unread_outcome
 from .adaptive import BlockSizeController
+from .costs import expected_tokens
 from .draft import LAZY_DRAFTS, DraftError, as_ints, draft
 from .metrics import METRICS, PHASES, Laps, SpecStats
 from .settings import SpeculativeSettings
@@ -87,9 +88,11 @@ def row_rounds(state: DecodeState, att: Any) -> Optional[RowRounds]:
             return None
         stats = SpecStats(kind=att.drafter.kind)
         state.report[NAME] = stats
+        width_for = getattr(state.target.cache_policy, "verify_width", None) or (lambda n: n)
         req = RowRounds(
-            controller=BlockSizeController(cap=att.block_size,
-                                           adaptive=att.settings.adaptive and att.settings.block_size is None),
+            controller=BlockSizeController(cap=att.max_block or att.block_size, start=att.block_size,
+                                           adaptive=att.settings.adaptive and att.settings.block_size is None,
+                                           costs=att.costs, width_for=width_for),
             stats=stats, settings=att.settings, expected=state.generated,
         )
         saved = state.restored.get(NAME) if state.cached else None
@@ -104,12 +107,17 @@ def _observe(batch: DecodeBatch, br: BatchRounds, rows: Sequence[DecodeState], r
     br.plain_runs = batch.plain.runs
     for row, req in zip(rows, reqs):
         if req.observe(row) and fresh_run and batch.plain.steps:
-            req.controller.record_plain(batch.plain.steps, batch.plain.seconds)
+            req.controller.record_plain(batch.plain.steps, batch.plain.seconds, batch.plain.rows)
 
 
-def _plan(row: DecodeState, req: RowRounds) -> Optional[int]:
+PROBE_EVERY = 8  # plain steps between asks while paused, where the drafter can tell a probe is worth it
+
+
+def _plan(row: DecodeState, req: RowRounds, draft: DraftBatch) -> Optional[int]:
     """Draft tokens the row proposes this step (>= 1), or None: it takes plain steps (``_grant``)."""
     c = req.controller
+    if c.paused_left and not req.to_end and draft.worth_probing(row):
+        c.end_pause()
     if req.to_end or c.paused_left:
         return None
     if c.skip_probe(row.remaining):
@@ -119,11 +127,25 @@ def _plan(row: DecodeState, req: RowRounds) -> Optional[int]:
     return k if k >= 1 else None
 
 
-def _grant(row: DecodeState, req: RowRounds) -> Optional[int]:
-    """Plain steps the host may take for a row that does not draft (None: any number)."""
+def _grant(row: DecodeState, req: RowRounds, probes: bool) -> Optional[int]:
+    """Plain steps the host may take for a row that does not draft (None: any number); ``probes``: the drafter
+    tells when a probe is worth it (``DraftBatch.worth_probing``), so it is asked again every few steps."""
     if req.to_end:
         return None
-    return req.controller.paused_left or 1
+    steps = req.controller.paused_left or 1
+    return min(steps, PROBE_EVERY) if probes else steps
+
+
+def _batch_loses(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds], plans: Sequence[Optional[int]]) -> bool:
+    """Whether this round would yield fewer tokens per second than plain steps of the batch, at the costs measured
+    for its shape and each drafting row's acceptance (rows that draft nothing yield their one token either way)."""
+    if not all(q.controller.adaptive for q, k in zip(reqs, plans) if k):
+        return False  # a pinned block is the user's choice
+    width_for = getattr(batch.target.cache_policy, "verify_width", None) or (lambda n: n)
+    rows = len(batch.rows)
+    width = width_for(1 + max(k or 0 for k in plans))
+    expected = rows - sum(1 for k in plans if k) + sum(expected_tokens(q.controller.alpha, k) for q, k in zip(reqs, plans) if k)
+    return att.costs.round_loses(rows, width, expected)
 
 
 def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
@@ -148,11 +170,17 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
         return _fall_back(on_reqs, "syncing its rows", e)
     for req in on_reqs:
         req.synced = True
-    plans = [_plan(r, q) for r, q in zip(on_rows, on_reqs)]
+    plans = [_plan(r, q, br.draft) for r, q in zip(on_rows, on_reqs)]
+    if any(plans) and _batch_loses(batch, att, on_reqs, plans):
+        for req, k in zip(on_reqs, plans):
+            if k:
+                req.controller.pause_now()
+        plans = [None] * len(plans)
     if not any(plans):
         outs = [StepOutput([], None) for _ in rows]
+        probes = type(br.draft).worth_probing is not DraftBatch.worth_probing
         for b, row, req in zip(on, on_rows, on_reqs):
-            outs[b].plain_steps = _grant(row, req)
+            outs[b].plain_steps = _grant(row, req, probes)
             req.expected = row.generated
         return outs
     return _round(batch, att, br, rows, on, plans)
@@ -251,7 +279,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         drafted.abort()
         _fall_back(reqs, "drafting ahead" if e is ahead_error else "committing", e)
     lap("commit_drafter")
-    record(rows, on, reqs, plans, outcomes, lap)
+    record(rows, on, reqs, plans, outcomes, lap, int(inputs.shape[1]))
     if queued is not None and ahead_error is None and reqs[0].failed is None:
         br.queued = settle(queued, reqs[0].expected)
         lap("settle")
@@ -287,15 +315,20 @@ def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[i
 
 
 def record(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRounds], plans: Sequence[Optional[int]],
-           outcomes: Sequence[RoundOutcome], lap: Laps) -> None:
-    """A round's outcome into each drafting row's block-size controller and stats, with its steps' times."""
+           outcomes: Sequence[RoundOutcome], lap: Laps, width: int) -> None:
+    """A round's outcome into each drafting row's block-size controller and stats, with its steps' times
+    (the round's cost, of ``len(rows)`` rows x ``width``, into the target's cost table once)."""
     drafting, verifying = lap.total(*PHASES["draft"]), lap.total(*PHASES["verify"])
+    timed = False
     for b, req, plan in zip(on, reqs, plans):
         outcome = outcomes[b]
         if plan and outcome.draft_tokens:
             c = req.controller
             c.history.append(c.size)
-            c.record_round(drafting + verifying)
+            c.shape = (len(rows), width)
+            if not timed:
+                c.record_round(drafting + verifying)
+                timed = True
             c.update(outcome.accepted, outcome.draft_tokens)
             req.stats.record(outcome)
             req.stats.block_sizes = c.history

@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Sequence, Tuple, Union
 import mlx.core as mx
 
 from ..hooks.batch import DecodeBatch
+from .metrics import METRICS
 
 Drafts = Union[List[int], mx.array]
 
@@ -46,6 +47,7 @@ def verify(
     width = width_for(1 + max(len(d) for d in drafts))
     fed = inputs(batch.rows, drafts, width, vocab_size)
     logits, captured = batch.forward(fed)
+    METRICS.record_verify(sum(1 + len(d) for d in drafts), len(drafts) * width)
     return logits, captured, fed
 
 

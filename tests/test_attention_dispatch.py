@@ -85,7 +85,8 @@ def test_padded_masks_are_what_they_describe(bucket: int, prefill: int, N: int) 
         c.update_and_fetch(*_kv(1, 2, n))
     batch = PaddedKVCache.merge(rows)
     spec = assert_described(batch.make_mask(N))
-    assert spec.key_start.tolist() == batch.left_padding.tolist() and spec.offset == batch.size()
+    lengths = [prefill + 2, 1, prefill + 5]
+    assert spec.key_start == 0 and spec.offset.tolist() == lengths and spec.key_len.tolist() == [n + N for n in lengths]
 
 
 def test_dflash_blocks_are_one_range_of_keys_in_any_cache() -> None:
@@ -109,18 +110,24 @@ def test_dflash_blocks_are_one_range_of_keys_in_any_cache() -> None:
         rows = [KVCache(), KVCache()]
         for c in (plain, padded):
             layer.append(context, c)
-        for c, n in zip(rows, (6, 3)):
+        ragged = [PaddedKVCache(16), PaddedKVCache(16)]  # rows at their own lengths (plugin/ragged_cache.py)
+        for c, n in zip(rows + ragged, (6, 3, 6, 3)):
             layer.append(context[:, :n], c)
-        return [plain, padded, KVCache.merge(rows)]
+        return [plain, padded, KVCache.merge(rows), PaddedKVCache.merge(ragged)]
 
-    want = [layer(x[:1], c, mx.array([3])) for c in caches()[:2]] + [layer(x, caches()[2], mx.array([4, 2]))]
+    def run(cs: List[Any]) -> List[mx.array]:
+        return [layer(x[:1], c, mx.array([3])) for c in cs[:2]] + [layer(x, c, mx.array([4, 2])) for c in cs[2:]]
+
+    want = run(caches())
+    assert mx.abs(want[2] - want[3]).max().item() < 1e-5  # left-padded rows and rows at their own lengths
     host_attention.route(layer, disp)
     got_caches = caches()
-    got = [layer(x[:1], c, mx.array([3])) for c in got_caches[:2]] + [layer(x, got_caches[2], mx.array([4, 2]))]
+    got = run(got_caches)
     for w, g in zip(want, got):
         assert mx.abs(w - g).max().item() < 1e-5
-    assert disp.counts["kernel"] == 3 and isinstance(kernel.calls[-1][1], mx.array)  # left padding [0, 3]
-    assert [c.size() for c in got_caches] == [6, 6, 6]  # the blocks were trimmed off again
+    assert disp.counts["kernel"] == 4 and isinstance(kernel.calls[-2][1], mx.array)  # left padding [0, 3]
+    assert [c.size() for c in got_caches[:3]] == [6, 6, 6]  # the blocks were trimmed off again
+    assert got_caches[3].lengths == (6, 3) and kernel.calls[-1][2].tolist() == [10, 5]  # per-row key lengths
 
 
 # -- what the dispatcher takes is exact --------------------------------------------------------
@@ -151,7 +158,7 @@ def test_every_mask_kind_taken_equals_mlx() -> None:
         got = disp(q, k, v, cache=None, scale=0.25, mask=mask)
         assert mx.abs(got - _mlx(q, k, v, None, mask)).max().item() < 1e-5, mask if isinstance(mask, str) else type(mask)
     assert disp.counts == {"kernel": 4} and len(kernel.calls) == 4
-    assert isinstance(kernel.calls[-1][1], mx.array)  # the batch's left padding as key_start
+    assert kernel.calls[-1][1] == 0 and kernel.calls[-1][3].tolist() == [9, 2, 5]  # each row at its own offset
 
 
 def test_the_refused_cases_run_mlx_lm_s_function() -> None:

@@ -134,9 +134,12 @@ def test_draft_model_rounds_equal_plain_decoding(arch: str, padded: str, models:
             totals[key] += t[key]
     check_calls(kernel, disp, target.cache_policy)
     assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
-    # The batch's described masks (padded caches; mlx-lm's exact-length BatchKVCache under the routed
-    # policy): per-row left padding reached the kernel, and no call fell back for its mask.
-    assert any(isinstance(start, mx.array) for _, start, _, _ in kernel.calls)
+    # The batch's described masks (padded caches: rows at their own lengths, per-row offsets; mlx-lm's
+    # exact-length BatchKVCache under the routed policy: per-row left padding) reached the kernel, and no call
+    # fell back for its mask.
+    per_row = [c for c in kernel.calls if isinstance(c[1] if padded == "off" else c[3], mx.array) and (
+        c[1] if padded == "off" else c[3]).ndim == 1]
+    assert per_row
     assert disp.counts["mlx: mask"] == 0, disp.counts
     kinds = {type(c) for c in target.cache_policy.make_cache(target.model)}
     assert (cache_policy.PaddedKVCache if padded == "on" else cache_policy.RoutedKVCache) in kinds, kinds
@@ -177,7 +180,7 @@ def test_dflash_rounds_through_the_dispatcher(padded: str, models: Dict[str, Any
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """DFlash's blocks attend non-causally to their context: the block's keys follow the context's in
     its cache (padded or not), so every block is one range of keys, described, and reaches the kernel
-    (alone and batched: per-row widths and left padding)."""
+    (alone and batched: per-row widths, and left padding or, padded, rows at their own lengths)."""
     m = models["llama"]
     host, target, disp, kernel = routed_host(monkeypatch, padded, {"draft_model": str(models["dflash"]),
                                                                    "kind": "dflash"}, m["target"])
@@ -190,7 +193,10 @@ def test_dflash_rounds_through_the_dispatcher(padded: str, models: Dict[str, Any
     check_calls(kernel, disp, target.cache_policy)
     top = lambda x: x if isinstance(x, int) else max(x.tolist())  # noqa: E731
     blocks = [c for c in kernel.calls if isinstance(c[3], int) and c[3] >= top(c[2]) - 1]  # not causal
-    assert blocks and any(isinstance(c[1], mx.array) for c in blocks)  # batched rows' left padding
+    if padded == "off":
+        assert blocks and any(isinstance(c[1], mx.array) for c in blocks)  # batched rows' left padding
+    else:  # batched rows' own key lengths (context + block width per row)
+        assert blocks and any(isinstance(c[2], mx.array) and c[2].size > 1 and len(set(c[2].tolist())) > 1 for c in blocks)
 
 
 def test_dflash_chunked_context_alone_and_batched(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,11 +3,13 @@
 Direct: for llama and qwen3 targets (fp32, CPU) the compiled forward over a padded cache gives the plain
 forward's logits, tapped hidden states and cache contents bit for bit, at widths 1..32 and offsets that
 cross the buffer's growth steps, one trace serving every offset; with the attention routed through the
-kernel's stand-in the described bounds (device scalars) reach it. It declines what it cannot take (one
-position, other widths, batches, other caches, uneven offsets, switched off), and a model whose code
-needs an int offset falls back with its caches untouched. Rounds: greedy speculative decoding with the
-policy's compiled forward (draft model, n-gram, DFlash with its tapped layers; alone and batched, where
-batches take the plain forward) equals mlx-lm's plain decoding with zero, partial and full acceptance.
+kernel's stand-in the described bounds (device scalars) reach it. Over a batch's rows at their own lengths
+(plugin/ragged_cache.py) it gives the plain forward's logits and caches bit for bit too, one trace serving
+every set of lengths. It declines what it cannot take (one position, other widths, rows other than the
+caches', other caches, uneven offsets, switched off), and a model whose code needs an int offset falls back
+with its caches untouched. Rounds: greedy speculative decoding with the policy's compiled forward (draft
+model, n-gram, DFlash with its tapped layers; alone and batched) equals mlx-lm's plain decoding with zero,
+partial and full acceptance.
 """
 
 from __future__ import annotations
@@ -74,6 +76,33 @@ def test_compiled_equals_plain_forward(arch: str, models: Dict[str, Any]) -> Non
                 c.trim(5)
     assert fwd.counts["compiled"] == 8 and not fwd.failed
     assert len(fwd._fns) == 1  # one compiled function per (model, layers): mx.compile keeps each shape's trace
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_equals_plain_forward_over_ragged_rows(arch: str, models: Dict[str, Any]) -> None:
+    """Rows at their own lengths: the compiled forward's per-row offsets (a device array [B]) write, rope and mask
+    each row as the plain forward does, across ragged commits and buffer growth; one trace per shape."""
+    model = models[arch]["plain"]
+    layers = [1]
+    taps.install_taps(model, layers)
+    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS), grow=32)
+    rows = [prefilled(model, n) for n in (21, 5, 30)]
+    plain_cache = [cache_policy.PaddedKVCache.merge(list(layer)) for layer in zip(*rows)]
+    comp_cache = [copy.copy(c) for c in plain_cache]
+    for step, (W, keep) in enumerate([(4, [4, 1, 2]), (16, [3, 16, 0]), (8, [8, 8, 8]), (1, [1, 1, 1]), (16, [5, 2, 9])]):
+        toks = mx.array([[3 + (b * 11 + step * 7 + i) % 50 for i in range(W)] for b in range(3)], dtype=mx.uint32)
+        starts = plain_cache[0].lengths
+        want, want_h = forward(model, toks, plain_cache, layers)
+        got, got_h = fwd(model, toks, comp_cache, layers)
+        assert mx.array_equal(got, want), (arch, W, mx.abs(got - want).max().item())
+        assert mx.array_equal(got_h[1], want_h[1])
+        for c in plain_cache + comp_cache:  # a round's ragged commit
+            c.set_lengths([s + k for s, k in zip(starts, keep)])
+        for x, y in zip(comp_cache, plain_cache):
+            assert x.lengths == y.lengths and x.keys.shape[2] % 32 == 0
+            for b, n in enumerate(x.lengths):
+                assert mx.array_equal(x.keys[b, :, :n], y.keys[b, :, :n]) and mx.array_equal(x.values[b, :, :n], y.values[b, :, :n])
+    assert fwd.counts["compiled"] == 5 and not fwd.failed and len(fwd._fns) == 1
 
 
 def test_bounds_reach_the_attention_kernel_as_device_scalars(models: Dict[str, Any]) -> None:
@@ -176,8 +205,11 @@ def test_draft_model_rounds_equal_plain_decoding(arch: str, models: Dict[str, An
     for key in totals:
         totals[key] += t[key]
     assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
-    tokens, t = decode(host, target, PROMPTS, batch=True)  # batches: the plain forward
-    assert tokens == refs and fwd.counts["plain: rows"] > 0 and not fwd.failed
+    before = dict(fwd.counts)
+    tokens, t = decode(host, target, PROMPTS, batch=True)  # batches: rows at their own lengths, compiled too
+    declined = {k: v - before.get(k, 0) for k, v in fwd.counts.items() if k.startswith("plain") and k != "plain: width"}
+    assert tokens == refs and fwd.counts["compiled"] > before["compiled"] and not any(declined.values()), fwd.counts
+    assert not fwd.failed
 
 
 def test_ngram_and_dflash_rounds_equal_plain_decoding(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,6 +229,14 @@ def test_ngram_and_dflash_rounds_equal_plain_decoding(models: Dict[str, Any], mo
     assert fwd.counts["compiled dflash draft"] == len(PROMPTS), fwd.counts
     assert fwd.counts["compiled dflash draft ahead"] == totals["rounds"] and fwd.counts["compiled dflash block"] == 0
     assert {k[1][:2] for k in fwd._fns} == {("forward", (0, 2)), ("dflash draft", False), ("dflash draft", True)}
+    # a batch: its verify forwards, its drafts (one call for every row) and its context appends compile too
+    before = dict(fwd.counts)
+    tokens, totals = decode(host, target, PROMPTS, batch=True)
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS] and not fwd.failed
+    grew = {k: v - before.get(k, 0) for k, v in fwd.counts.items()}
+    assert grew["compiled"] > 0 and grew["compiled dflash draft"] > 0 and grew["compiled dflash context"] > 0, grew
+    assert grew.get("plain: rows", 0) == 0 and grew.get("plain: caches", 0) <= len(PROMPTS), grew  # each row's first
+    # context, appended to its empty caches, is plain
 
 
 def test_prewarm_traces_every_shape_at_load(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,7 +298,8 @@ def test_adaptive_blocks_meet_no_new_trace(models: Dict[str, Any], monkeypatch: 
 
 def test_a_row_joins_a_batch_after_compiled_rounds(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A request decoding alone (compiled verify forwards, its buffers grown by them) is joined by a second
-    one: the batch merges its caches and goes on plainly; both equal plain decoding."""
+    one: the batch merges its caches (rows at their own lengths) and its rounds compile too; both equal plain
+    decoding."""
     m = models["llama"]
     host, target = compiled_host(monkeypatch, {"draft_model": str(m["drafter"])}, m["target"])
     scheduler = Scheduler(host, target)
@@ -274,7 +315,7 @@ def test_a_row_joins_a_batch_after_compiled_rounds(models: Dict[str, Any], monke
         for request, event in scheduler.step():
             got[request.id].append(event.token)
     assert got[first.id] == m["refs"][tuple(PROMPTS[1])] and got[second.id] == m["refs"][tuple(PROMPTS[0])]
-    assert target.cache_policy.forward.counts["plain: rows"] > 0
+    assert target.cache_policy.forward.counts["plain: rows"] == 0 and target.cache_policy.forward.counts["compiled"] > 4
 
 
 def test_the_layers_of_a_call_share_their_write_positions() -> None:

@@ -44,7 +44,7 @@ def test_measured_costs_size_the_pause() -> None:
     c.record_plain(8, 0.040)  # 5 ms a plain step: a probe round costs 4 plain steps more
     run(c, 0.0, 2)
     assert c.paused_left == 80  # 4 extra steps are 5 % of 80
-    c.record_plain(4, 0.080)  # slower plain steps now: averaged, 12.5 ms
+    c.record_plain(4, 0.080)  # slower plain steps now: the entry is the median of those after the first, 20 ms
     c.take_plain_steps()
     c.update(0, 15)
     assert c.paused_left == 160  # backoff (twice the last pause) beats the cost rule (ceil(1 / .05) = 20)
@@ -55,6 +55,7 @@ def test_rounds_losing_to_plain_steps_pause() -> None:
     # 10 ms rounds win; without a measured plain step only the acceptance rules apply.
     for round_s, plain_s, pauses in ((0.020, 0.005, True), (0.010, 0.005, False), (0.020, 0.0, False)):
         c = BlockSizeController(cap=16)
+        c.shape = (1, 16)  # the rounds' shape: one row verifying 16 positions (what the round sets)
         c.record_round(round_s)
         c.record_plain(1, plain_s)
         paused = []
@@ -130,3 +131,28 @@ def test_no_probe_when_fewer_tokens_are_left_than_the_pause() -> None:
     assert c.skip_probe(8) and not c.skip_probe(9)  # the probe would come with 8 tokens left
     c.update(3, 15)  # the probe ran (partial): later rounds are not probes
     assert c.pause and not c.skip_probe(1)
+
+
+def test_growth_past_the_drafters_block_while_it_pays() -> None:
+    c = BlockSizeController(cap=16, start=4)
+    sizes = run(c, 1.0, 30)
+    assert sizes[0] == 4 and max(sizes) == 16 and sizes == sorted(sizes)
+    # Measured: a block of 5 costs 3x a block of 4; at full acceptance 5 tokens for 3x the cost of 4 do not pay.
+    c = BlockSizeController(cap=16, start=4)
+    c.costs.fixed[("round", 1, 4)], c.costs.fixed[("round", 1, 5)] = 0.010, 0.030
+    assert max(run(c, 1.0, 30)) == 4
+    # Where the policy pads blocks to powers of two, 5..8 positions cost what 8 do: priced as such.
+    c = BlockSizeController(cap=16, start=4, width_for=lambda n: 1 << (n - 1).bit_length())
+    c.costs.fixed[("round", 1, 4)], c.costs.fixed[("round", 1, 8)] = 0.010, 0.011
+    assert max(run(c, 1.0, 30)) == 16  # 16 was never measured: tried
+
+
+def test_alpha_is_the_per_position_acceptance() -> None:
+    c = BlockSizeController(cap=16)
+    for _ in range(30):  # every round accepts 3 of 15 and rejects the 4th: alpha 3/4
+        c.update(3, 15)
+    assert abs(c.alpha - 0.75) < 1e-6
+    c = BlockSizeController(cap=16)
+    for _ in range(30):
+        c.update(15, 15)
+    assert c.alpha > 0.999

@@ -2,7 +2,7 @@
 
 Through the public host: loading a target with a drafter and ``MLX_SPEC_PADDED_CACHE=on`` makes the
 speculative plugin's ``host_cache_policy`` return a ``ShapeStablePolicy``; requests alone then hold
-``PaddedKVCache``s and batches ``PaddedBatchKVCache``s, and rounds and the host's plain steps on
+``PaddedKVCache``s and batches ``RaggedBatchKVCache``s, and rounds and the host's plain steps on
 them give the tokens of ``generate_step`` on plain caches. Prompts of ~250 tokens cross the
 policy's 256-key bucket while decoding; the cache-level tests use a bucket of 16.
 """
@@ -17,17 +17,18 @@ from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
+from mlx_speculative.hooks.prompt_cache import copy_caches
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import CachePolicy
 from mlx_speculative.hooks.transaction import HANDLERS, CacheTransaction, check_supported, handler_for
 from mlx_speculative.plugin import cache_policy
 from mlx_speculative.plugin.cache_policy import (
-    PaddedBatchKVCache,
     PaddedKVCache,
     ShapeStablePolicy,
     make_padded_cache,
     pow2_width,
 )
+from mlx_speculative.plugin.ragged_cache import RaggedBatchKVCache
 
 BUCKET = 16  # small, so that every sequence of the cache-level tests crosses several buckets
 MAX_TOKENS = 40
@@ -75,10 +76,10 @@ def test_mask_hides_padding_and_stale_tail() -> None:
 
 def test_transaction_handler_declared() -> None:
     """The padded caches declare their handler (no global table to register into)."""
-    assert PaddedKVCache not in HANDLERS and PaddedBatchKVCache not in HANDLERS
+    assert PaddedKVCache not in HANDLERS and RaggedBatchKVCache not in HANDLERS
     assert handler_for(PaddedKVCache(bucket=4)) is PaddedKVCache.transaction_handler
-    assert handler_for(PaddedBatchKVCache([0, 1], bucket=4)) is PaddedBatchKVCache.transaction_handler
-    check_supported([PaddedKVCache(bucket=4), PaddedBatchKVCache([0], bucket=4)])
+    assert handler_for(RaggedBatchKVCache([0, 1], bucket=4)) is RaggedBatchKVCache.transaction_handler
+    check_supported([PaddedKVCache(bucket=4), RaggedBatchKVCache([0], bucket=4)])
     txn = CacheTransaction([PaddedKVCache(bucket=4)]).begin()
     txn.caches[0].update_and_fetch(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)))
     txn.commit(2)
@@ -180,7 +181,7 @@ def _compare(pair_name: str, pair: Dict[str, Any], speculative: Dict[str, Any], 
         tokens, seen, stats = decode(host, target, prompts, n, options)
         assert tokens == refs, n
         assert not seen & {KVCache, BatchKVCache}, seen
-        assert PaddedBatchKVCache in seen or n == 1, seen  # one token: every request ends at its prefill
+        assert RaggedBatchKVCache in seen or n == 1, seen  # one token: every request ends at its prefill
         count(stats)
     return totals
 
@@ -224,8 +225,9 @@ def test_policy_applies_only_with_speculative_decoding(llama_pair: Dict[str, Any
 
 
 def test_padded_rows_merge_decode_extract_and_commit_ragged(llama_pair: Dict[str, Any]) -> None:
-    """PaddedKVCache rows merge into a PaddedBatchKVCache (left padding); batched forwards equal each
-    row alone; a ragged commit keeps each row's own length; rows extract back to PaddedKVCache."""
+    """PaddedKVCache rows merge into a RaggedBatchKVCache (each row at its own length); batched forwards equal
+    each row alone; a ragged commit keeps each row's own length without moving a key; rows extract back to
+    PaddedKVCache; a row leaving and one joining keep the others' lengths."""
     model = load(str(llama_pair["target"]))[0]
     prompts = [list(range(5, 18)), list(range(40, 45)), list(range(60, 81))]  # 13, 5 and 21 tokens
     alone = [make_padded_cache(model, bucket=BUCKET) for _ in prompts]
@@ -235,8 +237,8 @@ def test_padded_rows_merge_decode_extract_and_commit_ragged(llama_pair: Dict[str
     for p, c in zip(prompts, rows):
         model(mx.array([p]), cache=c)
     batch = [PaddedKVCache.merge(list(layer)) for layer in zip(*rows)]
-    assert all(type(c) is PaddedBatchKVCache for c in batch)
-    assert batch[0].left_padding.tolist() == [8, 16, 0]
+    assert all(type(c) is RaggedBatchKVCache for c in batch)
+    assert batch[0].lengths == (13, 5, 21) and batch[0].offset.tolist() == [13, 5, 21]
 
     def same_logits(fed: List[List[int]]) -> None:
         got = model(mx.array(fed), cache=batch)  # [B, W, V]
@@ -244,7 +246,7 @@ def test_padded_rows_merge_decode_extract_and_commit_ragged(llama_pair: Dict[str
             want = model(mx.array([fed[b]]), cache=c)  # [1, W, V]
             assert mx.allclose(got[b : b + 1], want, atol=1e-5, rtol=1e-5).item(), (b, float(mx.abs(got[b] - want[0]).max()))
         keys, _ = batch[0].keys_and_values()  # what attention reads: whole buckets
-        assert keys.shape[2] % BUCKET == 0 and keys.shape[2] >= batch[0].size()
+        assert keys.shape[2] % BUCKET == 0 and keys.shape[2] >= max(batch[0].lengths)
 
     same_logits([[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]])  # a block: keys 25 (bucket 32)
     for t in range(3):  # one-token steps
@@ -255,11 +257,12 @@ def test_padded_rows_merge_decode_extract_and_commit_ragged(llama_pair: Dict[str
     with CacheTransaction(batch) as txn:
         assert txn.ragged
         model(mx.array(block), cache=batch)
+        buffers = [(c.keys, c.values) for c in batch]
         txn.commit(keep)
-    assert txn.replayed == 0
+    assert txn.replayed == 0 and all(c.keys is k and c.values is v for c, (k, v) in zip(batch, buffers))
     for b, c in enumerate(alone):
         model(mx.array([block[b][: keep[b]]]), cache=c)
-    assert batch[0].left_padding.tolist() == [8 + 5, 16 + 2, 0]
+    assert batch[0].lengths == (13 + 4 + 3 + 1, 5 + 4 + 3 + 4, 21 + 4 + 3 + 6)
     for t in range(3):
         same_logits([[90 + t], [100 + t], [110 + t]])
     same_logits([[1, 2], [3, 4], [5, 6]])
@@ -268,7 +271,18 @@ def test_padded_rows_merge_decode_extract_and_commit_ragged(llama_pair: Dict[str
         mine = [layer.extract(b) for layer in batch]
         assert all(type(x) is PaddedKVCache for x in mine) and mine[0].offset == c[0].offset
         x = mx.array([[7, 8, 9]])
-        assert mx.allclose(model(x, cache=mine), model(x, cache=c), atol=1e-5, rtol=1e-5).item(), b
+        assert mx.allclose(model(x, cache=mine), model(x, cache=copy_caches(c)), atol=1e-5, rtol=1e-5).item(), b
+    # Row 1 leaves, a fresh row joins: the others keep their lengths and their logits.
+    for c in batch:
+        c.filter([0, 2])
+    alone = [alone[0], alone[2]]
+    newcomer = make_padded_cache(model, bucket=BUCKET)
+    model(mx.array([list(range(200, 203))]), cache=newcomer)
+    for c, n in zip(batch, newcomer):
+        c.extend(RaggedBatchKVCache.merge([n]))
+    alone.append(newcomer)
+    assert batch[0].lengths == (alone[0][0].offset, alone[1][0].offset, 3)
+    same_logits([[5, 6], [7, 8], [9, 10]])
 
 
 def test_prewarm_covers_the_bucket_holding_the_last_key(llama_pair: Dict[str, Any]) -> None:

@@ -51,7 +51,7 @@ class DFlashDrafter(Drafter):
         # context counts to powers of two, so that rounds meet few attention shapes.
         self.cache_policy = cache_policy
         self.shape_stable = bool(getattr(cache_policy, "shape_stable", False))
-        # The policy's compiled calls (plugin/compiled.py) for single rows over its padded caches, or None.
+        # The policy's compiled calls (plugin/compiled.py) over its padded caches (one row or a batch's), or None.
         compiler = getattr(cache_policy, "forward", None) if self.shape_stable else None
         self.compiler = compiler if hasattr(compiler, "call") else None
         # (the target's last layer, its final norm) when a tap reads the last layer's output.
@@ -69,16 +69,16 @@ class DFlashDrafter(Drafter):
 
     def append_context(self, caches: List[Any], feats: mx.array) -> None:
         """The context K/V of ``feats`` [B, n, taps*H] appended to ``caches`` (``Model.append_context``),
-        compiled for one row of up to 32 positions where the policy compiles (a round's new context)."""
+        compiled for up to 32 positions where the policy compiles (a round's new context)."""
         n = feats.shape[1]
-        if self.compiler is None or feats.shape[0] != 1 or n > 32 or self.compiler.call(
+        if self.compiler is None or n > 32 or self.compiler.call(
                 ("dflash context",), self, _append, caches, [feats], n, n, "compiled dflash context") is None:
             self.model.append_context(feats, caches)
 
     def block(self, caches: List[Any], tokens: mx.array, widths: Optional[mx.array] = None) -> mx.array:
         """The block's final hidden states [B, T, H] for ``tokens`` [B, T] over the context in ``caches``
-        (``Model.__call__``), compiled for one row where the policy compiles."""
-        if self.compiler is not None and tokens.shape[0] == 1:
+        (``Model.__call__``), compiled where the policy compiles."""
+        if self.compiler is not None:
             arrays = [tokens] if widths is None else [tokens, widths]
             got = self.compiler.call(("dflash block",), self, _block, caches, arrays, tokens.shape[1], 0,
                                      "compiled dflash block")
@@ -88,7 +88,7 @@ class DFlashDrafter(Drafter):
 
     def draft(self, caches: List[Any], tokens: mx.array, widths: Optional[mx.array] = None,
               feats: Optional[mx.array] = None, shift: Optional[mx.array] = None) -> Optional[mx.array]:
-        """Greedy drafts [1, T - 1] for one row in one compiled call: the head's argmax over the block's positions
+        """Greedy drafts [B, T - 1] in one compiled call: the head's argmax over the block's positions
         1.. (``block`` and the head in one graph). With ``feats`` [1, W, taps*H] (drafting ahead): their context
         K/V first written right past the context in ``caches``, whose offsets stay (the host keeps some of them
         later), and the block run ``shift`` (a device scalar <= W) positions past the context. Compiled calls
@@ -99,7 +99,7 @@ class DFlashDrafter(Drafter):
         100 operations or 1000 MB of arrays (MLX-CUDA), so one graph of the whole draft (~200 operations,
         3.4 GB at the Llama-3-8B shape) first reaches the device after about two layers' encoding; in stages
         the device starts after the context writes' and runs while the host encodes the rest."""
-        if self.compiler is None or tokens.shape[0] != 1:
+        if self.compiler is None or (feats is not None and tokens.shape[0] != 1):
             return None
         arrays = [tokens] + ([] if widths is None else [widths]) + ([] if feats is None else [feats, shift])
         past = 0 if feats is None else feats.shape[1]
@@ -140,8 +140,8 @@ def _draft_fn(with_widths: bool, with_feats: bool, staged: bool) -> Callable[...
             at = base + shift.astype(mx.int32)  # one array for every layer: their writes and masks are made once
             for c in caches:
                 c.offset = at
-        h = d.model(d.embed(tokens), caches, rest[0] if with_widths else None, stages if staged else None)  # [1, T, H]
-        return [mx.argmax(d.head(h[:, 1:]).astype(mx.float32), axis=-1)] + stages  # [1, T - 1], then the stages
+        h = d.model(d.embed(tokens), caches, rest[0] if with_widths else None, stages if staged else None)  # [B, T, H]
+        return [mx.argmax(d.head(h[:, 1:]).astype(mx.float32), axis=-1)] + stages  # [B, T - 1], then the stages
 
     return fn
 

@@ -146,12 +146,15 @@ class DFlashBatch(DraftBatch):
         block = mx.array([[r.pending] + [d.mask_token_id] * (width - 1) for r in rows], dtype=mx.uint32)  # [B, width]
         widths = None if width == W and min(max_drafts) == k else mx.array([m + 1 for m in max_drafts])
         greedy = [r.sampling.greedy for r in rows]
-        drafted = d.draft(self.cache, block, widths) if all(greedy) else None  # [1, width - 1]: one compiled call
-        if drafted is not None:  # one row: its k drafts, the call's output itself where it has no padding
+        drafted = d.draft(self.cache, block, widths) if all(greedy) else None  # [B, width - 1]: one compiled call
+        if drafted is not None:
             self.forwards += 1
-            tokens = drafted[0] if width == W else drafted[0, :k]  # [k]
-            mx.async_eval(tokens)
-            return [Proposal(tokens) if k else Proposal([])]
+            if len(rows) == 1:  # its k drafts, the call's output itself where it has no padding
+                tokens = drafted[0] if width == W else drafted[0, :k]  # [k]
+                mx.async_eval(tokens)
+                return [Proposal(tokens) if k else Proposal([])]
+            mx.async_eval(drafted)
+            return [Proposal(drafted[b, :m]) if m else Proposal([]) for b, m in enumerate(max_drafts)]
         h = d.block(self.cache, block, widths)  # [B, width, H]
         self.forwards += 1
         logits = d.head(h[:, 1:W]).astype(mx.float32)  # [B, k, V]

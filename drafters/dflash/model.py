@@ -147,7 +147,8 @@ class Attention(nn.Module):
         cols = mx.arange(S)[None]  # [1, S]
         lp_b = (lp if lp is not None else mx.zeros((1,), mx.int32))[:, None]  # [B|1, 1]
         w_b = widths[:, None] if widths is not None else T
-        mask = ((cols >= lp_b) & (cols < end + w_b))[:, None, None, :]  # [B|1, 1, 1, S]
+        end_b = end[:, None] if isinstance(end, mx.array) and end.ndim == 1 else end  # rows at their own lengths: [B, 1]
+        mask = ((cols >= lp_b) & (cols < end_b + w_b))[:, None, None, :]  # [B|1, 1, 1, S]
         if windowed:
             start_b = start if isinstance(start, int) else start.reshape(-1, 1)  # int | [B|1, 1] (a compiled call: [])
             q_pos = start_b + mx.arange(T)[None]  # [B|1, T]

@@ -196,6 +196,7 @@ class DraftModelDrafter(Drafter):
     kind = "draft_model"
     family = "draft_model"
     default_block_size = DEFAULT_BLOCK_SIZE
+    max_block_size = 16
 
     def __init__(self, model: nn.Module, cache_policy: Any = None):
         self.model = model

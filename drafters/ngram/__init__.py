@@ -16,6 +16,15 @@ DEFAULT_BLOCK_SIZE = 8
 DEFAULT_N = 3
 
 
+def matched(tokens: Sequence[int], n: int, window: int = 4096) -> bool:
+    """Whether the last ``n`` tokens occurred before, within the last ``window`` tokens (a full n-gram match)."""
+    size = len(tokens)
+    if n < 1 or size <= n:
+        return False
+    suffix = list(tokens[size - n :])
+    return any(list(tokens[start : start + n]) == suffix for start in range(size - n - 1, max(-1, size - window - 1), -1))
+
+
 def lookup(tokens: Sequence[int], n_max: int, k: int) -> List[int]:
     """k tokens that followed the most recent earlier match of the longest suffix (<= n_max).
 
@@ -41,11 +50,16 @@ class NgramSession(DraftSession):
     def propose(self, state: Any, max_drafts: int) -> Proposal:
         return Proposal(lookup(state.tokens, self.n, max_drafts))
 
+    def worth_probing(self, state: Any) -> bool:
+        # A match of the full n: the text is repeating something (a 1-token match is nearly always there).
+        return matched(state.tokens, self.n)
+
 
 class NgramDrafter(Drafter):
     kind = "ngram"
     family = "ngram"
     default_block_size = DEFAULT_BLOCK_SIZE
+    max_block_size = 16
 
     def __init__(self, n: int = DEFAULT_N):
         self.n = n

@@ -1,0 +1,157 @@
+"""Where a batched decode step's time goes: plain steps and DFlash rounds of 1..8 rows, phase by phase.
+
+    python bench/batch_trace.py [--rows 1,2,4,8] [--tau 6.0] [--max-tokens 96] [--json out.json]
+
+Not a test; run it on the GPU machine. The synthetic Llama-3-8B-shape target (plugin/bench/synthetic.py) with
+the plugin's cache policy (padded caches; rows of a batch at their own lengths, compiled forwards, the
+attention and projection kernels). For each row count B, B requests of different prompt lengths go through
+the host's scheduler together (no HTTP):
+
+- plain: the host's one-token steps, synchronised after each, median ms per step over mlx-lm's own caches
+  (no policy) and over the policy's;
+- dflash: rounds with a DFlash-shape drafter whose proposals are replaced by each request's reference
+  continuation with errors injected (oracle tau), each round phase by phase with the device synchronised
+  between phases (bench/round_trace.py's traced round), the first rounds (fresh shapes) apart from the rest.
+
+``--kernel-all`` also runs each with the attention kernel taking every 1..32-query call of a batch at any key
+length (MLX's attention compiles per shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import round_trace as rt  # noqa: E402
+from mlx_speculative.hooks.host import GenerationParams, Host  # noqa: E402
+from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
+from mlx_speculative.hooks.scheduler import Scheduler  # noqa: E402
+from mlx_speculative.hooks.state import HostConfig, LoadedTarget  # noqa: E402
+from mlx_speculative.plugin import cache_policy, hookimpls  # noqa: E402
+from mlx_speculative.plugin.bench import oracle as orc  # noqa: E402
+from mlx_speculative.plugin.bench import synthetic  # noqa: E402
+from mlx_speculative.plugin.settings import SpeculativeSettings  # noqa: E402
+
+
+def prompts(n: int, vocab: int, base: int) -> List[List[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(base + 37 * i)] for i in range(n)]
+
+
+def plain_steps(host: Host, target: LoadedTarget, reqs: List[List[int]], max_tokens: int) -> Dict[str, Any]:
+    """Median ms per synchronised plain step of ``len(reqs)`` rows decoding together (after the first 4)."""
+    scheduler = Scheduler(host, target)
+    for p in reqs:
+        scheduler.submit(p, GenerationParams(max_tokens=max_tokens, stop_token_ids=[]))
+    while scheduler.prefilling:
+        scheduler.step()
+    times = []
+    while scheduler.busy:
+        mx.synchronize()
+        t = time.perf_counter()
+        scheduler.step()
+        mx.synchronize()
+        if scheduler.decoded and scheduler.decoded[0] == len(reqs):
+            times.append((time.perf_counter() - t) * 1e3)
+    rest = times[4:] or times
+    return {"rows": len(reqs), "steps": len(times), "median_ms": round(statistics.median(rest), 3),
+            "first_ms": [round(x, 1) for x in times[:4]], "max_ms": round(max(rest), 2)}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--synthetic-target", default="llama-8b", choices=list(synthetic.SPECS))
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--tau", type=float, default=6.0)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--prompt-length", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--kernel-all", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    config = synthetic.config_for(args.synthetic_target)
+    model = synthetic.build(config)
+    vocab = config["vocab_size"]
+    reqs = prompts(max(rows), vocab, args.prompt_length)
+    report: Dict[str, Any] = {"command": "python bench/batch_trace.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                              "device": str(mx.default_device()), "mlx": mx.__version__, "plain": [], "dflash": []}
+
+    # plain: mlx-lm's caches, then the policy's
+    stock = LoadedTarget(model=model, tokenizer=None, path=Path("synthetic"), model_config=config, name="stock")
+    plain_host = Host(HostConfig(), pm=make_plugin_manager(False))
+    refs = {tuple(p): plain_host.generate(stock, p, GenerationParams(max_tokens=args.max_tokens, stop_token_ids=[])).tokens
+            for p in reqs}
+    for b in rows:
+        row = plain_steps(plain_host, stock, reqs[:b], args.max_tokens)
+        report["plain"].append({"caches": "mlx-lm", **row})
+        print(f"plain mlx-lm {row}", flush=True)
+    policy = cache_policy.policy_for()
+    drafter, _ = synthetic.dflash_drafter(model, config, args.block, 5, 2, policy)
+    ora = orc.Oracle(orc.alpha_for_tau(args.tau, args.block), vocab)
+    for p in reqs:
+        ora.register(p, refs[tuple(p)])
+    target = LoadedTarget(model=model, tokenizer=None, path=Path("synthetic"), model_config=config, name="policy")
+    settings = SpeculativeSettings(enabled=True, kind="dflash", block_size=args.block, adaptive=False)
+    if policy is not None:
+        policy.block_size = args.block
+        policy.capture_layers = tuple(drafter.capture_layers())
+    target.attachments[hookimpls.NAME] = hookimpls.Attachment(
+        settings=settings, drafter=orc.WrappedDrafter(drafter, ora), block_size=args.block, policy=policy)
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [rt.TracedPlugin()]))
+    t0 = time.perf_counter()
+    host.apply_policy(target, policy)
+    report["prewarm_s"] = round(time.perf_counter() - t0, 1)
+    variants = ["measured"] + (["kernel-all"] if args.kernel_all and policy is not None and policy.attention else [])
+    for variant in variants:
+        if variant == "kernel-all":
+            policy.attention.min_keys = {"mlx-mask": 0, "array": 0}
+            policy.attention.min_queries = 1
+        for b in rows:
+            row = plain_steps(Host(HostConfig(), pm=make_plugin_manager(False, [hookimpls])), _plain_target(target, policy),
+                              reqs[:b], args.max_tokens)
+            report["plain"].append({"caches": f"policy ({variant})", **row})
+            print(f"plain policy {variant} {row}", flush=True)
+            for regime in ("fresh", "warm"):
+                rt.TRACE.clear()
+                rt.LABEL[0] = f"{regime} {b}"
+                scheduler = Scheduler(host, target)
+                submitted = [scheduler.submit(p, GenerationParams(max_tokens=args.max_tokens, stop_token_ids=[]))
+                             for p in reqs[:b]]
+                t = time.perf_counter()
+                while scheduler.busy:
+                    scheduler.step()
+                wall = time.perf_counter() - t
+                same = all(r.state.tokens[r.state.prompt_len:] == refs[tuple(p)] for r, p in zip(submitted, reqs[:b]))
+                batch_rounds = [r for r in rt.TRACE if r["width"]]
+                s = rt.summarise(f"dflash {variant} {regime} rows {b}", batch_rounds or rt.TRACE)
+                report["dflash"].append({"variant": variant, "regime": regime, "rows": b, "identical": same,
+                                         "tokens_per_s_traced": round(b * args.max_tokens / wall, 1), **s})
+    mx.synchronize()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _plain_target(target: LoadedTarget, policy: Any) -> LoadedTarget:
+    """The same model and policy, speculation off: the host's plain steps over the policy's caches."""
+    plain = LoadedTarget(model=target.model, tokenizer=None, path=target.path, model_config=target.model_config,
+                         name="plain")
+    plain.cache_policy = policy if policy is not None else plain.cache_policy
+    plain.attachments[hookimpls.NAME] = hookimpls.Attachment(settings=SpeculativeSettings(enabled=False), policy=policy)
+    return plain
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,221 @@
+"""Batched rounds that pay: rows of very different acceptance in one batch, and rounds priced against plain steps.
+
+Eight greedy requests share a batch, each drafter proposal forced to its row's own acceptance (two rows never
+accept, four accept part, two accept everything): every request decodes exactly as alone (fp32, CPU), with the
+ragged batch cache (``MLX_SPEC_PADDED_CACHE=on``: rows at their own lengths, compiled forwards) and with mlx-lm's;
+in the same verify forward rows verify different widths; the rows that never accept end up verifying their one
+pending token (counted: the verify forwards' positions) while the others keep their blocks, which grow as they
+would without them. A round the measured costs price below plain steps is not run: the batch takes plain steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import pytest
+
+from conftest import PROMPTS, encode, greedy_reference, make_host
+from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
+from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.hooks.host import GenerationParams
+from mlx_speculative.hooks.scheduler import Scheduler
+from mlx_speculative.plugin import cache_policy, compiled
+from mlx_speculative.plugin.costs import CostTable, expected_tokens
+from mlx_speculative.plugin.metrics import METRICS
+
+ACCEPTS = ["zero", "zero", "partial", "partial", "partial", "partial", "full", "full"]
+MAX_TOKENS = 48
+
+
+class Unpriced(CostTable):
+    """A cost table that measures nothing: rounds are never priced against plain steps (timing-free tests)."""
+
+    def observe(self, kind: str, rows: int, width: int, seconds: float) -> None:
+        return None
+
+
+class Forced(DraftBatch):
+    """A drafter's batch whose proposals (after the drafter really ran) are each row's greedy continuation,
+    corrupted at the first draft (zero), mid-block (partial) or not at all (full); logs what each row drafts."""
+
+    def __init__(self, inner: DraftBatch, truth: Dict[Tuple[int, ...], Tuple[List[int], str]], log: List[Any]):
+        self.inner, self.truth, self.log = inner, truth, log
+
+    @property
+    def forwards(self) -> int:  # type: ignore[override]
+        return self.inner.forwards
+
+    def sync(self, rows: Sequence[Any]) -> None:
+        self.inner.sync(rows)
+
+    def prepare(self, rows: Sequence[Any]) -> None:
+        self.inner.prepare(rows)
+
+    def cache_groups(self) -> List[Any]:
+        return self.inner.cache_groups()
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        self.inner.propose(rows, max_drafts)
+        out, drafted = [], {}
+        for row, m in zip(rows, max_drafts):
+            ref, how = self.truth[tuple(row.tokens[: row.prompt_len])]
+            drafts = list(ref[row.generated : row.generated + m])
+            cut = 0 if how == "zero" else m // 2 if how == "partial" else m
+            if cut < len(drafts):
+                drafts[cut] = (drafts[cut] + 1) % 384
+            out.append(Proposal(drafts) if m else Proposal([]))
+            drafted[how + str(id(row))] = m
+        self.log.append(drafted)
+        return out
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        return self.inner.commit(rows, verified)
+
+
+class ForcedDrafter(Drafter):
+    def __init__(self, inner: Drafter, truth: Dict[Tuple[int, ...], Tuple[List[int], str]], log: List[Any]):
+        self.inner, self.truth, self.log = inner, truth, log
+        self.kind, self.family = inner.kind, inner.family
+        self.default_block_size, self.max_block_size = inner.default_block_size, inner.max_block_size
+
+    def capture_layers(self) -> List[int]:
+        return self.inner.capture_layers()
+
+    def new_batch(self) -> DraftBatch:
+        return Forced(self.inner.new_batch(), self.truth, self.log)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("served")
+    target = tm.make_checkpoint(root / "llama", tm.llama_config(num_hidden_layers=4), seed=43,
+                                tokenizer_dir=tokenizer_dir, logit_scale=3.0, quiet_layers_from=2)
+    return {"target": target, "drafter": tm.make_truncated_drafter(target, root / "draft", num_layers=2)}
+
+
+def _decode(host: Any, target: Any, requests: List[List[int]]) -> Tuple[List[List[int]], List[Any]]:
+    scheduler = Scheduler(host, target)
+    submitted = [scheduler.submit(p, GenerationParams(max_tokens=MAX_TOKENS, stop_token_ids=[])) for p in requests]
+    got: Dict[int, List[int]] = {r.id: [] for r in submitted}
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            got[request.id].append(event.token)
+    return [got[r.id] for r in submitted], [r.state.report["speculative"] for r in submitted]
+
+
+def _forced_host(pair: Dict[str, Path], requests: List[List[int]], accepts: List[str], log: List[Any],
+                 costs: CostTable) -> Tuple[Any, Any, List[List[int]]]:
+    host = make_host({"draft_model": str(pair["drafter"])})  # adaptive, from the drafter's block 4 up to 16
+    target = host.load(str(pair["target"]))
+    refs = [greedy_reference(target.model, p, MAX_TOKENS) for p in requests]
+    att = target.attachments["speculative"]
+    att.drafter = ForcedDrafter(att.drafter, {tuple(p): (r, a) for p, r, a in zip(requests, refs, accepts)}, log)
+    att.costs = costs
+    return host, target, refs
+
+
+@pytest.mark.parametrize("padded", ["on", "off"])
+def test_rows_of_very_different_acceptance_each_verify_their_own(padded: str, pair: Dict[str, Path],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cache_policy.ENV, padded)
+    monkeypatch.setenv(compiled.ENV, padded)
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
+    probe = make_host(None, plugins=False).load(str(pair["target"]))
+    requests = [encode(probe, PROMPTS[i]) for i in range(len(ACCEPTS))]
+    log: List[Any] = []
+    host, target, refs = _forced_host(pair, requests, ACCEPTS, log, Unpriced())
+    before = METRICS.snapshot()
+    tokens, reports = _decode(host, target, requests)
+    assert tokens == refs
+    after = METRICS.snapshot()
+    positions = after["mlx_spec_verify_positions_total"] - before["mlx_spec_verify_positions_total"]
+    slots = after["mlx_spec_verify_slots_total"] - before["mlx_spec_verify_slots_total"]
+    forwards = after["mlx_spec_verify_forwards_total"] - before["mlx_spec_verify_forwards_total"]
+    # Rounds of all eight rows in which the never-accepting rows verify their pending token alone while the
+    # rows accepting everything verify whole blocks, grown past the drafter's own block of 4.
+    wide = [r for r in log if len(r) == 8]
+    apart = [r for r in wide if all(m == 0 for k, m in r.items() if k.startswith("zero"))
+             and all(m > 4 for k, m in r.items() if k.startswith("full"))]
+    assert wide and len(apart) >= 3, log
+    counted = sum(1 + m for r in log for m in r.values())
+    assert positions == counted and forwards == len(log) and slots > positions
+    zero, full = reports[0], reports[-1]
+    assert zero.accepted_tokens == 0 and zero.plain_steps > 0 and full.accepted_tokens == full.draft_tokens > 0
+    assert max(full.block_sizes) > 4  # grown past the drafter's own block while everything was accepted
+    # The rows that accept everything grow their blocks as they do without the rows that never accept.
+    alone_log: List[Any] = []
+    host, target, _ = _forced_host(pair, requests[6:], ACCEPTS[6:], alone_log, Unpriced())
+    alone_tokens, alone_reports = _decode(host, target, requests[6:])
+    assert alone_tokens == refs[6:]
+    assert [r.block_sizes for r in alone_reports] == [r.block_sizes for r in reports[6:]]
+
+
+def test_a_round_priced_below_plain_steps_is_not_run(pair: Dict[str, Path]) -> None:
+    """With a round of the batch's shape measured at 10x a plain step, rows accepting half their drafts do not
+    pay for it: the batch takes plain steps (every row paused) and still decodes exactly."""
+    probe = make_host(None, plugins=False).load(str(pair["target"]))
+    requests = [encode(probe, PROMPTS[i]) for i in range(4)]
+    costs = CostTable(samples=1)
+    for width in range(1, 17):
+        for rows in range(1, 5):
+            costs.fixed[("round", rows, width)] = 0.010 * rows
+            costs.fixed[("plain", rows, 1)] = 0.001 * rows
+    log: List[Any] = []
+    host, target, refs = _forced_host(pair, requests, ["partial"] * 4, log, costs)
+    tokens, reports = _decode(host, target, requests)
+    assert tokens == refs and not log  # no round ran: each was priced below plain steps
+    assert all(r.rounds == 0 and r.plain_steps == MAX_TOKENS - 1 for r in reports)
+
+
+def test_cost_table_fixes_each_shape_once() -> None:
+    t = CostTable(samples=3)
+    for s in (0.5, 0.010, 0.012, 0.011):  # the first pays for the shape's compile
+        t.observe("round", 2, 16, s)
+    assert t.get("round", 2, 16) == 0.011 and ("round", 2, 16) in t.fixed
+    t.observe("round", 2, 16, 5.0)  # fixed: later observations (a busy machine) change nothing
+    assert t.get("round", 2, 16) == 0.011 and t.get("round", 2, 8) is None
+    t.observe("plain", 2, 1, 0.004)
+    assert t.get("plain", 2, 1) == 0.004 and not t.round_loses(2, 16, 6.0) and t.round_loses(2, 16, 4.0)
+    assert t.round_loses(2, 8, 1.0) is False  # a shape never measured is not priced
+    assert expected_tokens(0.0, 15) == 1.0 and expected_tokens(1.0, 3) == 4.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+
+
+def test_a_paused_row_probes_when_its_drafter_sees_a_match() -> None:
+    """ngram: a row paused after rejected rounds probes as soon as the last n tokens occurred before (the text
+    repeats something, e.g. code copied from the prompt) instead of waiting out its pause."""
+    from types import SimpleNamespace
+
+    from mlx_speculative.drafters.ngram import NgramSession, matched
+    from mlx_speculative.plugin import round as rnd
+    from mlx_speculative.plugin.adaptive import BlockSizeController
+
+    assert matched([1, 2, 3, 9, 1, 2, 3], 3) and not matched([1, 2, 3, 9, 1, 2, 4], 3) and not matched([5], 3)
+
+    class Draft:
+        def worth_probing(self, row: Any) -> bool:
+            return NgramSession(3).worth_probing(row)
+
+    c = BlockSizeController(cap=8)
+    c.update(0, 7)
+    c.update(0, 7)  # collapsed without accepting anything: paused
+    assert c.paused_left == c.min_pause
+    req = SimpleNamespace(controller=c, to_end=False)
+    row = SimpleNamespace(tokens=[4, 5, 6, 7, 8, 9], remaining=100)
+    assert rnd._plan(row, req, Draft()) is None and c.paused_left == c.min_pause  # no match: still paused
+    assert rnd._grant(row, req, True) == rnd.PROBE_EVERY  # asked again within a few plain steps
+    row.tokens += [4, 5, 6]
+    assert rnd._plan(row, req, Draft()) == 7 and c.paused_left == 0 and c.probing  # a match: probes now
+
+
+@pytest.mark.parametrize("policy", ["off", "on"])
+def test_the_cli_exits_cleanly_with_every_cache_policy(policy: str) -> None:
+    """mlx-lm's caches (off) and the shape-stable policy with compiled forwards (on): the run ends with status 0
+    and nothing on stderr from C++ (no "terminate called": no MLX work left running at exit)."""
+    from test_cli import mlx_spec
+
+    env = {cache_policy.ENV: policy, compiled.ENV: policy, "MLX_SPEC_PREWARM_TOKENS": "0"}
+    proc = mlx_spec("generate", "--max-tokens", "24", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr and "Abort" not in proc.stderr
