@@ -7,11 +7,13 @@ engine's generation thread, the scheduler, the plugins as a deployment registers
 each client count of ``--clients``, that many threads send completions for ``--duration`` seconds; every
 output is compared with the same request answered alone first (0 mismatches expected in every mode).
 
-Modes: ``plain`` (the host's plain decoding, the plugins registered as installed: on CUDA the plugin's
-backend serves plain steps too), ``mlx-lm`` (no plugin: mlx-lm's own caches and kernels), ``dflash`` (a
+Modes: ``plain`` (the host's plain decoding, the plugins registered as installed, speculation off), ``mlx-lm``
+(no plugin), ``plain-backend`` (plain steps over the plugin's CUDA policy: rows at their own lengths, padded
+keys, the kernels; not what a deployment runs, measured against it), ``dflash`` (a
 DFlash-shape drafter runs for real, its proposals replaced by each request's reference continuation with
 errors injected at mean acceptance length ``--tau``, as ``mlx-spec bench``'s oracle does; adaptive blocks of
-at most ``--block``) and ``dflash-tau1`` (the same drafts never accepted). Reported per mode and client
+at most ``--block``), ``dflash-tau1`` (the same drafts never accepted) and ``dflash-uncompiled-batches`` (dflash,
+a batch's forwards not compiled: each new shape of a batch traces and compiles anew). Reported per mode and client
 count, from the server's /metrics and the responses: tok/s, decode steps and mean rows per step (one target
 forward each), ms per decode step, rounds and tau, the round's steps (ms per round, from the requests'
 ``timings``), and the plugin's compiled-call and attention-kernel counts.
@@ -47,7 +49,7 @@ from mlx_speculative.plugin.bench import oracle as orc
 from mlx_speculative.plugin.bench import synthetic
 from mlx_speculative.plugin.settings import SpeculativeSettings
 
-MODES = ("plain", "mlx-lm", "dflash", "dflash-tau1")
+MODES = ("plain", "mlx-lm", "plain-backend", "dflash", "dflash-tau1", "dflash-uncompiled-batches")
 
 
 def word_tokenizer(vocab: int, root: Path) -> Any:
@@ -146,10 +148,14 @@ def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: A
     if mode == "mlx-lm":
         return target, []
     policy = cache_policy.policy_for()
-    if mode == "plain":
-        settings = SpeculativeSettings(enabled=False)
-        target.attachments[hookimpls.NAME] = hookimpls.Attachment(settings=settings, policy=hookimpls.plain_policy(policy))
+    if mode in ("plain", "plain-backend"):
+        if mode == "plain-backend" and policy is not None:
+            policy.block_size, policy.capture_layers = 1, ()  # plain steps only: prewarm warms widths 1 and 2
+        target.attachments[hookimpls.NAME] = hookimpls.Attachment(
+            settings=SpeculativeSettings(enabled=False), policy=policy if mode == "plain-backend" else None)
         return target, [hookimpls]
+    if mode == "dflash-uncompiled-batches" and policy is not None and policy.forward is not None:
+        policy.forward.batches = False
     drafter, _ = synthetic.dflash_drafter(model, config, block, 5, 2, policy)
     ora = orc.Oracle(orc.alpha_for_tau(1.0 if mode == "dflash-tau1" else tau, block), config["vocab_size"])
     plain = Host(HostConfig(), pm=make_plugin_manager(False))

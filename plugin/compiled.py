@@ -166,6 +166,9 @@ class CompiledForward:
         self.widths = frozenset(widths)
         self.grow = grow
         self.enabled = True  # False: every call answers None (the bench's on/off in one process)
+        # False: a batch's calls (rows at their own lengths) run plainly; one row's stay compiled. Each new
+        # (rows, width, buffer) shape traces and compiles anew on the device ($MLX_SPEC_COMPILED_BATCHES=off).
+        self.batches = os.environ.get("MLX_SPEC_COMPILED_BATCHES", "on").strip().lower() != "off"
         self.counts: Counter = Counter()
         self.failed: Dict[int, str] = {}  # id(owner model) -> why its trace failed
         self._failed_refs: Dict[int, Any] = {}  # id(owner) -> its weakref (an id is reused once an owner is freed)
@@ -266,6 +269,8 @@ class CompiledForward:
         if id(owner) in self.failed and self._failed_refs[id(owner)]() is owner:
             return "trace failed"
         if cache and row_lengths(cache) is not None:  # a batch's rows, each at its own offset
+            if not self.batches:
+                return "batches off"
             return "" if all(c.keys is not None for c in cache) else "caches"
         if not cache or any(type(c) is not self.cache_type or c.keys is None for c in cache):
             return "caches"

@@ -38,14 +38,12 @@ class CostTable:
             del self.seen[key]
 
     def get(self, kind: str, rows: int, width: int) -> Optional[float]:
-        """The shape's cost: fixed, else the median of what was seen so far (None: never seen)."""
+        """The shape's cost: fixed, else the median of what was seen after the first (None: nothing yet)."""
         key = (kind, rows, width)
         if key in self.fixed:
             return self.fixed[key]
         got = self.seen.get(key)
-        if not got:
-            return None
-        return statistics.median(got[1:] or got)
+        return statistics.median(got[1:]) if got and len(got) > 1 else None
 
     def round_loses(self, rows: int, width: int, expected: float) -> bool:
         """A round of ``rows`` x ``width`` expecting ``expected`` tokens in all yields fewer tokens per second

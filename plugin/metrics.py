@@ -82,11 +82,14 @@ class SpecStats:
         cut = o.accepted - min(o.accepted, used)
         if cut <= 0:
             return
+        # Drafts past the request's end count neither as accepted nor as drafted (a block keeps its size up to the
+        # end on shape-stable caches: round.py).
         self.accepted_tokens -= cut
+        self.draft_tokens -= cut
         for i in range(o.accepted - cut, o.accepted):
             self.accepted_per_position[i] -= 1
         self.rounds_by_acceptance[_bucket(o.accepted, o.draft_tokens)] -= 1
-        self.rounds_by_acceptance[_bucket(o.accepted - cut, o.draft_tokens)] += 1
+        self.rounds_by_acceptance[_bucket(o.accepted - cut, o.draft_tokens - cut)] += 1
         METRICS.unrecord(o, cut)
 
     @property
@@ -154,9 +157,10 @@ class Metrics:
                 self.accepted_per_pos[i] = self.accepted_per_pos.get(i, 0) + (1 if i < outcome.accepted else 0)
 
     def unrecord(self, outcome: RoundOutcome, cut: int) -> None:
-        """The last ``cut`` accepted tokens of ``outcome`` were not used after all."""
+        """The last ``cut`` accepted tokens of ``outcome`` were not used after all (nor counted as drafted)."""
         with self._lock:
             self.num_accepted_tokens -= cut
+            self.num_draft_tokens -= cut
             for i in range(outcome.accepted - cut, outcome.accepted):
                 self.accepted_per_pos[i] -= 1
 

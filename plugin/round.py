@@ -123,8 +123,14 @@ def _plan(row: DecodeState, req: RowRounds, draft: DraftBatch) -> Optional[int]:
     if c.skip_probe(row.remaining):
         req.to_end = True
         return None
-    k = min(c.size - 1, row.remaining - 1)
-    return k if k >= 1 else None
+    if row.remaining <= 1:
+        return None
+    if getattr(row.target.cache_policy, "shape_stable", False):
+        # Near the end of a request the block keeps its size: a smaller one is a shape the device meets for the
+        # first time (seconds of compiling on MLX-CUDA, measured on an H100: bench/results/served/h100-batch-trace.json);
+        # the tokens past the request's end are dropped by the host, as after a stop token.
+        return c.size - 1
+    return min(c.size - 1, row.remaining - 1)
 
 
 def _grant(row: DecodeState, req: RowRounds, probes: bool) -> Optional[int]:

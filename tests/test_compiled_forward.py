@@ -228,7 +228,8 @@ def test_ngram_and_dflash_rounds_equal_plain_decoding(models: Dict[str, Any], mo
     # one drafted ahead is left unused when the request ends)
     assert fwd.counts["compiled dflash draft"] == len(PROMPTS), fwd.counts
     assert fwd.counts["compiled dflash draft ahead"] == totals["rounds"] and fwd.counts["compiled dflash block"] == 0
-    assert {k[1][:2] for k in fwd._fns} == {("forward", (0, 2)), ("dflash draft", False), ("dflash draft", True)}
+    # blocks of 5 padded to 8 (per-row widths); near a request's end the block keeps its size (no new shape)
+    assert {k[1][:2] for k in fwd._fns} == {("forward", (0, 2)), ("dflash draft", True)}
     # a batch: its verify forwards, its drafts (one call for every row) and its context appends compile too
     before = dict(fwd.counts)
     tokens, totals = decode(host, target, PROMPTS, batch=True)

@@ -40,11 +40,12 @@ def test_a_collapse_accepting_nothing_pauses_at_the_same_size() -> None:
 
 def test_measured_costs_size_the_pause() -> None:
     c = BlockSizeController(cap=16)
-    c.record_round(0.025)
-    c.record_plain(8, 0.040)  # 5 ms a plain step: a probe round costs 4 plain steps more
+    for _ in range(2):  # a shape's first observation pays for compiling it: the second prices it
+        c.record_round(0.025)
+        c.record_plain(8, 0.040)  # 5 ms a plain step: a probe round costs 4 plain steps more
     run(c, 0.0, 2)
     assert c.paused_left == 80  # 4 extra steps are 5 % of 80
-    c.record_plain(4, 0.080)  # slower plain steps now: the entry is the median of those after the first, 20 ms
+    c.record_plain(4, 0.080)  # slower plain steps now: the median of those after the first, 12.5 ms
     c.take_plain_steps()
     c.update(0, 15)
     assert c.paused_left == 160  # backoff (twice the last pause) beats the cost rule (ceil(1 / .05) = 20)
@@ -56,8 +57,9 @@ def test_rounds_losing_to_plain_steps_pause() -> None:
     for round_s, plain_s, pauses in ((0.020, 0.005, True), (0.010, 0.005, False), (0.020, 0.0, False)):
         c = BlockSizeController(cap=16)
         c.shape = (1, 16)  # the rounds' shape: one row verifying 16 positions (what the round sets)
-        c.record_round(round_s)
-        c.record_plain(1, plain_s)
+        for _ in range(2):  # the first observation of a shape pays for compiling it; the second prices it
+            c.record_round(round_s)
+            c.record_plain(1, plain_s)
         paused = []
         for _ in range(12):
             c.next()

@@ -66,6 +66,7 @@ class Forced(DraftBatch):
                 drafts[cut] = (drafts[cut] + 1) % 384
             out.append(Proposal(drafts) if m else Proposal([]))
             drafted[how + str(id(row))] = m
+            self.fed = getattr(self, "fed", 0) + 1 + (len(drafts) if m else 0)  # positions the verify will check
         self.log.append(drafted)
         return out
 
@@ -83,7 +84,8 @@ class ForcedDrafter(Drafter):
         return self.inner.capture_layers()
 
     def new_batch(self) -> DraftBatch:
-        return Forced(self.inner.new_batch(), self.truth, self.log)
+        self.batches = getattr(self, "batches", []) + [Forced(self.inner.new_batch(), self.truth, self.log)]
+        return self.batches[-1]
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,7 @@ def test_rows_of_very_different_acceptance_each_verify_their_own(padded: str, pa
     apart = [r for r in wide if all(m == 0 for k, m in r.items() if k.startswith("zero"))
              and all(m > 4 for k, m in r.items() if k.startswith("full"))]
     assert wide and len(apart) >= 3, log
-    counted = sum(1 + m for r in log for m in r.values())
+    counted = target.attachments["speculative"].drafter.batches[0].fed
     assert positions == counted and forwards == len(log) and slots > positions
     zero, full = reports[0], reports[-1]
     assert zero.accepted_tokens == 0 and zero.plain_steps > 0 and full.accepted_tokens == full.draft_tokens > 0
@@ -175,6 +177,8 @@ def test_cost_table_fixes_each_shape_once() -> None:
     assert t.get("round", 2, 16) == 0.011 and ("round", 2, 16) in t.fixed
     t.observe("round", 2, 16, 5.0)  # fixed: later observations (a busy machine) change nothing
     assert t.get("round", 2, 16) == 0.011 and t.get("round", 2, 8) is None
+    t.observe("plain", 2, 1, 0.030)
+    assert t.get("plain", 2, 1) is None  # its first observation alone (compiling) prices nothing
     t.observe("plain", 2, 1, 0.004)
     assert t.get("plain", 2, 1) == 0.004 and not t.round_loses(2, 16, 6.0) and t.round_loses(2, 16, 4.0)
     assert t.round_loses(2, 8, 1.0) is False  # a shape never measured is not priced
@@ -202,7 +206,7 @@ def test_a_paused_row_probes_when_its_drafter_sees_a_match() -> None:
     c.update(0, 7)  # collapsed without accepting anything: paused
     assert c.paused_left == c.min_pause
     req = SimpleNamespace(controller=c, to_end=False)
-    row = SimpleNamespace(tokens=[4, 5, 6, 7, 8, 9], remaining=100)
+    row = SimpleNamespace(tokens=[4, 5, 6, 7, 8, 9], remaining=100, target=SimpleNamespace(cache_policy=None))
     assert rnd._plan(row, req, Draft()) is None and c.paused_left == c.min_pause  # no match: still paused
     assert rnd._grant(row, req, True) == rnd.PROBE_EVERY  # asked again within a few plain steps
     row.tokens += [4, 5, 6]
