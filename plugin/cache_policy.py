@@ -63,6 +63,7 @@ from .ragged_cache import RaggedBatchKVCache
 DEFAULT_BUCKET = 256
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
 DEFAULT_PREWARM_TOKENS = 4096
+BATCH_ROWS = 32  # the most rows one projection-kernel launch takes (plugin/cuda_matmul.py MAX_ROWS)
 ENV = "MLX_SPEC_PADDED_CACHE"
 MODES = ("auto", "on", "off")
 
@@ -299,8 +300,12 @@ def prewarm(
     shapes = [(c.keys.shape, c.values.shape, c.keys.dtype) for c in padded]
     others = [c for c in caches if not isinstance(c, PaddedKVCache)]
     runs = 0
+    # A batch's verify multiplies rows x width positions in one projection launch: up to BATCH_ROWS rows take the
+    # kernel's plans for 17..32 rows, other templates than one row's blocks of <= 16 use. One forward of that many
+    # positions compiles them here (on an H100, a batch's first round otherwise stalled ~3 s compiling them).
+    extra = [] if BATCH_ROWS in set(widths) else [BATCH_ROWS]
     for span in range(bucket, -(-max(bucket, max_tokens) // bucket) * bucket + 1, bucket):
-        for q in sorted(set(widths)):
+        for q in sorted(set(widths)) + (extra if span == bucket * -(-BATCH_ROWS // bucket) else []):
             if q > span or (q == 1 and not padded[0].pad_steps):
                 continue  # one-token steps keep exact lengths: nothing to warm
             if others:  # mixed caches: only reachable shapes, from a fresh cache each time

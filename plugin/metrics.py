@@ -74,23 +74,23 @@ class SpecStats:
 
     def truncate_last(self, discarded: int) -> None:
         """The request ended inside its latest round: ``discarded`` of its emitted tokens were not
-        used (a stop token or max_tokens came first). Accepted counts only the draft tokens used."""
+        used (a stop token or max_tokens came first). The round counts as if it had drafted only up to the
+        request's end: its last used token the bonus, the drafts before it drafted (and accepted where they were),
+        the drafts after it neither (a block keeps its size up to the end on shape-stable caches: round.py)."""
         o = self.last
         if o is None or discarded <= 0:
             return
-        used = max(0, o.emitted - discarded)
-        cut = o.accepted - min(o.accepted, used)
-        if cut <= 0:
+        inside = max(0, o.emitted - discarded - 1)  # draft positions before the last used token
+        cut, cut_drafts = o.accepted - min(o.accepted, inside), o.draft_tokens - min(o.draft_tokens, inside)
+        if cut <= 0 and cut_drafts <= 0:
             return
-        # Drafts past the request's end count neither as accepted nor as drafted (a block keeps its size up to the
-        # end on shape-stable caches: round.py).
         self.accepted_tokens -= cut
-        self.draft_tokens -= cut
+        self.draft_tokens -= cut_drafts
         for i in range(o.accepted - cut, o.accepted):
             self.accepted_per_position[i] -= 1
         self.rounds_by_acceptance[_bucket(o.accepted, o.draft_tokens)] -= 1
-        self.rounds_by_acceptance[_bucket(o.accepted - cut, o.draft_tokens - cut)] += 1
-        METRICS.unrecord(o, cut)
+        self.rounds_by_acceptance[_bucket(o.accepted - cut, o.draft_tokens - cut_drafts)] += 1
+        METRICS.unrecord(o, cut, cut_drafts)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -156,11 +156,12 @@ class Metrics:
             for i in range(outcome.draft_tokens):
                 self.accepted_per_pos[i] = self.accepted_per_pos.get(i, 0) + (1 if i < outcome.accepted else 0)
 
-    def unrecord(self, outcome: RoundOutcome, cut: int) -> None:
-        """The last ``cut`` accepted tokens of ``outcome`` were not used after all (nor counted as drafted)."""
+    def unrecord(self, outcome: RoundOutcome, cut: int, cut_drafts: int = 0) -> None:
+        """The last ``cut`` accepted tokens of ``outcome`` were not used after all, nor its last ``cut_drafts``
+        draft tokens (past the request's end)."""
         with self._lock:
             self.num_accepted_tokens -= cut
-            self.num_draft_tokens -= cut
+            self.num_draft_tokens -= cut_drafts
             for i in range(outcome.accepted - cut, outcome.accepted):
                 self.accepted_per_pos[i] -= 1
 

@@ -270,9 +270,10 @@ def test_prewarm_runs_every_bucket_and_width(models: Dict[str, Path]) -> None:
     drafter = target.attachments["speculative"].drafter
     assert not drafter.shape_stable and prewarm(drafter, 64, 16) == 0  # CPU: mlx-lm's caches, nothing to warm
     drafter.cache_policy, drafter.shape_stable = ShapeStablePolicy(16, prewarm_tokens=0), True
-    # spans 16..64 x widths 2, 4, 8, 16, and context counts 1, 2, 4 .. 512
-    assert prewarm(drafter, 64, 16) == 4 * 4 + 10
-    assert prewarm(drafter, 50, 16) == 4 * 4 + 10  # 50 keys need the 64-key span too
+    # spans 16..64 x widths 2, 4, 8, 16, context counts 1, 2, 4 .. 512, and a batch's 32 block positions once
+    assert prewarm(drafter, 64, 16) == 4 * 4 + 10 + 1
+    assert prewarm(drafter, 50, 16) == 4 * 4 + 10 + 1  # 50 keys need the 64-key span too
+    assert prewarm(drafter, 16, 16) == 4 + 10  # no span holds 32 positions: none warmed
 
 
 @pytest.mark.parametrize("ahead", [False, True])

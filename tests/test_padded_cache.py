@@ -287,6 +287,8 @@ def test_padded_rows_merge_decode_extract_and_commit_ragged(llama_pair: Dict[str
 
 def test_prewarm_covers_the_bucket_holding_the_last_key(llama_pair: Dict[str, Any]) -> None:
     model = load(str(llama_pair["target"]))[0]
-    # 50 keys end in the 49..64 bucket: spans 16, 32, 48, 64 x widths 2 and 4
-    assert cache_policy.prewarm(model, 50, widths=[2, 4], bucket=16) == 8
-    assert cache_policy.prewarm(model, 48, widths=[2, 4], bucket=16) == 6
+    # 50 keys end in the 49..64 bucket: spans 16, 32, 48, 64 x widths 2 and 4, and 32 positions once (a batch's
+    # rows x width in one projection launch) at the first span holding them
+    assert cache_policy.prewarm(model, 50, widths=[2, 4], bucket=16) == 8 + 1
+    assert cache_policy.prewarm(model, 48, widths=[2, 4], bucket=16) == 6 + 1
+    assert cache_policy.prewarm(model, 48, widths=[2, 32], bucket=16) == 3 + 2  # 32 among the widths: not again

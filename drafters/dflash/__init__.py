@@ -330,6 +330,13 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int, context_counts:
             zeroed(caches, shapes, span, span - w)  # the block, written after the context, ends the bucket
             mx.eval(model(emb[:, :w], caches, mx.array([w - 1])))
             runs += 1
+    # A batch's block: rows x width positions in each projection launch, up to 32 (the kernel's plans for 17..32
+    # rows, which one row's blocks never meet): compiled here, once, not at a batch's first round.
+    if widths[-1] < 32 <= max(bucket, max_tokens):
+        zeroed(caches, shapes, -(-32 // bucket) * bucket, 0)
+        mx.eval(model(mx.zeros((1, 32, args.hidden_size), dtype), caches, mx.array([31])), drafter.head(
+            mx.zeros((1, 32, args.hidden_size), dtype)))
+        runs += 1
     if drafter.compiler is not None:
         runs += prewarm_compiled(drafter, caches, shapes, max_tokens, widths)
     mx.clear_cache()
