@@ -47,7 +47,8 @@ class ServerSettings:
 def server_value(key: str, value: Any, field_name: str) -> Any:
     """One ``server:`` value checked; ``field_name`` is what the user wrote (server.port, --port)."""
     if key not in SERVER_KEYS:
-        raise HostConfigError(f"{field_name}: unknown key (value {value!r}); allowed keys: {', '.join(SERVER_KEYS)}")
+        raise HostConfigError(f"{field_name}: unknown key (value {value!r}); allowed keys: {', '.join(SERVER_KEYS)}",
+                              field_name)
     if key in ("host", "api_key", "model_name"):
         if not isinstance(value, str) or not value.strip():
             raise SettingError(field_name, value, "a non-empty string")

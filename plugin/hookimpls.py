@@ -68,7 +68,7 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
 @hookimpl
 def host_model_loaded(target: LoadedTarget, config: HostConfig) -> None:
     settings = resolve(config.section("speculative") if "speculative" in config.sections else None,
-                       cli=config.overrides.get("speculative"))
+                       cli=config.overrides.get("speculative"), where=config.where)
     if not settings.enabled:
         target.attachments[NAME] = Attachment(settings=settings)
         return
@@ -111,8 +111,11 @@ def host_decode_step(batch: DecodeBatch) -> Optional[List[StepOutput]]:
 def host_request_finished(state: DecodeState, discarded: int) -> None:
     req = state.extras.get(NAME)
     if req:
+        after_failure = state.generated - req.expected if req.failed else 0  # the host's steps since
         req.observe(state)
         req.stats.truncate_last(discarded)
+        req.stats.finish(state.generated - discarded, after_failure, req.controller.plain_steps,
+                         req.controller.pause_reason)
 
 
 @hookimpl
