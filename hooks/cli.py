@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, List, Optional
 
-from .generate_cmd import DEFAULT_PROMPT, DRAFT_HELP, MODEL_HELP, add_generate, add_speculative_flags, encode_prompt
+from .generate_cmd import DEFAULT_PROMPT, MODEL_HELP, add_generate, add_speculative_flags, encode_prompt
 from .generate_cmd import speculative_overrides
 
 __all__ = ["DEFAULT_PROMPT", "build_parser", "encode_prompt", "main"]
@@ -49,7 +49,7 @@ def add_serve(subparsers: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import cmd_serve as serve
+    from .serve_cmd import cmd_serve as serve
 
     return serve(args, speculative_overrides(args))
 

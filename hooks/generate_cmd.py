@@ -17,7 +17,6 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import validate
-from .validate import HostConfigError
 
 # The demo target writes Python (it learnt the standard library's source): a function to continue.
 DEFAULT_PROMPT = ('import argparse\n\n\ndef parse_args(argv):\n    """Parse the command line."""\n'

@@ -309,13 +309,13 @@ def _escaped_bytes_only(text: str) -> bool:
     return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in text)
 
 
-def lone_surrogate(value: Any, path: str = "") -> Optional[Tuple[str, int]]:
-    """(where, index) of the first lone surrogate in a parsed JSON value's strings (keys included), or None:
-    JSON's escapes allow one ("\\udce9"), UTF-8 cannot encode it, so no tokenizer takes it."""
+def lone_surrogate(value: Any, path: str = "") -> Optional[Tuple[str, int, str]]:
+    """(where, index, the character) of the first lone surrogate in a parsed JSON value's strings (keys
+    included), or None: JSON's escapes allow one ("\\udce9"), UTF-8 cannot encode it, so no tokenizer takes it."""
     if isinstance(value, str):
         for i, c in enumerate(value):
             if 0xD800 <= ord(c) <= 0xDFFF:
-                return path, i
+                return path, i, c
         return None
     if isinstance(value, dict):
         for k, v in value.items():
