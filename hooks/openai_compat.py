@@ -5,8 +5,9 @@ applies; what a request *means* is mlx-lm's: the same parameters with the same d
 prompts built by the tokenizer's ``apply_chat_template`` (``convert_chat`` without a template),
 the same content-part handling, token-level stop sequences (``make_stop_sequences``) and text
 clean-up of stop words, reasoning and tool calls (``make_text_state_machine``,
-``ToolCallFormatter``), and the same response shapes. On top of mlx-lm, every field is checked
-and a bad one gets a 4xx answer in OpenAI's error shape naming the field.
+``ToolCallFormatter``), and the same response shapes. On top of mlx-lm, every field it reads is
+checked and a bad one gets a 4xx answer in OpenAI's error shape naming the field; fields it does not
+read are ignored as mlx-lm ignores them, but for those that would change the answer (``REFUSED_FIELDS``).
 
 Tested with mlx-lm 0.32.2 (``TESTED_MLX_LM``); pyproject pins ``mlx-lm>=0.32.2,<0.33``. This module
 parses requests; ``hooks.openai_output`` builds what goes back (stop sequences, text clean-up,
