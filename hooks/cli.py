@@ -3,151 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
-from . import validate
-from .config import load_host_config, model_or_demo
-from .host import GenerationParams, Host
-from .manager import make_plugin_manager
-from .state import SamplingParams
+from .generate_cmd import DEFAULT_PROMPT, MODEL_HELP, add_generate, add_speculative_flags, encode_prompt
+from .generate_cmd import speculative_overrides
 
-# The demo target writes Python (it learnt the standard library's source): a function to continue.
-DEFAULT_PROMPT = ('import argparse\n\n\ndef parse_args(argv):\n    """Parse the command line."""\n'
-                  '    parser = argparse.ArgumentParser(description=__doc__)')  # no newline: BPE merges it with the indent
-
-
-MODEL_HELP = "target: path, HF repo id, or 'demo' (default: the config's, else the demo pair)"
-DRAFT_HELP = "drafter: path, HF repo id, or 'demo-drafter'"
-# generate's sampling flags: argparse dest -> (generation: key, help). Values are checked by
-# hooks/validate.py (before any model loads), so the error names the flag and what is allowed.
-GENERATION_FLAGS = {
-    "max_tokens": ("max_tokens", "tokens to generate (default 100)"),
-    "temp": ("temp", "sampling temperature (0: greedy)"),
-    "top_p": ("top_p", "nucleus sampling, (0, 1] (1: off)"),
-    "top_k": ("top_k", "keep the k most likely tokens (0: off)"),
-    "min_p": ("min_p", "drop tokens below min_p x the top probability, [0, 1] (0: off)"),
-    "seed": ("seed", "seed of this request's random streams"),
-    "repetition_penalty": ("repetition_penalty", "mlx-lm's repetition penalty (0: off; 1: no change)"),
-    "repetition_context_size": ("repetition_context_size", "tokens the repetition penalty looks back (default 20)"),
-    "logit_bias": ("logit_bias", 'additive logit bias as JSON, e.g. \'{"12": -100}\''),
-}
-GENERATION_DEFAULTS = {"max_tokens": 100, "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
-                       "repetition_penalty": 0.0, "repetition_context_size": 20, "logit_bias": None}
-
-
-def add_generate(subparsers: Any) -> None:
-    p = subparsers.add_parser("generate", help="generate text (speculative when configured)")
-    p.add_argument("--config", help="host YAML file (model, speculative: ...)")
-    p.add_argument("--model", help=MODEL_HELP)
-    p.add_argument("--draft-model", help=DRAFT_HELP)
-    p.add_argument("--draft-kind", help="auto or a registered kind (see `mlx-spec drafters`)")
-    p.add_argument("--draft-block-size", help="positions verified per round, or 'auto'")
-    p.add_argument("--no-speculative", action="store_true", help="plain one-token decoding")
-    p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin)")
-    for dest, (_, help_) in GENERATION_FLAGS.items():
-        flags = ["--" + dest.replace("_", "-")] + (["-m"] if dest == "max_tokens" else [])
-        p.add_argument(*flags, dest=dest, default=None, help=help_)
-    p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.set_defaults(func=cmd_generate)
-
-
-def _overrides(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
-    spec: Dict[str, Any] = {}
-    if args.draft_model is not None:
-        spec["draft_model"] = args.draft_model
-    if args.draft_kind is not None:
-        spec["kind"] = args.draft_kind
-    if args.draft_block_size is not None:
-        validate.block_size(args.draft_block_size, "--draft-block-size")  # before any model loads
-        spec["block_size"] = args.draft_block_size
-    if args.no_speculative:
-        spec["enabled"] = False
-    return {"speculative": spec}
-
-
-def generation_settings(args: argparse.Namespace, config: Any) -> Dict[str, Any]:
-    """Flags over ``generation:`` over the defaults, every value checked."""
-    out = dict(GENERATION_DEFAULTS)
-    out.update({k: v for k, v in validate.generation_section(config.section("generation")).items() if v is not None})
-    for dest, (key, _) in GENERATION_FLAGS.items():
-        value = getattr(args, dest)
-        if value is not None:
-            out[key] = validate.generation_value(key, value, "--" + dest.replace("_", "-"))
-    return out
-
-
-def encode_prompt(tokenizer: Any, text: str, chat: bool) -> List[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
-    return list(tokenizer.encode(text, add_special_tokens=False)) or list(tokenizer.encode(text))
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from mlx_lm.sample_utils import make_logits_processors
-
-    overrides = _overrides(args)
-    config = load_host_config(args.config, overrides)
-    gen = generation_settings(args, config)
-    model = model_or_demo(args.model, config, overrides["speculative"])
-    host = Host(config, pm=getattr(args, "pm", None))
-    target = host.load(model)
-    if gen["logit_bias"]:  # token ids against this model's vocabulary
-        vocab = target.model_config.get("vocab_size") or (target.model_config.get("text_config") or {}).get("vocab_size")
-        if args.logit_bias is not None:
-            validate.logit_bias(args.logit_bias, "--logit-bias", vocab)
-        else:
-            validate.logit_bias(config.section("generation").get("logit_bias"), "generation.logit_bias", vocab)
-    prompt_text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    if prompt_text == "-":
-        prompt_text = sys.stdin.read()
-    prompt = encode_prompt(target.tokenizer, prompt_text, chat=not args.ignore_chat_template)
-    params = GenerationParams(
-        max_tokens=gen["max_tokens"],
-        sampling=SamplingParams(temperature=gen["temp"], top_p=gen["top_p"], top_k=gen["top_k"], min_p=gen["min_p"],
-                                seed=gen["seed"]),
-        logits_processors=make_logits_processors(logit_bias=gen["logit_bias"],
-                                                 repetition_penalty=gen["repetition_penalty"],
-                                                 repetition_context_size=gen["repetition_context_size"]),
-    )
-    if args.json:
-        result = host.generate(target, prompt, params)
-        spec = result.report.get("speculative")
-        print(json.dumps({
-            "text": result.text,
-            "tokens": result.tokens,
-            "prompt_tokens": result.prompt_tokens,
-            "generation_tokens": len(result.tokens),
-            "generation_tps": round(result.generation_tps, 3),
-            "finish_reason": result.finish_reason,
-            "speculative": spec.to_dict() if spec is not None else None,
-        }))
-        return 0
-    holder: list = []
-    n = 0
-    import time
-
-    start = time.perf_counter()
-    for event in host.stream(target, prompt, params, state_out=holder):
-        n += int(event.emitted)
-        print(event.text, end="", flush=True)
-    elapsed = time.perf_counter() - start
-    print()
-    spec = holder[0].report.get("speculative") if holder else None
-    line = f"[mlx-spec] prompt {len(prompt)} tokens, generated {n} tokens, {n / elapsed if elapsed else 0:.1f} tok/s"
-    if spec is not None:
-        line += (f", speculative {spec.kind}: rounds {spec.rounds}, tau {spec.mean_acceptance_length:.2f}, "
-                 f"acceptance {spec.acceptance_rate:.0%}")
-        if spec.fallback:
-            line += f", fell back: {spec.fallback}"
-    else:
-        line += ", speculative off"
-    print(line, file=sys.stderr)
-    return 0
+__all__ = ["DEFAULT_PROMPT", "build_parser", "encode_prompt", "main"]
 
 
 def add_serve(subparsers: Any) -> None:
@@ -166,17 +30,28 @@ def add_serve(subparsers: Any) -> None:
     p.add_argument("--max-queue", help="requests waiting beyond those; more get 503 (default 64)")
     p.add_argument("--prompt-cache-bytes", help="bytes of finished requests' caches kept for later requests "
                    "sharing a prefix, e.g. 8GB (0: off; default: (device memory - model weights) / 4)")
-    p.add_argument("--draft-model", help=DRAFT_HELP)
-    p.add_argument("--draft-kind", help="auto or a registered kind (see `mlx-spec drafters`)")
-    p.add_argument("--draft-block-size", help="positions verified per round, or 'auto'")
-    p.add_argument("--no-speculative", action="store_true", help="plain one-token decoding")
+    p.add_argument("--prompt-cache-size", help="at most this many prompt cache entries (0: off; default: no limit "
+                   "but the bytes)")
+    p.add_argument("--prefill-step-size", help="prompt tokens fed per forward (default 2048)")
+    # mlx-lm's server flags: the defaults of requests that leave them out, and its chat/HTTP options
+    p.add_argument("--temp", help="default temperature (0: greedy)")
+    p.add_argument("--top-p", help="default top_p, (0, 1]")
+    p.add_argument("--top-k", help="default top_k (0: off)")
+    p.add_argument("--min-p", help="default min_p, [0, 1] (0: off)")
+    p.add_argument("--chat-template", help="a chat template (Jinja text, or a file holding it) instead of the "
+                   "tokenizer's")
+    p.add_argument("--chat-template-args", help='JSON arguments of apply_chat_template, e.g. \'{"enable_thinking": '
+                   "false}'")
+    p.add_argument("--allowed-origins", help="CORS: '*' (default) or comma-separated origins")
+    p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR or CRITICAL")
+    add_speculative_flags(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import cmd_serve as serve
+    from .serve_cmd import cmd_serve as serve
 
-    return serve(args, _overrides(args)["speculative"])
+    return serve(args, speculative_overrides(args))
 
 
 def version_line() -> str:
@@ -204,6 +79,12 @@ def build_parser(pm: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-V", "--version"):  # without loading the plugins (and mlx with them)
+        print(version_line())
+        return 0
+    from .manager import make_plugin_manager
+
     pm = make_plugin_manager()
     parser = build_parser(pm)
     args = parser.parse_args(argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional
 
 import yaml
 
@@ -20,23 +20,22 @@ PATH_KEYS = (("model",), ("speculative", "draft_model"))
 __all__ = ["HostConfigError", "SECTIONS", "load_host_config", "model_or_demo"]
 
 
-def _line_of(text: str, keys: Sequence[str]) -> Optional[int]:
-    """1-based line of the value at ``keys`` (e.g. ("generation", "temp")) in the YAML text."""
-    try:
-        node = yaml.compose(text)
-    except yaml.YAMLError:
-        return None
-    line = None
-    for key in keys:
-        if not isinstance(node, yaml.MappingNode):
-            return line
-        for k, v in node.value:
-            if getattr(k, "value", None) == key:
-                node, line = v, v.start_mark.line + 1
-                break
-        else:
-            return line
-    return line
+def _key_lines(node: Any, path: str, source: str, out: Dict[str, int]) -> None:
+    """Each key's 1-based line (``generation.temp`` -> 4) into ``out``; a key given twice in one mapping
+    is an error (YAML loaders would keep the last one silently)."""
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: Dict[str, int] = {}
+    for k, v in node.value:
+        if not isinstance(k, yaml.ScalarNode):
+            continue
+        name = f"{path}.{k.value}" if path else str(k.value)
+        line = k.start_mark.line + 1
+        if k.value in seen:
+            raise HostConfigError(f"{source}:{line}: {name}: duplicate key (first at line {seen[k.value]}); "
+                                  "allowed: each key once", name)
+        seen[k.value] = out[name] = line
+        _key_lines(v, name, source, out)
 
 
 def _check_sections(sections: Dict[str, Any]) -> None:
@@ -57,12 +56,14 @@ def _check_sections(sections: Dict[str, Any]) -> None:
 
 def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str, Any]]] = None, strict: bool = True) -> HostConfig:
     sections: Dict[str, Any] = {}
+    lines: Dict[str, int] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise HostConfigError(f"config file {path!r} not found")
         text = p.read_text()
         try:
+            _key_lines(yaml.compose(text, Loader=yaml.SafeLoader), "", path, lines)
             sections = yaml.safe_load(text) or {}
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
@@ -73,27 +74,28 @@ def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str
             raise HostConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from e
         if not isinstance(sections, dict):
             raise HostConfigError(f"config file {path!r}: expected a mapping at the top, got {type(sections).__name__}")
-        unknown = [k for k in sections if k not in SECTIONS]
-        if unknown:
-            raise HostConfigError(
-                f"config file {path!r}: unknown top-level key {unknown[0]!r} (value {sections[unknown[0]]!r}); allowed: {', '.join(SECTIONS)}"
-            )
-        if "model" in sections and not isinstance(sections["model"], str):
-            raise HostConfigError(f"model: got {sections['model']!r}; allowed: a local path or a Hugging Face repo id")
-        for name in ("server", "generation"):
-            if name in sections and not isinstance(sections[name], dict):
-                raise HostConfigError(f"{name}: got {sections[name]!r}; allowed: a mapping")
+        config = HostConfig(source=path, lines=lines)
         try:
+            unknown = [k for k in sections if k not in SECTIONS]
+            if unknown:
+                raise HostConfigError(f"{unknown[0]}: unknown top-level key (value {sections[unknown[0]]!r}); "
+                                      f"allowed: {', '.join(SECTIONS)}", str(unknown[0]))
+            if "model" in sections and not isinstance(sections["model"], str):
+                raise SettingError("model", sections["model"], "a local path or a Hugging Face repo id")
+            for name in ("server", "generation"):
+                if name in sections and not isinstance(sections[name], dict):
+                    raise SettingError(name, sections[name], "a mapping")
             _check_sections(sections)
-        except SettingError as e:
-            line = _line_of(text, e.field.split("."))
-            raise HostConfigError(f"{path}:{line}: {e}" if line else f"{path}: {e}") from e
+        except HostConfigError as e:
+            if e.field is None:
+                raise
+            raise HostConfigError(f"{config.where(e.field)}{e}", e.field) from e
         base = p.resolve().parent
         for keys in PATH_KEYS:
             owner = sections if len(keys) == 1 else sections.get(keys[0])
             if isinstance(owner, dict) and isinstance(owner.get(keys[-1]), str):
                 owner[keys[-1]] = resolve_relative(owner[keys[-1]], base)
-    return HostConfig(sections=sections, overrides=overrides or {}, source=path, strict=strict)
+    return HostConfig(sections=sections, overrides=overrides or {}, source=path, strict=strict, lines=lines)
 
 
 def model_or_demo(model: Optional[str], config: HostConfig, speculative_overrides: Dict[str, Any],

@@ -46,7 +46,7 @@ class TokenOut:
 
 @dataclass
 class Finished:
-    outcome: str  # ok | error | cancelled
+    outcome: str  # ok | error | cancelled | interrupted (the server shut down)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: Dict[str, Any] = field(default_factory=dict)
@@ -100,8 +100,15 @@ class Engine:
     def healthy(self) -> bool:
         return self.thread.is_alive() and not self.stopping
 
+    @property
+    def alive(self) -> bool:
+        """The generation thread runs (while shutting down too: it still ends every request)."""
+        return self.thread.is_alive()
+
     def submit(self, job: Job) -> None:
         with self.cond:
+            if self.stopping:
+                raise oc.APIError(503, "the server is shutting down", None, "shutting_down", "server_error")
             if len(self.waiting) >= self.settings.max_queue:
                 raise oc.APIError(503, f"the server is busy: {len(self.jobs)} requests running and {len(self.waiting)} "
                                   f"queued (server.max_queue = {self.settings.max_queue}); retry later",
@@ -120,18 +127,43 @@ class Engine:
                 self._finished(job, "cancelled")
             self.cond.notify()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> bool:
+        """End every request (running ones after their current step, with what they have so far; queued
+        ones with nothing) as ``interrupted``, and join the generation thread. Returns whether it ended
+        within ``timeout`` seconds.
+
+        Why the join: a thread that enters the interpreter while it exits is ended by CPython with
+        pthread_exit, and that unwinding through mlx's C++ (noexcept) frames calls std::terminate: the
+        process aborts with "terminate called without an active exception". The generation thread enters it
+        mid-step, and at its very end too: C++ destroys its thread-local mx.compile cache, whose entries hold
+        Python functions (mlx-lm's compiled samplers), after the Python thread is gone; ``_run`` empties that
+        cache first (``mx.clear_streams``)."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     # the generation thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        import mlx.core as mx
+
+        try:
+            self._serve()
+        finally:
+            # This thread's mlx state goes now, while it holds the interpreter: its mx.compile cache keeps Python
+            # functions, and released by the thread's C++ destructors after the interpreter began to exit it
+            # would abort the process (see ``stop``).
+            mx.clear_streams()
+
+    def _serve(self) -> None:
         try:
             self.host, self.target = self._load()
             limit = self.settings.prompt_cache_bytes
             limit = pc.default_bytes(self.target.model) if limit is None else limit
-            self.prompt_cache = pc.PromptCache(limit) if limit > 0 else None
+            entries = self.settings.prompt_cache_size
+            self.prompt_cache = pc.PromptCache(limit, entries) if limit > 0 and entries != 0 else None
             self.scheduler = Scheduler(self.host, self.target, batching=self.settings.batching, raise_errors=False,
                                        prompt_cache=self.prompt_cache)
         except BaseException as e:  # noqa: BLE001 - reported by start()
@@ -148,6 +180,7 @@ class Engine:
                     mx.clear_cache()
                     self.cond.wait()
                 if self.stopping:
+                    self._interrupt_all()
                     return
                 admitted = self._admit()
             for job in admitted:
@@ -163,6 +196,22 @@ class Engine:
                 self.counters.stepped(rows)
             for job in [j for j in self.jobs.values() if j.scheduled is not None and j.scheduled.done]:
                 self._done(job)
+
+    def _interrupt_all(self) -> None:
+        """Shutting down: every request ends now, its caches released (called with ``cond`` held)."""
+        assert self.scheduler is not None
+        for job in self.jobs.values():
+            if job.scheduled is not None:
+                self.scheduler.cancel(job.scheduled)
+        try:
+            self.scheduler.step()  # releases the cancelled requests (the plugins see them end)
+        except Exception:  # noqa: BLE001 - the requests end anyway
+            log.exception("releasing the requests at shutdown")
+        for job in list(self.waiting) + list(self.jobs.values()):
+            self._finished(job, "interrupted")
+        self.waiting.clear()
+        self.jobs.clear()
+        self.counters.waiting = self.counters.running = 0
 
     def _admit(self) -> List[Job]:
         admitted = []
@@ -240,6 +289,8 @@ class Engine:
         if spec is not None and spec["rounds"]:
             how = (f"speculative {spec['kind']}: {spec['rounds']} rounds, tau {spec['mean_acceptance_length']:.2f}, "
                    f"acceptance {spec['acceptance_rate']:.0%} ({spec['accepted_tokens']}/{spec['draft_tokens']})")
+            if spec["plain_tokens"]["paused"]:
+                how += f", paused for {spec['plain_tokens']['paused']} plain steps ({spec['pause_reason']})"
             if spec["fallback"]:
                 how += f", fell back: {spec['fallback']}"
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import pluggy
@@ -169,9 +169,10 @@ class Host:
     # one request (the CLI) --------------------------------------------------------------------
     def stream(
         self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams,
-        state_out: Optional[List[DecodeState]] = None,
+        state_out: Optional[List[DecodeState]] = None, stop: Callable[[], bool] = lambda: False,
     ) -> Iterator[HostEvent]:
-        """Emit tokens with their text until a stop token or ``max_tokens``: a batch of one."""
+        """Emit tokens with their text until a stop token or ``max_tokens``: a batch of one. ``stop()``
+        true (Ctrl-C) cancels the request between two steps (prefill chunks, decode steps)."""
         from .scheduler import Scheduler
 
         scheduler = Scheduler(self, target)
@@ -179,7 +180,7 @@ class Host:
         if state_out is not None:
             state_out.append(request.state)
         try:
-            while not request.done:
+            while not request.done and not stop():
                 for _, event in scheduler.step():
                     yield event
         finally:

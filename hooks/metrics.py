@@ -9,6 +9,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from .specs import Metric
 
 
+MAX_IGNORED_NAMES = 64  # distinct ignored field names counted by name; more are counted as "other"
+
+
 class HostCounters:
     """Requests, tokens and scheduling, thread-safe; rendered by /metrics."""
 
@@ -26,6 +29,7 @@ class HostCounters:
         self.batching = 0  # 1: requests may share decode steps
         self.decode_steps = 0  # decode steps (one target forward each)
         self.decode_rows = 0  # rows over all decode steps: / decode_steps = mean rows per forward
+        self.ignored_fields: Dict[str, int] = collections.Counter()  # request fields ignored, by name
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:
@@ -39,6 +43,12 @@ class HostCounters:
             self.speculative_off_requests += int(off)
             self.fallback_requests += int(fallback)
 
+    def ignored(self, names: Tuple[str, ...]) -> None:
+        with self._lock:
+            for name in names:
+                known = name in self.ignored_fields or len(self.ignored_fields) < MAX_IGNORED_NAMES
+                self.ignored_fields[name if known else "other"] += 1
+
     def stepped(self, rows: int) -> None:
         with self._lock:
             self.decode_steps += 1
@@ -47,10 +57,15 @@ class HostCounters:
     def metrics(self) -> List[Metric]:
         with self._lock:
             requests = sorted(self.requests.items())
+            ignored = sorted(self.ignored_fields.items())
             v = dict(vars(self))
         return [
             Metric("mlx_spec_requests_total", "counter", "HTTP generation requests by endpoint and outcome.",
                    [(f'{{endpoint="{e}",outcome="{o}"}}', n) for (e, o), n in requests]),
+            Metric("mlx_spec_ignored_request_fields_total", "counter",
+                   "Request fields accepted and ignored (clients' extra fields, as mlx-lm's server ignores them), by name "
+                   f"(after {MAX_IGNORED_NAMES} names: other).",
+                   [(f'{{field="{_label(f)}"}}', n) for f, n in ignored]),
             Metric("mlx_spec_prompt_tokens_total", "counter", "Prompt tokens processed.", [("", v["prompt_tokens"])]),
             Metric("mlx_spec_generation_tokens_total", "counter", "Tokens generated.", [("", v["generation_tokens"])]),
             Metric("mlx_spec_speculative_off_requests_total", "counter", "Requests that asked for plain decoding.",
@@ -70,6 +85,11 @@ class HostCounters:
             Metric("mlx_spec_requests_running", "gauge", "Requests being prefilled or generated.", [("", v["running"])]),
             Metric("mlx_spec_requests_waiting", "gauge", "Requests queued.", [("", v["waiting"])]),
         ]
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def render(metrics: List[Metric]) -> str:

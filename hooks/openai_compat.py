@@ -5,8 +5,9 @@ applies; what a request *means* is mlx-lm's: the same parameters with the same d
 prompts built by the tokenizer's ``apply_chat_template`` (``convert_chat`` without a template),
 the same content-part handling, token-level stop sequences (``make_stop_sequences``) and text
 clean-up of stop words, reasoning and tool calls (``make_text_state_machine``,
-``ToolCallFormatter``), and the same response shapes. On top of mlx-lm, every field is checked
-and a bad one gets a 4xx answer in OpenAI's error shape naming the field.
+``ToolCallFormatter``), and the same response shapes. On top of mlx-lm, every field it reads is
+checked and a bad one gets a 4xx answer in OpenAI's error shape naming the field; fields it does not
+read are ignored as mlx-lm ignores them, but for those that would change the answer (``REFUSED_FIELDS``).
 
 Tested with mlx-lm 0.32.2 (``TESTED_MLX_LM``); pyproject pins ``mlx-lm>=0.32.2,<0.33``. This module
 parses requests; ``hooks.openai_output`` builds what goes back (stop sequences, text clean-up,
@@ -74,6 +75,10 @@ COMMON_FIELDS = (
 )
 CHAT_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "role_mapping")
 TEXT_FIELDS = ("prompt", "best_of", "echo", "suffix")
+# Fields that would change what comes back and that this server cannot honour: refused (400), not ignored.
+REFUSED_FIELDS = {"functions": "tools (OpenAI's legacy functions are not read)",
+                  "function_call": "tool_choice (OpenAI's legacy function_call is not read)",
+                  "audio": "null (text output only)"}
 
 
 @dataclass
@@ -116,6 +121,7 @@ class ParsedRequest:
     speculative: Optional[bool] = None  # None: the server's setting
     tools: Optional[List[Any]] = None
     initial_state: str = "normal"
+    ignored: Tuple[str, ...] = ()  # fields clients send that this server (as mlx-lm's) ignores
 
 
 _TYPE_NAMES = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
@@ -180,16 +186,23 @@ def parse_body(raw: bytes) -> Dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_described(body)}", None, "invalid_json")
+    found = validate.lone_surrogate(body)
+    if found is not None:
+        where, i, char = found
+        raise APIError(400, f"{where}: U+{ord(char):04X} at character {i} is a lone surrogate, not text; expected valid "
+                       "Unicode (a JSON \\ud800-\\udfff escape only as half of a pair)", where, "invalid_unicode")
     return body
 
 
 def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: ServingLimits) -> ParsedRequest:
     """Check every field of a /v1/chat/completions ("chat") or /v1/completions ("text") body."""
-    allowed = COMMON_FIELDS + (CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
-    for name in body:
-        if name not in allowed:
-            raise APIError(400, f"{name}: unknown or unsupported parameter for this endpoint; allowed: "
-                           f"{', '.join(allowed)}", name, "unsupported_parameter")
+    known = COMMON_FIELDS + (CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
+    for name, what in REFUSED_FIELDS.items():
+        if body.get(name) is not None:
+            raise _unsupported(name, body[name], what)
+    ignored = tuple(name for name in body if name not in known)
+    if ignored:
+        log.debug("%s request: ignoring fields %s", kind, ", ".join(ignored))
 
     model = _get(body, "model", ["str"], DEFAULT_MODEL_ALIAS)
     if model not in (limits.model_id, DEFAULT_MODEL_ALIAS):
@@ -272,14 +285,13 @@ def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: Servi
         raise APIError(400, f"{prompt_field}: the prompt encodes to zero tokens; expected at least one", prompt_field, "invalid_value")
 
     ctx = limits.context_length
-    if ctx is not None:
-        if len(prompt) >= ctx:
-            raise APIError(400, f"{prompt_field}: the prompt has {len(prompt)} tokens; this model's context length "
-                           f"is {ctx} tokens (prompt plus completion)", prompt_field, "context_length_exceeded")
-        if max_tokens is not None and len(prompt) + max_tokens > ctx:
-            raise APIError(400, f"{max_name}: {len(prompt)} prompt tokens + {max_tokens} completion tokens exceed "
-                           f"the context length of {ctx} tokens; allowed: at most {ctx - len(prompt)}",
-                           max_name, "context_length_exceeded")
+    try:
+        validate.prompt_fits(len(prompt), ctx, prompt_field)
+    except validate.HostConfigError as e:
+        raise APIError(400, str(e), prompt_field, "context_length_exceeded") from None
+    overflow = validate.completion_overflow(len(prompt), max_tokens or 0, ctx, max_name)
+    if overflow is not None and ctx is not None:
+        raise APIError(400, f"{overflow}; allowed: at most {ctx - len(prompt)}", max_name, "context_length_exceeded")
     if max_tokens is None:
         max_tokens = limits.max_tokens if ctx is None else min(limits.max_tokens, ctx - len(prompt))
 
@@ -288,7 +300,7 @@ def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: Servi
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
         logits_args=logits_args, stop_words=stop_words, stream=stream,
         include_usage=bool(stream and include_usage), logprobs=logprobs, top_logprobs=top_logprobs,
-        speculative=speculative, tools=tools, initial_state=initial_state,
+        speculative=speculative, tools=tools, initial_state=initial_state, ignored=ignored,
     )
 
 

@@ -158,12 +158,14 @@ class Hit:
 
 
 class PromptCache:
-    """Entries bounded by ``max_bytes`` (target and plugin state), least recently used out first."""
+    """Entries bounded by ``max_bytes`` (target and plugin state) and, if given, ``max_entries`` (mlx-lm's
+    ``--prompt-cache-size``), least recently used out first."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, max_entries: Optional[int] = None):
         if max_bytes < 0:
             raise ValueError(f"prompt cache bound: got {max_bytes} bytes; expected >= 0")
         self.max_bytes = int(max_bytes)
+        self.max_entries = max_entries
         self.entries: List[Entry] = []
         self.nbytes = 0
         self._clock = 0
@@ -259,7 +261,8 @@ class PromptCache:
 
     def _evict(self) -> int:
         evicted = 0
-        while self.nbytes > self.max_bytes and self.entries:
+        while self.entries and (self.nbytes > self.max_bytes or
+                                (self.max_entries is not None and len(self.entries) > self.max_entries)):
             oldest = min(self.entries, key=lambda e: e.used)
             self.entries.remove(oldest)
             self.nbytes -= oldest.nbytes
@@ -272,12 +275,13 @@ class PromptCache:
         self.entries, self.nbytes = [], 0
 
 
-def describe(cache: Optional[PromptCache], configured: bool) -> str:
+def describe(cache: Optional[PromptCache], configured: bool, entries: Optional[int] = None) -> str:
     """The start log's line (``configured``: the bound was set, not the default)."""
     if cache is None:
-        return "off (server.prompt_cache_bytes is 0)"
+        return "off (server.prompt_cache_size is 0)" if entries == 0 else "off (server.prompt_cache_bytes is 0)"
     source = "server.prompt_cache_bytes" if configured else "the default: (device memory - the target's weights) / 4"
-    return f"up to {cache.max_bytes / 2**20:.1f} MiB of finished requests' caches ({source})"
+    count = f", at most {cache.max_entries} entries (server.prompt_cache_size)" if cache.max_entries is not None else ""
+    return f"up to {cache.max_bytes / 2**20:.1f} MiB of finished requests' caches ({source}){count}"
 
 
 def metrics(cache: Optional[PromptCache]) -> List[Metric]:

@@ -11,38 +11,40 @@ routes, authentication, streaming, disconnects, and start-up (loading with the p
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
 import queue
 import select
 import socket
-import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import openai_compat as oc
+from . import validate
 from . import openai_output as reply
 from . import prompt_cache as pc
-from .config import load_host_config, model_or_demo
 from .engine import Engine, Finished, Job
 from .host import Host, describe, load_with_plugins
 from .metrics import HostCounters, render
-from .server_settings import ServerSettings, check_port, request_defaults, serve_overrides, server_settings
+from .server_settings import ServerSettings, request_defaults
 from .state import HostConfig, LoadedTarget
 
 log = logging.getLogger("mlx_speculative.server")
 
 MAX_BODY_BYTES = 16 << 20
 POLL_SECONDS = 0.25
+INTERRUPTED = "interrupted"  # the finish_reason of a request the server's shutdown ended
+SHUTDOWN_SECONDS = 30.0  # at most this long for the generation thread to end its requests, then as long for the clients
 
 
 # HTTP ---------------------------------------------------------------------------------------------
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    block_on_close = False  # server_close() stops accepting; shut_down() waits for the answers in flight itself
     allow_reuse_address = True
     # Connections waiting for a handler thread; beyond the engine's queue the answer is a 503, never a reset.
     request_queue_size = 1024
@@ -56,6 +58,18 @@ class Server(ThreadingHTTPServer):
         self.settings = settings
         self.models = models
         self.fingerprint = reply.system_fingerprint()
+        self.inflight = 0  # POST requests being answered (a shutdown waits for their last bytes)
+        self.inflight_cond = threading.Condition()
+
+    def handling(self, delta: int) -> None:
+        with self.inflight_cond:
+            self.inflight += delta
+            self.inflight_cond.notify_all()
+
+    def wait_handlers(self, timeout: float) -> bool:
+        """Wait until every POST request was answered; returns whether they all were in ``timeout`` seconds."""
+        with self.inflight_cond:
+            return self.inflight_cond.wait_for(lambda: self.inflight == 0, timeout)
 
     def metrics(self) -> str:
         assert self.engine.host is not None
@@ -81,6 +95,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        self._cors()
         self.end_headers()
         self.wfile.write(data)
         self.wfile.flush()
@@ -90,6 +105,23 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(e.status, e.to_dict())
         except OSError:
             pass
+
+    def _cors(self) -> None:
+        """mlx-lm's CORS headers (``--allowed-origins``, default '*')."""
+        allowed = self.server.settings.allowed_origins
+        origin = self.headers.get("Origin")
+        if "*" in allowed:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin in allowed:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        self.send_header("Access-Control-Allow-Methods", "*")
+        self.send_header("Access-Control-Allow-Headers", "*")
+
+    def do_OPTIONS(self) -> None:  # noqa: N802 - the stdlib's name; a browser's CORS preflight
+        self.send_response(204)
+        self._cors()
+        self.end_headers()
 
     def _authorized(self) -> bool:
         key = self.server.settings.api_key
@@ -126,6 +158,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
             self.send_header("Content-Length", str(len(data)))
+            self._cors()
             self.end_headers()
             self.wfile.write(data)
         elif path == "/v1/models":
@@ -151,6 +184,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         if not self._authorized():
             return
+        self.server.handling(+1)
+        try:
+            self._post(endpoint)
+        finally:
+            self.server.handling(-1)
+
+    def _post(self, endpoint: str) -> None:
         counters = self.server.counters
         try:
             length = self.headers.get("Content-Length")
@@ -165,12 +205,19 @@ class Handler(BaseHTTPRequestHandler):
                                   "body_too_large")
             body = oc.parse_body(self.rfile.read(n))
             request = oc.parse_request(endpoint, body, self.server.engine.target.tokenizer, self.server.limits)
+            counters.ignored(request.ignored)
             job = Job(request, endpoint)
             self.server.engine.submit(job)
         except oc.APIError as e:
             counters.request(endpoint, "rejected" if e.status == 503 else "invalid")
             log.info("%s request refused (%d): %s", endpoint, e.status, e.message)
             self._send_error(e)
+            return
+        except Exception as e:  # noqa: BLE001 - a bug reading a request: an answer, never a dropped connection
+            log.exception("%s request failed while being read", endpoint)
+            counters.request(endpoint, "error")
+            self._send_error(oc.APIError(500, f"the request could not be read: {type(e).__name__}: {e}", None,
+                                         "internal_error", "server_error"))
             return
         try:
             if request.stream:
@@ -193,13 +240,13 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 return job.out.get(timeout=POLL_SECONDS)
             except queue.Empty:
-                if not self.server.engine.healthy:
+                if not self.server.engine.alive:
                     return Finished("error", error="the generation thread stopped")
 
     def _drain(self, job: Job) -> None:
         """Wait (briefly) until the engine has released the cancelled job."""
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and self.server.engine.healthy:
+        while time.monotonic() < deadline and self.server.engine.alive:
             try:
                 if isinstance(job.out.get(timeout=POLL_SECONDS), Finished):
                     return
@@ -226,6 +273,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
+            self._cors()
             self.end_headers()
         except OSError:
             raise ClientGone() from None
@@ -252,7 +300,7 @@ class Handler(BaseHTTPRequestHandler):
             self._chunk(oc.APIError(500, f"generation failed: {item.error}", None, "generation_error",
                                     "server_error").to_dict())
         else:
-            finish = out.finish(finish)
+            finish = out.finish(INTERRUPTED if item.outcome == INTERRUPTED else finish)
             final = body(*_text_parts(out.take(), finish))
             final["timings"] = item.timings
             self._chunk(final)
@@ -284,7 +332,7 @@ class Handler(BaseHTTPRequestHandler):
         if item.outcome == "error":
             self._send_error(oc.APIError(500, f"generation failed: {item.error}", None, "generation_error", "server_error"))
             return
-        finish = out.finish(finish)
+        finish = out.finish(INTERRUPTED if item.outcome == INTERRUPTED else finish)
         text, reasoning, calls = out.take()
         payload = reply.response_body(job.endpoint, job.id, req.model, int(time.time()), srv.fingerprint, False, text,
                                    finish, reasoning, calls, logprobs or None)
@@ -331,9 +379,11 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: O
     counters.speculative_active = int(spec is not None)
     if spec is None and any(d.info.get("error") or d.info.get("enabled") for d in descriptions):
         counters.startup_fallback = 1
+    if settings.chat_template is not None:  # this server's tokenizer only, as mlx-lm's --chat-template
+        target.tokenizer.chat_template = settings.chat_template
+        target.tokenizer.has_chat_template = True
     cfg = target.model_config
-    ctx = settings.context_length or cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get(
-        "max_position_embeddings")
+    ctx = settings.context_length or validate.context_length(cfg)
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
     limits = oc.ServingLimits(
         model_id=settings.model_name or model, context_length=ctx, **request_defaults(config, settings),
@@ -353,31 +403,6 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: O
              "per-row acceptance and cache commits; seeded sampling requests decode alone; long prompts prefilled "
              f"in chunks of {settings.prefill_step_size} between decode steps)" if settings.batching
              else "each request decodes in a batch of its own (server.batching is false)")
-    log.info("prompt cache: %s", pc.describe(engine.prompt_cache, settings.prompt_cache_bytes is not None))
+    log.info("prompt cache: %s", pc.describe(engine.prompt_cache, settings.prompt_cache_bytes is not None,
+                                             settings.prompt_cache_size))
     return server
-
-
-def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -> int:
-    warning = oc.check_mlx_lm_version()
-    logging.getLogger("mlx_speculative").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    if warning:
-        log.warning("%s", warning)
-    overrides = {"speculative": speculative_overrides, "server": serve_overrides(args)}
-    config = load_host_config(args.config, overrides, strict=False)
-    settings = server_settings(config)
-    check_port(settings.host, settings.port)  # before the model loads
-    model = model_or_demo(args.model, config, speculative_overrides)
-    if settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: the server is reachable from other machines%s", settings.host,
-                    "" if settings.api_key else " and no API key is set")
-    server = build_server(config, model, settings)
-    host, port = server.server_address[:2]
-    print(f"[mlx-spec] listening on http://{host}:{port}", file=sys.stderr, flush=True)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.engine.stop()
-        server.server_close()
-    return 0

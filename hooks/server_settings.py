@@ -11,18 +11,24 @@ import errno
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
 
 from . import validate
 from .state import HostConfig
 from .validate import HostConfigError, SettingError
 
 SERVER_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue",
-               "model_name", "chat_template_args", "prefill_step_size", "batching", "prompt_cache_bytes")
+               "model_name", "chat_template", "chat_template_args", "prefill_step_size", "batching",
+               "prompt_cache_bytes", "prompt_cache_size", "allowed_origins", "log_level")
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 # `serve`'s flags that set server: keys (argparse dest = key)
 FLAG_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue", "model_name",
-             "prompt_cache_bytes")
+             "prompt_cache_bytes", "prompt_cache_size", "prefill_step_size", "chat_template", "chat_template_args",
+             "allowed_origins", "log_level")
+# `serve`'s flags that set generation: keys, the defaults of requests (mlx-lm's server flags)
+GENERATION_FLAG_KEYS = ("temp", "top_p", "top_k", "min_p")
+CHAT_TEMPLATE_ARGS = 'a JSON object of apply_chat_template arguments, e.g. \'{"enable_thinking": false}\''
 
 
 @dataclass
@@ -35,23 +41,36 @@ class ServerSettings:
     max_active: int = 8
     max_queue: int = 64
     model_name: Optional[str] = None  # the id clients send as "model"; default: the model spec
+    chat_template: Optional[str] = None  # instead of the tokenizer's (Jinja text)
     chat_template_args: Dict[str, Any] = field(default_factory=dict)
     prefill_step_size: int = 2048
     batching: bool = True  # batched decode steps (one target forward for all rows) where the target allows
     # Bytes of finished requests' caches kept for later requests (0: off; None: the default,
     # hooks/prompt_cache.default_bytes: (device memory - the target's weights) / 4).
     prompt_cache_bytes: Optional[int] = None
+    prompt_cache_size: Optional[int] = None  # at most this many entries (None: no bound but the bytes)
+    allowed_origins: Tuple[str, ...] = ("*",)  # CORS, as mlx-lm's server
+    log_level: Optional[str] = None  # None: INFO (DEBUG with mlx-spec -v)
     sources: Dict[str, str] = field(default_factory=dict)
 
 
 def server_value(key: str, value: Any, field_name: str) -> Any:
     """One ``server:`` value checked; ``field_name`` is what the user wrote (server.port, --port)."""
     if key not in SERVER_KEYS:
-        raise HostConfigError(f"{field_name}: unknown key (value {value!r}); allowed keys: {', '.join(SERVER_KEYS)}")
+        raise HostConfigError(f"{field_name}: unknown key (value {value!r}); allowed keys: {', '.join(SERVER_KEYS)}",
+                              field_name)
     if key in ("host", "api_key", "model_name"):
         if not isinstance(value, str) or not value.strip():
             raise SettingError(field_name, value, "a non-empty string")
         return value.strip()
+    if key == "chat_template":
+        if not isinstance(value, str) or not value.strip():
+            raise SettingError(field_name, value, "a chat template: Jinja text, or a file holding it")
+        return _file_text(value) or value
+    if key == "allowed_origins":
+        return validate.origins(value, field_name)
+    if key == "log_level":
+        return validate.choice(value, field_name, validate.LOG_LEVELS)
     if key == "batching":
         if not isinstance(value, bool):
             raise SettingError(field_name, value, "true or false")
@@ -59,10 +78,19 @@ def server_value(key: str, value: Any, field_name: str) -> Any:
     if key == "prompt_cache_bytes":
         return validate.byte_size(value, field_name)
     if key == "chat_template_args":
-        if not isinstance(value, dict):
-            raise SettingError(field_name, value, "a mapping of template arguments")
-        return value
+        return validate.json_object(value, field_name, CHAT_TEMPLATE_ARGS)
     return validate.check(key, value, field_name)
+
+
+def _file_text(value: str) -> Optional[str]:
+    """The text of the file ``value`` names, or None when it names none (then it is the text itself)."""
+    if "\n" in value or "{" in value:
+        return None
+    try:
+        path = Path(value).expanduser()
+        return path.read_text() if path.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def server_settings(config: HostConfig, environ: Optional[Dict[str, str]] = None) -> ServerSettings:
@@ -86,6 +114,9 @@ def request_defaults(config: HostConfig, settings: ServerSettings) -> Dict[str, 
 
     Returns ServingLimits' keyword arguments (hooks/openai_compat.py)."""
     gen = validate.generation_section(config.section("generation"))
+    for key, value in config.overrides.get("generation", {}).items():
+        if value is not None:
+            gen[key] = validate.generation_value(key, value, "--" + key.replace("_", "-"))
     names = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "max_tokens": "max_tokens",
              "seed": "seed", "repetition_penalty": "repetition_penalty",
              "repetition_context_size": "repetition_context_size", "logit_bias": "logit_bias"}
@@ -95,8 +126,10 @@ def request_defaults(config: HostConfig, settings: ServerSettings) -> Dict[str, 
     return out
 
 
-def serve_overrides(args: argparse.Namespace) -> Dict[str, Any]:
-    return {k: getattr(args, k, None) for k in FLAG_KEYS}
+def serve_overrides(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
+    """The ``server:`` and ``generation:`` values of `serve`'s flags."""
+    return {"server": {k: getattr(args, k, None) for k in FLAG_KEYS},
+            "generation": {k: getattr(args, k, None) for k in GENERATION_FLAG_KEYS}}
 
 
 def check_port(host: str, port: int) -> None:

@@ -34,10 +34,19 @@ class HostConfig:
     # True (the CLI): a plugin that cannot do what the config asks raises. False (the server):
     # it warns and the host runs without it.
     strict: bool = True
+    lines: Dict[str, int] = field(default_factory=dict)  # "speculative.kind" -> its line in the YAML file
 
     def section(self, name: str) -> Dict[str, Any]:
         value = self.sections.get(name)
         return dict(value) if isinstance(value, dict) else {}
+
+    def where(self, key: str) -> str:
+        """``file:line: `` of a YAML key (``file: `` when its line is unknown; nothing without a file),
+        to put before an error about its value."""
+        if self.source is None:
+            return ""
+        line = self.lines.get(key)
+        return f"{self.source}:{line}: " if line else f"{self.source}: "
 
 
 class CachePolicy:

@@ -12,22 +12,27 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 MAX_BLOCK = 128
 MAX_SEED = 2**64 - 1
 
 
 class HostConfigError(ValueError):
-    """A bad configuration (YAML, flags, environment); the message says what to fix."""
+    """A bad configuration (YAML, flags, environment); the message says what to fix. ``field``: the
+    setting as written (``generation.temp``), so that a YAML error can name its file and line."""
+
+    def __init__(self, message: str, field: Optional[str] = None):
+        super().__init__(message)
+        self.field = field
 
 
 class SettingError(HostConfigError):
     """One bad value: ``field: got X; allowed: Y`` (the parts stay readable for other renderings)."""
 
     def __init__(self, field: str, got: Any, allowed: str, shown: Optional[str] = None):
-        self.field, self.got, self.allowed = field, got, allowed
-        super().__init__(f"{field}: got {shown if shown is not None else show(got)}; allowed: {allowed}")
+        self.got, self.allowed = got, allowed
+        super().__init__(f"{field}: got {shown if shown is not None else show(got)}; allowed: {allowed}", field)
 
 
 def show(value: Any) -> str:
@@ -77,7 +82,14 @@ RULES: Dict[str, Rule] = {
     "max_active": Rule("int", "an integer >= 1", lo=1),
     "max_queue": Rule("int", "an integer >= 0 (0: no queue, 503 when all are active)", lo=0),
     "prefill_step_size": Rule("int", "an integer >= 1", lo=1),
+    "prompt_cache_size": Rule("int", "an integer >= 0 (entries kept; 0: off)", lo=0),
+    # generate
+    "max_kv_size": Rule("int", "an integer >= 1 (positions the cache keeps; older ones are dropped)", lo=1),
+    # mlx-lm's count of draft tokens per round: the block size - 1 (0: speculative off, as in requests)
+    "num_draft_tokens": Rule("int", f"an integer from 0 to {MAX_BLOCK - 1} (the block size - 1; 0: speculative off)",
+                             lo=0, hi=MAX_BLOCK - 1),
 }
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _parse(rule: Rule, value: Any, text_ok: bool) -> Optional[Union[int, float]]:
@@ -158,10 +170,11 @@ def byte_size(value: Any, field: str) -> Optional[int]:
 
 
 def flag(value: Any, field: str) -> bool:
+    """true or false (also t/f as mlx-lm's ``--verbose`` reads them, 1/0, yes/no, on/off)."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return value.strip().lower() in ("true", "1", "yes", "on")
+    if isinstance(value, str) and value.strip().lower() in ("true", "t", "1", "yes", "on", "false", "f", "0", "no", "off"):
+        return value.strip().lower() in ("true", "t", "1", "yes", "on")
     raise SettingError(field, value, "true or false")
 
 
@@ -224,6 +237,119 @@ def generation_section(values: Mapping[str, Any], prefix: str = "generation") ->
     for key, value in values.items():
         if key not in GENERATION_KEYS:
             raise HostConfigError(f"{prefix}.{key}: unknown key (value {show(value)}); allowed keys: "
-                                  f"{', '.join(GENERATION_KEYS)}")
+                                  f"{', '.join(GENERATION_KEYS)}", f"{prefix}.{key}")
         out[key] = generation_value(key, value, f"{prefix}.{key}")
     return out
+
+
+def choice(value: Any, field: str, allowed: Sequence[str]) -> str:
+    """One of ``allowed`` (case-insensitive), as spelled there."""
+    if isinstance(value, str):
+        for a in allowed:
+            if value.strip().lower() == a.lower():
+                return a
+    raise SettingError(field, value, ", ".join(allowed))
+
+
+def json_object(value: Any, field: str, allowed: str) -> Dict[str, Any]:
+    """A mapping, or its JSON text (a flag's value)."""
+    parsed = value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+    if not isinstance(parsed, dict):
+        raise SettingError(field, value, allowed)
+    return parsed
+
+
+def origins(value: Any, field: str) -> Tuple[str, ...]:
+    """mlx-lm's ``--allowed-origins``: '*' or comma-separated origins (a list in the YAML)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(o, str) for o in items):
+        raise SettingError(field, value, "'*' or comma-separated origins such as 'http://localhost:3000'")
+    out = tuple(o.strip() for o in items if o.strip())
+    if not out or any(o != "*" and "://" not in o for o in out):
+        raise SettingError(field, value, "'*' or comma-separated origins such as 'http://localhost:3000'")
+    return out
+
+
+def token(value: str, field: str, vocab: Mapping[str, int], vocab_size: int) -> int:
+    """A token as mlx-lm's ``add_eos_token`` takes it: its text in the vocabulary, or its id."""
+    if value in vocab:
+        return vocab[value]
+    if value.strip().isdigit() and int(value) < vocab_size:
+        return int(value)
+    raise SettingError(field, value, f"a token of this tokenizer: its text as in the vocabulary, or its id from 0 to "
+                       f"{vocab_size - 1}")
+
+
+# -- text -----------------------------------------------------------------------------------------
+
+def utf8_text(value: Union[str, bytes], field: str) -> Tuple[str, Optional[str]]:
+    """Text the user gave (a flag's value, stdin's bytes) as valid Unicode, and a warning when it was not
+    valid UTF-8: such bytes become U+FFFD. A flag's bytes reach Python as lone surrogates (the
+    filesystem encoding's ``surrogateescape``), turned back into those bytes first."""
+    raw = value if isinstance(value, bytes) else None
+    if raw is None:
+        try:
+            value.encode("utf-8")
+            return value, None
+        except UnicodeEncodeError:
+            raw = value.encode("utf-8", "surrogateescape" if _escaped_bytes_only(value) else "surrogatepass")
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as e:
+        return (raw.decode("utf-8", "replace"),
+                f"{field}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); such bytes were replaced by U+FFFD")
+
+
+def _escaped_bytes_only(text: str) -> bool:
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in text)
+
+
+def lone_surrogate(value: Any, path: str = "") -> Optional[Tuple[str, int, str]]:
+    """(where, index, the character) of the first lone surrogate in a parsed JSON value's strings (keys
+    included), or None: JSON's escapes allow one ("\\udce9"), UTF-8 cannot encode it, so no tokenizer takes it."""
+    if isinstance(value, str):
+        for i, c in enumerate(value):
+            if 0xD800 <= ord(c) <= 0xDFFF:
+                return path, i, c
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            found = lone_surrogate(k, where) or lone_surrogate(v, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+# -- the context length ---------------------------------------------------------------------------
+
+def prompt_fits(prompt_tokens: int, context: Optional[int], field: str) -> None:
+    """The server's rule, the CLI's too: a prompt leaves room for at least one completion token."""
+    if context is not None and prompt_tokens >= context:
+        raise HostConfigError(f"{field}: the prompt has {prompt_tokens} tokens; this model's context length is "
+                              f"{context} tokens (prompt plus completion)", field)
+
+
+def completion_overflow(prompt_tokens: int, max_tokens: int, context: Optional[int], field: str) -> Optional[str]:
+    """Why ``max_tokens`` does not fit after the prompt (None: it fits); the server refuses the request
+    with it, the CLI generates ``context - prompt_tokens`` tokens and says so."""
+    if context is None or prompt_tokens + max_tokens <= context:
+        return None
+    return (f"{field}: {prompt_tokens} prompt tokens + {max_tokens} completion tokens exceed the context length "
+            f"of {context} tokens")
+
+
+def context_length(model_config: Mapping[str, Any]) -> Optional[int]:
+    """The model config's ``max_position_embeddings`` (a VLM's ``text_config``'s), or None."""
+    return model_config.get("max_position_embeddings") or (model_config.get("text_config") or {}).get(
+        "max_position_embeddings")

@@ -72,6 +72,7 @@ class BlockSizeController:
     paused_left: int = 0  # plain steps still to take before the next probe round
     plain_steps: int = 0  # plain steps taken while paused, for the stats
     probing: bool = False  # a pause is over: the next round is its probe
+    pause_reason: str = ""  # why the latest pause began, for the stats
     _good: int = 0
 
     def __post_init__(self) -> None:
@@ -155,9 +156,11 @@ class BlockSizeController:
     def pause_now(self) -> None:
         """Pause: the batch's round would lose against plain steps at the measured costs (plugin/round.py)."""
         if self.adaptive:
-            self._pause()
+            self._pause("acceptance below break-even: the batch's round yields fewer tokens per second than plain "
+                        "steps at the costs measured for its shape")
 
-    def _pause(self) -> None:
+    def _pause(self, reason: str) -> None:
+        self.pause_reason = reason
         backoff = min(self.max_pause, self.pause * 2) if self.pause else self.min_pause
         probe_paid = 0
         r, p = self.round_seconds, self.plain_seconds
@@ -179,14 +182,16 @@ class BlockSizeController:
         self.recent_accepted = self.decay * accepted + (1 - self.decay) * self.recent_accepted
         collapsed = self.recent_rate < self.collapse_rate
         if collapsed and rate < self.collapse_rate and (self.size == self.floor or accepted == 0):
-            self._pause()
+            self._pause(f"acceptance below break-even: {self.recent_rate:.0%} of recent drafts accepted "
+                        f"(< {self.collapse_rate:.0%}) at block {self.size}")
         elif collapsed:
             # Blocks of about twice what was recently accepted, the pending token included.
             fit = 2 * math.ceil(min(self.recent_accepted, accepted)) + 2
             self.size = max(self.floor, min(self.size // 2, fit))
             self._good = 0
         elif self.losing() and rate < self.good_rate:
-            self._pause()
+            self._pause(f"acceptance below break-even: a round ({1000 * self.round_seconds:.1f} ms) costs more than "
+                        f"the {1 + self.recent_accepted:.1f} plain steps it replaces ({1000 * self.plain_seconds:.1f} ms each)")
         elif rate >= self.good_rate:
             self.pause = 0
             self._good += 1

@@ -73,7 +73,7 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
 @hookimpl
 def host_model_loaded(target: LoadedTarget, config: HostConfig) -> None:
     settings = resolve(config.section("speculative") if "speculative" in config.sections else None,
-                       cli=config.overrides.get("speculative"))
+                       cli=config.overrides.get("speculative"), where=config.where)
     if not settings.enabled:
         # Plain decoding keeps mlx-lm's caches: measured on an H100 (bench/results/served/h100-llama8b-profile1.json)
         # the policy's plain steps ran at 0.86 / 0.36 / 0.91x mlx-lm's with 1 / 4 / 8 clients.
@@ -118,8 +118,11 @@ def host_decode_step(batch: DecodeBatch) -> Optional[List[StepOutput]]:
 def host_request_finished(state: DecodeState, discarded: int) -> None:
     req = state.extras.get(NAME)
     if req:
+        after_failure = state.generated - req.expected if req.failed else 0  # the host's steps since
         req.observe(state)
         req.stats.truncate_last(discarded)
+        req.stats.finish(state.generated - discarded, after_failure, req.controller.plain_steps,
+                         req.controller.pause_reason)
 
 
 @hookimpl

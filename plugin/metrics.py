@@ -54,7 +54,12 @@ class SpecStats:
     block_sizes: List[int] = field(default_factory=list)
     # rounds whose drafts were all rejected / partly accepted / all accepted
     rounds_by_acceptance: Dict[str, int] = field(default_factory=lambda: {"zero": 0, "partial": 0, "full": 0})
-    plain_steps: int = 0  # one-token steps the adaptive controller took instead of rounds
+    plain_steps: int = 0  # one-token steps the host took while the request drafted (pauses, nothing to draft)
+    round_tokens: int = 0  # tokens the rounds emitted (accepted + bonus), those past the request's end left out
+    generated: int = 0  # the request's tokens, set when it ends (``finish``)
+    paused_steps: int = 0  # plain steps the adaptive controller paused for (plugin/adaptive.py)
+    fallback_tokens: int = 0  # tokens after the drafter failed
+    pause_reason: str = ""  # why its latest pause began
     verified_ahead: int = 0  # rounds whose verify forward the round before had queued (plugin/verify_ahead.py)
     fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
     steps: Dict[str, float] = field(default_factory=dict)  # seconds in each of ``ROUND_STEPS``, summed over rounds
@@ -62,6 +67,7 @@ class SpecStats:
 
     def record(self, outcome: RoundOutcome) -> None:
         self.rounds += 1
+        self.round_tokens += outcome.emitted
         self.draft_tokens += outcome.draft_tokens
         self.accepted_tokens += outcome.accepted
         if len(self.accepted_per_position) < outcome.draft_tokens:
@@ -80,6 +86,7 @@ class SpecStats:
         o = self.last
         if o is None or discarded <= 0:
             return
+        self.round_tokens -= min(discarded, o.emitted)
         inside = max(0, o.emitted - discarded - 1)  # draft positions before the last used token
         cut, cut_drafts = o.accepted - min(o.accepted, inside), o.draft_tokens - min(o.draft_tokens, inside)
         if cut <= 0 and cut_drafts <= 0:
@@ -91,6 +98,20 @@ class SpecStats:
         self.rounds_by_acceptance[_bucket(o.accepted, o.draft_tokens)] -= 1
         self.rounds_by_acceptance[_bucket(o.accepted - cut, o.draft_tokens - cut_drafts)] += 1
         METRICS.unrecord(o, cut, cut_drafts)
+
+    def finish(self, generated: int, fallback_tokens: int, paused_steps: int, pause_reason: str) -> None:
+        self.generated, self.fallback_tokens = generated, fallback_tokens
+        self.paused_steps, self.pause_reason = paused_steps, pause_reason
+
+    @property
+    def plain_tokens(self) -> Dict[str, int]:
+        """The request's tokens that came from one-token steps, by why: ``paused`` (the adaptive controller
+        found rounds below break-even), ``fallback`` (after the drafter failed), ``other`` (the prefill's
+        first token, steps with nothing left to draft)."""
+        plain = max(0, self.generated - self.round_tokens)
+        fallback = min(self.fallback_tokens, plain)
+        paused = min(self.paused_steps, plain - fallback)
+        return {"paused": paused, "fallback": fallback, "other": plain - paused - fallback}
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -118,6 +139,9 @@ class SpecStats:
             "rounds_by_acceptance": dict(self.rounds_by_acceptance),
             "block_sizes": list(self.block_sizes),
             "plain_steps": self.plain_steps,
+            "round_tokens": self.round_tokens,
+            "plain_tokens": self.plain_tokens,
+            "pause_reason": self.pause_reason or None,
             "verified_ahead": self.verified_ahead,
             "fallback": self.fallback,
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},

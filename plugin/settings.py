@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from ..hooks import validate
 
@@ -18,13 +18,17 @@ ENV = {
     "block_size": "MLX_VLM_DRAFT_BLOCK_SIZE",
 }
 KEYS = ("enabled", "draft_model", "kind", "block_size", "adaptive", "acceptance", "ngram_n")
+# The flags of `generate` / `serve` that set keys (an error names what the user wrote)
+FLAGS = {"enabled": "--no-speculative", "draft_model": "--draft-model", "kind": "--draft-kind",
+         "block_size": "--draft-block-size"}
 ACCEPTANCE = ("rejection", "exact")
 MAX_BLOCK = validate.MAX_BLOCK
 log = logging.getLogger("mlx_speculative")
 
 
-class ConfigError(ValueError):
-    """A bad setting: names the key, the value received and what is allowed."""
+class ConfigError(validate.HostConfigError):
+    """A bad setting: names the key as written (YAML key with its file and line, variable, flag), the
+    value received and what is allowed."""
 
 
 @dataclass
@@ -51,44 +55,25 @@ class SpeculativeSettings:
         return ", ".join(f"{k}: {self.sources[k]}" for k in KEYS if k in self.sources) or "defaults"
 
 
-def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return value.lower() in ("true", "1", "yes", "on")
-    raise ConfigError(f"speculative.{key}: got {value!r}; allowed: true or false")
-
-
-def _block_size(key: str, value: Any) -> Optional[int]:
+def _validate(key: str, value: Any, kinds: list[str], field: str) -> Any:
+    """One value checked; ``field``: the key as the user wrote it."""
     try:
-        return validate.block_size(value, f"speculative.{key}")
+        if key in ("enabled", "adaptive"):
+            return validate.flag(value, field)
+        if key == "block_size":
+            return validate.block_size(value, field)
+        if key == "draft_model":
+            if value is None or (isinstance(value, str) and value.strip()):
+                return value.strip() if isinstance(value, str) else None
+            raise validate.SettingError(field, value, "a local path or a Hugging Face repo id")
+        if key == "kind":
+            return validate.choice(value, field, ["auto"] + kinds)
+        if key == "acceptance":
+            return validate.choice(value, field, ACCEPTANCE)
+        if key == "ngram_n":
+            return validate.check("ngram_n", value, field, text_ok=False)
     except validate.SettingError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _validate(key: str, value: Any, kinds: list[str]) -> Any:
-    if key == "enabled" or key == "adaptive":
-        return _bool(key, value)
-    if key == "block_size":
-        return _block_size(key, value)
-    if key == "draft_model":
-        if value is None or (isinstance(value, str) and value.strip()):
-            return value.strip() if isinstance(value, str) else None
-        raise ConfigError(f"speculative.draft_model: got {value!r}; allowed: a local path or a Hugging Face repo id")
-    if key == "kind":
-        allowed = ["auto"] + kinds
-        if not isinstance(value, str) or value not in allowed:
-            raise ConfigError(f"speculative.kind: got {value!r}; allowed: {', '.join(allowed)}")
-        return value
-    if key == "acceptance":
-        if value not in ACCEPTANCE:
-            raise ConfigError(f"speculative.acceptance: got {value!r}; allowed: {', '.join(ACCEPTANCE)}")
-        return value
-    if key == "ngram_n":
-        try:
-            return validate.check("ngram_n", value, "speculative.ngram_n", text_ok=False)
-        except validate.SettingError as e:
-            raise ConfigError(str(e)) from None
+        raise ConfigError(str(e), field) from None
     raise AssertionError(key)
 
 
@@ -98,11 +83,13 @@ def resolve(
     environ: Optional[Mapping[str, str]] = None,
     kinds: Optional[list[str]] = None,
     weightless: Optional[list[str]] = None,
+    where: Callable[[str], str] = lambda key: "",
 ) -> SpeculativeSettings:
     """Merge the layers into settings; ``enabled`` follows from any layer asking for a drafter.
 
     An explicit kind that needs no drafter weights (``weightless``, e.g. ngram) wins over a
-    configured draft model, which is then dropped with one log line.
+    configured draft model, which is then dropped with one log line. ``where(key)``: the YAML file and
+    line of ``speculative.<key>`` for errors (``HostConfig.where``).
     """
     from ..drafters import registry
 
@@ -119,9 +106,15 @@ def resolve(
     ]
     for source, values in layers:
         for key, value in values.items():
-            if key not in KEYS:
-                raise ConfigError(f"speculative.{key}: unknown key (value {value!r}); allowed keys: {', '.join(KEYS)}")
-            setattr(settings, key, _validate(key, value, kinds))
+            field = {"yaml": f"speculative.{key}", "env": ENV.get(key, ""), "cli": FLAGS.get(key, key)}[source]
+            try:
+                if key not in KEYS:
+                    raise ConfigError(f"{field}: unknown key (value {value!r}); allowed keys: {', '.join(KEYS)}", field)
+                setattr(settings, key, _validate(key, value, kinds, field))
+            except ConfigError as e:
+                if source != "yaml":
+                    raise
+                raise ConfigError(f"{where(field)}{e}", field) from None
             settings.sources[key] = source
     explicit_on = yaml_section is not None or any(v for _, v in layers[1:])
     if "enabled" not in settings.sources:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -10,6 +13,9 @@ import mlx.core as mx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not os.environ.get("MLX_SPEC_CACHE"):  # what the tests make is theirs: not ~/.cache/mlx-speculative
+    os.environ["MLX_SPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx-spec-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MLX_SPEC_CACHE"], True)
 mx.set_default_device(mx.cpu)
 
 from mlx_speculative.hooks import tiny_models as tm  # noqa: E402

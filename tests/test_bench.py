@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -98,7 +99,11 @@ def test_bench_cost_keys(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert costs["extra_key_lengths"] == [300] and costs["run_key_lengths"] == [256]
     assert set(costs["by_key_length"]) == {"256", "300"} and costs["key_length"] == 256
     assert set(costs["by_key_length"]["300"]["target_forward_ms"]) == {"1", "4", "16", "32"}
-    assert "   300 keys: target by positions 1:" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "   300 keys: target by positions 1:" in printed.out
+    # Progress and the [run] lines go to stderr, plain lines into a file or pipe (no \r, no escapes)
+    assert "[run]" not in printed.out and re.search(r"^\[run\] fresh L=\d+ plugin draft_model b4 tau3: ", printed.err, re.M)
+    assert "[bench] loading the target\n" in printed.err and "\r" not in printed.err and "\033" not in printed.err
     from mlx_speculative.plugin.bench import _cost_keys
 
     assert _cost_keys(None) is None and _cost_keys("none") == [] and _cost_keys("8192, 16384") == [8192, 16384]
@@ -213,3 +218,24 @@ def test_bench_ahead_modes_side_by_side(tmp_path: Path, capsys: pytest.CaptureFi
         assert (rows[name]["rounds_verified_ahead"] > 0) == (mode == "verify"), (name, rows[name]["rounds_verified_ahead"])
     assert main(["bench", "--synthetic-target", "tiny", "--cpu", "--prompt-lengths", "64", "--draft-ahead", "fast"]) != 0
     assert "--draft-ahead: got 'fast'; allowed: on, verify, off" in capsys.readouterr().err
+
+
+def test_bench_plot_keeps_its_title_one_value_axes_and_method_colours() -> None:
+    pytest.importorskip("matplotlib")
+    from mlx_speculative.plugin.bench import report as bench_report
+
+    def row(name: str, kind: str, tau: float, speedup: float) -> dict:
+        return {"name": name, "kind": kind, "family": "spec", "adaptive": False, "block": 4, "oracle_tau": tau,
+                "tau": tau, "speedup_vs_mlx_lm_plain": speedup}
+
+    rows = {r["name"]: r for r in (row("plugin dflash b4 tau3", "dflash", 3.0, 1.4),
+                                   row("plugin dflash b4 tau2", "dflash", 2.0, 1.1),
+                                   row("mlx_lm.speculative_generate_step b4 tau3", "draft_model", 3.0, 1.2))}
+    target = "synthetic llama-8b: random bfloat16 weights built in memory; large logit margins by construction " * 2
+    fig = bench_report.figure({"target": target, "results": {"fresh": rows, "warm": rows}})
+    assert fig._suptitle.get_text().replace("\n", " ") == target.strip()
+    by_block, by_tau = fig.axes[0], fig.axes[1]
+    assert by_block.get_xlim() == (3.0, 5.0) and list(by_block.get_xticks()) == [4.0]
+    colours = [{line.get_label().split()[1]: line.get_color() for line in ax.get_lines() if line.get_label()[0] != "_"}
+               for ax in (by_block, by_tau)]
+    assert colours[0] == colours[1] and len(set(colours[0].values())) == 2, colours

@@ -139,7 +139,7 @@ def test_vocab_mismatch_refused_naming_both_sizes(llama_pair: Dict[str, Path], t
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--draft-kind", "medusa"], "speculative.kind: got 'medusa'; allowed: auto,"),
+    (["--draft-kind", "medusa"], "--draft-kind: got 'medusa'; allowed: auto,"),
     (["--draft-block-size", "1"], "--draft-block-size: got 1; allowed: 'auto' or an integer from 2"),
     (["--draft-block-size", "many"], "--draft-block-size: got 'many'"),
 ])
@@ -152,6 +152,6 @@ def test_bad_yaml_key(llama_pair: Dict[str, Path], tmp_path: Path) -> None:
     cfg = tmp_path / "host.yaml"
     cfg.write_text(f"model: {llama_pair['target']}\nspeculative:\n  draft_modle: x\n")
     line = one_line_error(mlx_spec("generate", "--config", str(cfg)))
-    assert "speculative.draft_modle: unknown key" in line and "allowed keys" in line
-    cfg.write_text("modle: x\n")
-    assert "unknown top-level key 'modle'" in one_line_error(mlx_spec("generate", "--config", str(cfg)))
+    assert f"{cfg}:3: speculative.draft_modle: unknown key" in line and "allowed keys" in line
+    cfg.write_text("generation: {}\nmodle: x\n")
+    assert f"{cfg}:2: modle: unknown top-level key" in one_line_error(mlx_spec("generate", "--config", str(cfg)))

@@ -9,6 +9,8 @@ import json
 import logging
 import shutil
 import struct
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Dict, List
@@ -220,10 +222,13 @@ def test_check_reads_dflash_fc_shape_from_the_header(llama_pair: Dict[str, Path]
 # -- 6. --version, 7. the bench's arguments -------------------------------------------------------
 
 def test_version(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["--version"])
-    assert e.value.code == 0
+    assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith(f"mlx-spec {version('mlx-speculative')} (mlx ")
+    # Without loading the plugins, mlx or mlx-lm: well under a second.
+    code = "import sys; from mlx_speculative.hooks.cli import main; main(['-V']); print(sorted(m for m in sys.modules " \
+           "if m.split('.')[0] in ('mlx', 'mlx_lm', 'pluggy', 'transformers')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -471,7 +471,10 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "x", "draft_model": "other/drafter"}, 400, "draft_model"),
     ("/v1/completions", {"prompt": "x", "num_draft_tokens": 9}, 400, "num_draft_tokens"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400,
+     "functions"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "caf\\udce9"}]}', 400,
+     "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      400, "response_format"),
     ("/v1/completions", {"prompt": "word " * 5000}, 400, "prompt"),
@@ -491,6 +494,42 @@ def test_bad_input_gets_4xx_and_server_keeps_serving(servers: Dict[str, ServerPr
         assert param.split("[")[0] in error["message"]
     good = spec.client().completions.create(model="default_model", prompt=PROMPTS[0], max_tokens=4)
     assert good.usage.completion_tokens > 0
+
+
+def test_lone_surrogate_gets_400_and_is_counted(servers: Dict[str, ServerProc]) -> None:
+    spec = servers["spec"]
+    invalid = 'mlx_spec_requests_total{endpoint="text",outcome="invalid"}'
+    before = spec.metrics().get(invalid, 0)
+    r = spec.post("/v1/completions", None, raw=b'{"prompt": "caf\\udce9"}')
+    assert r.status_code == 400 and r.json() == {"error": {
+        "message": "prompt: U+DCE9 at character 3 is a lone surrogate, not text; expected valid Unicode (a JSON "
+                   "\\ud800-\\udfff escape only as half of a pair)",
+        "type": "invalid_request_error", "param": "prompt", "code": "invalid_unicode"}}
+    assert spec.metrics()[invalid] == before + 1
+    assert _completion(spec, "caf\u00e9")["usage"]["completion_tokens"] > 0  # a real pair, or any valid text: served
+
+
+def test_clients_extra_fields_are_accepted_and_ignored(servers: Dict[str, ServerProc]) -> None:
+    """As mlx-lm's server: fields it does not read (OpenAI clients send some) change nothing; /metrics lists them."""
+    spec = servers["spec"]
+    extra = {"reasoning_effort": "low", "prediction": {"type": "content", "content": "x"}, "frobnicate": 1}
+    before = spec.metrics()
+    for fn in (_completion, _chat):
+        plain, extended = fn(spec, PROMPTS[1]), fn(spec, PROMPTS[1], extra_body=extra)
+        assert _ids(extended["choices"][0]) == _ids(plain["choices"][0])
+    after = spec.metrics()
+    for name in extra:
+        key = f'mlx_spec_ignored_request_fields_total{{field="{name}"}}'
+        assert after[key] - before.get(key, 0) == 2, key
+
+
+def test_cors_headers_as_mlx_lm(servers: Dict[str, ServerProc]) -> None:
+    u = urllib.parse.urlsplit(servers["plain"].url)
+    conn = httpclient.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("OPTIONS", "/v1/chat/completions", headers={"Origin": "http://ui.example"})
+    r = conn.getresponse()
+    assert r.status == 204 and r.getheader("Access-Control-Allow-Origin") == "*"
+    conn.close()
 
 
 def test_openai_client_raises_on_bad_input(servers: Dict[str, ServerProc]) -> None:
@@ -513,7 +552,7 @@ def test_startup_config_errors_and_bad_env_kind(llama_pair: Dict[str, Path], tmp
     # A bad MLX_VLM_DRAFT_KIND in a deployment: a warning and plain decoding, not a dead server.
     s = start_server(tmp_path / "k", {"model": str(llama_pair["target"])}, env={"MLX_VLM_DRAFT_KIND": "warp"})
     try:
-        assert "speculative.kind: got 'warp'" in s.log and "plain decoding" in s.log
+        assert "MLX_VLM_DRAFT_KIND: got 'warp'" in s.log and "plain decoding" in s.log
         r = _completion(s, PROMPTS[0])
         assert r["usage"]["completion_tokens"] > 0 and r["timings"]["draft_n"] == 0
         assert s.metrics()["mlx_spec_speculative_startup_fallback"] == 1

@@ -173,7 +173,7 @@ def test_interleaved_policy_is_kept_and_agrees(batched: Dict[str, ServerProc]) -
 
 def test_batching_setting() -> None:
     from mlx_speculative.hooks.config import HostConfigError
-    from mlx_speculative.hooks.server import server_settings
+    from mlx_speculative.hooks.server_settings import server_settings
     from mlx_speculative.hooks.state import HostConfig
 
     assert server_settings(HostConfig(), environ={}).batching is True

@@ -49,9 +49,13 @@ def test_bad_values(section: Dict[str, Any], message: str) -> None:
     assert message in str(e.value)
 
 
-def test_env_bad_value_names_the_key() -> None:
-    with pytest.raises(ConfigError, match="speculative.block_size: got 'x'"):
+def test_bad_value_names_the_variable_or_flag() -> None:
+    with pytest.raises(ConfigError, match="^MLX_VLM_DRAFT_BLOCK_SIZE: got 'x'"):
         resolve(None, environ={"MLX_VLM_DRAFT_BLOCK_SIZE": "x"}, kinds=KINDS)
+    with pytest.raises(ConfigError, match="^--draft-kind: got 'bogus'; allowed: auto, draft_model, ngram"):
+        resolve(None, cli={"kind": "bogus"}, environ={}, kinds=KINDS)
+    with pytest.raises(ConfigError, match="^host.yaml:7: speculative.kind: got 'bogus'"):
+        resolve({"kind": "bogus"}, environ={}, kinds=KINDS, where=lambda key: "host.yaml:7: ")
 
 
 def test_builtins_come_from_entry_points() -> None:

@@ -33,6 +33,10 @@ CLI_CASES = [
     (["--logit-bias", '{"x": 1}'], "--logit-bias: got '{\"x\": 1}'; allowed: an object mapping token ids to numbers"),
     (["--logit-bias", "[1, 2]"], "--logit-bias: got '[1, 2]'; allowed: an object mapping"),
     (["--draft-block-size", "1"], "--draft-block-size: got 1; allowed: 'auto' or an integer from 2 to 128"),
+    (["--num-draft-tokens", "128"], "--num-draft-tokens: got 128; allowed: an integer from 0 to 127 (the block size - 1"),
+    (["--max-kv-size", "0"], "--max-kv-size: got 0; allowed: an integer >= 1"),
+    (["--prefill-step-size", "0"], "--prefill-step-size: got 0; allowed: an integer >= 1"),
+    (["--verbose", "loud"], "--verbose: got 'loud'; allowed: true or false"),
 ]
 
 
@@ -51,6 +55,14 @@ SERVE_CASES = [
     (["--max-queue", "-1"], "--max-queue: got -1; allowed: an integer >= 0"),
     (["--context-length", "0"], "--context-length: got 0; allowed: an integer >= 1"),
     (["--max-tokens", "0"], "--max-tokens: got 0; allowed: an integer >= 1"),
+    (["--temp", "-1"], "--temp: got -1; allowed: a number >= 0"),
+    (["--top-p", "0"], "--top-p: got 0; allowed: a number in (0, 1]"),
+    (["--top-k", "x"], "--top-k: got 'x'; allowed: an integer >= 0"),
+    (["--min-p", "2"], "--min-p: got 2; allowed: a number in [0, 1]"),
+    (["--prompt-cache-size", "-1"], "--prompt-cache-size: got -1; allowed: an integer >= 0"),
+    (["--log-level", "LOUD"], "--log-level: got 'LOUD'; allowed: DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    (["--allowed-origins", "ui.example"], "--allowed-origins: got 'ui.example'; allowed: '*' or comma-separated"),
+    (["--chat-template-args", "{x}"], "--chat-template-args: got '{x}'; allowed: a JSON object"),
 ]
 
 
@@ -99,6 +111,29 @@ def test_yaml_unknown_generation_key_and_broken_yaml(tmp_path: Path, capsys: pyt
     cfg.write_text("model: demo\ngeneration:\n  temp: 0.5\n   top_p: 1\n")  # line 4 is indented wrong
     rc, _, err = run(capsys, "generate", "--config", str(cfg))
     assert rc == 2 and f"{cfg}:4:" in error_line(err) and "not valid YAML" in error_line(err)
+
+
+def test_yaml_unknown_and_duplicate_keys_carry_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "host.yaml"
+    for text, expected in (
+        ("model: demo\nmodel: other\n", "2: model: duplicate key (first at line 1); allowed: each key once"),
+        ("server:\n  port: 1\n  port: 2\n", "3: server.port: duplicate key (first at line 2)"),
+        ("model: demo\nserver:\n  prot: 1\n", "3: server.prot: unknown key (value 1); allowed keys: host, port"),
+        ("model: demo\n\nmodle: x\n", "3: modle: unknown top-level key (value 'x'); allowed: model, server"),
+    ):
+        cfg.write_text(text)
+        rc, _, err = run(capsys, "generate", "--config", str(cfg))
+        assert rc == 2 and error_line(err).startswith(f"mlx-spec: error: {cfg}:{expected}"), (text, err)
+
+
+def test_utf8_text_and_lone_surrogates() -> None:
+    assert validate.utf8_text("café", "--prompt") == ("café", None)
+    assert validate.utf8_text("caf\udce9", "--prompt") == (
+        "caf\ufffd", "--prompt: not valid UTF-8 (byte 0xe9 at offset 3); such bytes were replaced by U+FFFD")
+    assert validate.utf8_text(b"ok \xff", "stdin")[0] == "ok \ufffd"
+    assert validate.lone_surrogate({"messages": [{"content": "x"}, {"content": "a\ud800"}]}) == (
+        "messages[1].content", 1, "\ud800")
+    assert validate.lone_surrogate({"prompt": "caf\u00e9 \U0001f600"}) is None
 
 
 REQUEST_CASES = [

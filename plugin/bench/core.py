@@ -67,8 +67,19 @@ class BenchSettings:
 TWINS = {"on": " draft-ahead", "verify": " verify-ahead", "off": " no-ahead"}
 
 
+_last_stage: List[str] = []
+
+
 def _progress(msg: str) -> None:
-    print(f"\r\033[K[bench] {msg}", end="", file=sys.stderr, flush=True)
+    """One line rewritten in place on a terminal; into a file or pipe, a plain line per stage (no \\r, no
+    escapes), the first message of each (a stage: the message up to its first number)."""
+    if sys.stderr.isatty():
+        print(f"\r\033[K[bench] {msg}", end="", file=sys.stderr, flush=True)
+        return
+    stage = msg.strip().split(" ")[0] if msg.strip() else ""
+    if stage and stage != "done" and _last_stage[-1:] != [stage]:
+        _last_stage[:] = [stage]
+        print(f"[bench] {msg.strip()}", file=sys.stderr, flush=True)
 
 
 def load_target(s: BenchSettings) -> Tuple[LoadedTarget, Dict[str, Any], str]:
@@ -354,7 +365,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
                 r.divergence = divergence(r.tokens, ref) if ref is not None else None
                 runs.append(r)
                 tau = f" tau {1 + r.spec['accepted_tokens'] / r.spec['rounds']:.2f}" if r.spec and r.spec["rounds"] else ""
-                print(f"[run] {regime} L={L} {m.name}: {r.tok_s:.1f} tok/s{tau}", flush=True)
+                print(f"[run] {regime} L={L} {m.name}: {r.tok_s:.1f} tok/s{tau}", file=sys.stderr, flush=True)
     if repeats > 1:
         runs += paired_medians(runs)
     run_keys = kernels.prompt_key_lengths(lengths, s.max_tokens)

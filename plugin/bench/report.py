@@ -245,32 +245,50 @@ def plot(report: Dict[str, Any], path: str) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install 'mlx-speculative[bench]'") from e
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for regime, style in (("fresh", "o-"), ("warm", "s--")):
+    figure(report).savefig(path, dpi=120)
+
+
+def figure(report: Dict[str, Any]) -> Any:
+    """Speed-up against block size (one line per method and tau) and against measured tau (per method and
+    block): one colour per method in both panels, the marker per tau / block, solid fresh, dashed warm."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = "osD^v<>ph*"
+    colours: Dict[str, str] = {}
+    ticks: List[List[float]] = [[], []]
+    for regime, line in (("fresh", "-"), ("warm", "--")):
         rows = [r for r in report["results"][regime].values() if r["family"] == "spec" and r.get("tau")]
-        by_tau: Dict[Any, List[Tuple[int, float]]] = {}
-        by_block: Dict[Any, List[Tuple[float, float]]] = {}
+        series: List[Dict[Any, List[Tuple[float, float]]]] = [{}, {}]
         for r in rows:
             if r["adaptive"] or not r["block"]:
                 continue
-            by_tau.setdefault((r["kind"], r["name"].startswith("mlx_lm"), r["oracle_tau"]), []).append((r["block"], r["speedup_vs_mlx_lm_plain"]))
-            by_block.setdefault((r["kind"], r["name"].startswith("mlx_lm"), r["block"]), []).append((r["tau"], r["speedup_vs_mlx_lm_plain"]))
-        for key, pts in by_tau.items():
-            pts.sort()
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{regime} {'mlx-lm' if key[1] else key[0]} ~tau {key[2]}")
-        for key, pts in by_block.items():
-            pts.sort()
-            axes[1].plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{regime} {'mlx-lm' if key[1] else key[0]} b{key[2]}")
+            method = "mlx-lm" if r["name"].startswith("mlx_lm") else r["kind"]
+            series[0].setdefault((method, f"~tau {r['oracle_tau']}"), []).append((r["block"], r["speedup_vs_mlx_lm_plain"]))
+            series[1].setdefault((method, f"b{r['block']}"), []).append((r["tau"], r["speedup_vs_mlx_lm_plain"]))
+        for i, ax in enumerate(axes):
+            variants = sorted({v for _, v in series[i]})
+            for (method, variant), pts in sorted(series[i].items()):
+                pts.sort()
+                colour = colours.setdefault(method, palette[len(colours) % len(palette)])
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], line, color=colour,
+                        marker=markers[variants.index(variant) % len(markers)], label=f"{regime} {method} {variant}")
+                ticks[i] += [p[0] for p in pts]
     axes[0].set_xlabel("block size"); axes[0].set_ylabel("speed-up vs mlx-lm generate_step")
     axes[1].set_xlabel("measured tau"); axes[1].set_ylabel("speed-up vs mlx-lm generate_step")
-    for ax in axes:
+    for ax, xs, pad in zip(axes, ticks, (1.0, 0.5)):
         ax.axhline(1.0, color="grey", lw=0.5); ax.legend(fontsize=6)
-    fig.suptitle(report["target"][:90], fontsize=8)
+        if len(set(xs)) == 1:  # one value: a readable axis around it, not matplotlib's +-0.2
+            ax.set_xlim(xs[0] - pad, xs[0] + pad)
+            ax.set_xticks([xs[0]])
+    fig.suptitle("\n".join(textwrap.wrap(report["target"], 110)), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def write_json(report: Dict[str, Any], path: str) -> None:
