@@ -58,6 +58,9 @@ class Verified:
     # layer -> [1, accepted + 1, H]: the target's outputs at the committed positions (the pending
     # token and the accepted drafts), for the layers the drafter captures.
     captures: Dict[int, mx.array] = field(default_factory=dict)
+    # (layer -> [B, W, H]: the round's whole verify outputs, this row's index in them): the same values, for a
+    # drafter that takes a batch's rows in one go instead of one slice each.
+    source: Optional[Tuple[Dict[int, mx.array], int]] = None
 
 
 @dataclass

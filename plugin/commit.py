@@ -44,7 +44,7 @@ def verified(outcomes: Sequence[RoundOutcome], captured: Dict[int, mx.array], la
     for b in index:
         o = outcomes[b]
         caps = {i: captured[i][b : b + 1, : o.emitted] for i in layers if i in captured}  # [1, a+1, H]
-        out.append(Verified(accepted=o.accepted, drafted=o.draft_tokens, captures=caps))
+        out.append(Verified(accepted=o.accepted, drafted=o.draft_tokens, captures=caps, source=(captured, b)))
     return out
 
 

@@ -304,3 +304,63 @@ def test_staged_draft_equals_one_graph(ahead: bool, models: Dict[str, Path], mon
         assert o == o0 == 11 and mx.array_equal(k, k0) and mx.array_equal(v, v0)
     counts = drafter.compiler.counts
     assert counts["compiled dflash draft" + (" ahead" if ahead else "")] == 2 and not drafter.compiler.failed, counts
+
+
+@pytest.mark.parametrize("bucket", [None, 16])
+def test_batched_contexts_are_exact(bucket: Optional[int], models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of a batch accepting different counts: each round's committed positions go into every row's context in
+    one append, taken from the round's verify outputs at once (``DFlashBatch._batched_features``), and each row's
+    context equals a from-scratch one after every round (mlx-lm's left-padded batch; rows at their own lengths)."""
+    from mlx_speculative.hooks.kv_view import committed_kv
+    from mlx_speculative.hooks.scheduler import Scheduler
+
+    host = make_host({"draft_model": str(models["drafter"]), "block_size": BLOCK})
+    target = host.load(str(models["llama"]))
+    drafter = target.attachments["speculative"].drafter
+    if bucket:
+        drafter.cache_policy, drafter.shape_stable = ShapeStablePolicy(bucket, prewarm_tokens=0), True
+        target.cache_policy = drafter.cache_policy
+    layers = drafter.capture_layers()
+    words = PROMPT.split()
+    prompts = [encode(target, " ".join(words[:n])) for n in (10, 4, 7)]
+    refs = {tuple(p): greedy_reference(target.model, p, 30) for p in prompts}
+    cases = iter(["zero", "partial", "full"] * 40)
+    fast = [0]
+    batched = DFlashBatch._batched_features
+    monkeypatch.setattr(DFlashBatch, "_batched_features",
+                        lambda self: (lambda got: fast.__setitem__(0, fast[0] + (got is not None)) or got)(batched(self)))
+    original = DFlashBatch.propose
+
+    def propose(self: DFlashBatch, rows: List[Any], max_drafts: List[int]) -> List[Proposal]:
+        original(self, rows, max_drafts)
+        out = []
+        for b, (state, k) in enumerate(zip(rows, max_drafts)):
+            start = len(state.tokens) - 1
+            assert self.context[b] == start
+            hidden = scratch_hidden(target.model, state.tokens[:-1], layers)
+            feats = target_features({i: hidden[i][:, :start] for i in layers}, layers, drafter.final_norm)
+            context = drafter.model.context_states(feats)  # [1, start, H]
+            for layer, cache in zip(drafter.model.layers, self.cache):
+                k_ref, _ = layer.self_attn.keys_values(context, 0)
+                view = committed_kv(cache) if len(rows) > 1 else None
+                if view is None:
+                    keys = cache.keys[..., :start, :]
+                else:
+                    slots = [s for s, p in enumerate(view.positions[b].tolist()) if p >= 0]
+                    assert [view.positions[b].tolist()[s] for s in slots] == list(range(start))
+                    keys = view.keys[b : b + 1, :, mx.array(slots)]
+                assert mx.allclose(keys, k_ref, atol=ATOL).item()
+            ref = refs[tuple(state.tokens[: state.prompt_len])]
+            g = len(state.tokens) - state.prompt_len
+            out.append(Proposal(forced_tokens(next(cases), ref[g : g + k], 384)[0]) if k else Proposal([]))
+        return out
+
+    monkeypatch.setattr(DFlashBatch, "propose", propose)
+    scheduler = Scheduler(host, target)
+    submitted = [scheduler.submit(p, no_stop(30)) for p in prompts]
+    got: Dict[int, List[int]] = {r.id: [] for r in submitted}
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            got[request.id].append(event.token)
+    assert [got[r.id] for r in submitted] == [refs[tuple(p)] for p in prompts]
+    assert fast[0] > 3  # the rounds' contexts appended for all rows at once

@@ -47,6 +47,9 @@ class DFlashBatch(DraftBatch):
         self.rows: List[Any] = []  # DecodeStates in cache-row order (rows that already have a context)
         self.context: List[int] = []  # positions in each row's context cache
         self.pending: Dict[int, List[Dict[int, mx.array]]] = {}  # id(row) -> captures not yet in the cache
+        # id(row) -> (the round's verify outputs, the row's index there, its count, its pending captures) for a
+        # row whose pending features are exactly its committed positions of the last round (``_batched_features``)
+        self.sources: Dict[int, Tuple[Dict[int, mx.array], int, int, Dict[int, mx.array]]] = {}
         self.fresh: List[Any] = []  # rows seen, their context not made yet
         self.cache: List[Any] = []  # per drafter layer: one row's own cache, or batched caches
         self.restored: Dict[int, Tuple[List[Any], int]] = {}  # id(row) -> (context caches, positions)
@@ -67,6 +70,7 @@ class DFlashBatch(DraftBatch):
         known = {id(r) for r in self.rows + self.fresh}
         self.fresh += [r for r in rows if id(r) not in known]
         self.pending = {k: v for k, v in self.pending.items() if k in present}
+        self.sources = {k: v for k, v in self.sources.items() if k in present}
         self.restored = {k: v for k, v in self.restored.items() if k in present}
         for row in rows:
             if row.captures:  # what the host fed since the last step (prefill, plain steps)
@@ -99,9 +103,15 @@ class DFlashBatch(DraftBatch):
         order = {id(r): b for b, r in enumerate(self.rows)}
         if [order.get(id(r)) for r in rows] != list(range(len(self.rows))):
             raise RuntimeError("DFlash rows must keep the batch's order")
-        feats = [self._features(r) for r in self.rows]
-        counts = [0 if f is None else f.shape[1] for f in feats]
-        if max(counts) > 0:
+        batched = self._batched_features()
+        if batched is not None:
+            feats_b, counts = batched
+            self._append(self.cache, feats_b, counts)
+            feats = []
+        else:
+            feats = [self._features(r) for r in self.rows]
+            counts = [0 if f is None else f.shape[1] for f in feats]
+        if feats and max(counts) > 0:
             width = max(counts)
             H = next(f.shape[2] for f in feats if f is not None)
             dtype = next(f.dtype for f in feats if f is not None)
@@ -114,6 +124,28 @@ class DFlashBatch(DraftBatch):
             if c != len(row.tokens) - 1:
                 raise RuntimeError(f"DFlash context out of step: {c} positions in the drafter's cache, but the "
                                    f"target has consumed {len(row.tokens) - 1}")
+
+    def _batched_features(self) -> Optional[Tuple[mx.array, List[int]]]:
+        """([B, n, taps*H], counts) where every row's pending features are its committed positions of the last
+        round's verify, rows in the verify's order: taken from the round's outputs in one go, not a slice, a
+        concatenation and a padding per row (a batch's host work). Past a row's count the features are the
+        round's other positions, written past its context and never kept (``_append`` commits the counts)."""
+        if len(self.rows) < 2:
+            return None
+        got = [self.sources.get(id(r)) for r in self.rows]
+        for r, g in zip(self.rows, got):
+            parts = self.pending.get(id(r))
+            if g is None or parts is None or len(parts) != 1 or parts[0] is not g[3]:
+                return None
+        src = got[0][0]
+        if any(g[0] is not src for g in got) or [g[1] for g in got] != list(range(len(self.rows))):
+            return None
+        counts = [g[2] for g in got]
+        layers = self.drafter.capture_layers()
+        n = max(counts)
+        for r in self.rows:
+            del self.pending[id(r)], self.sources[id(r)]
+        return target_features({i: src[i][:, :n] for i in layers}, layers, self.drafter.final_norm), counts
 
     def _append(self, caches: List[Any], feats: mx.array, counts: List[int]) -> None:
         """Append [B, width, F] features, keeping counts[b] positions of row b."""
@@ -277,8 +309,12 @@ class DFlashBatch(DraftBatch):
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         # The committed positions' features become context at the next prepare; the block wrote nothing.
         for row, v in zip(rows, verified):
+            self.sources.pop(id(row), None)
             if v.captures:
                 self.pending.setdefault(id(row), []).append(v.captures)
+                if v.source is not None:
+                    n = next(iter(v.captures.values())).shape[1]
+                    self.sources[id(row)] = (v.source[0], v.source[1], n, v.captures)
         return [0] * len(rows)
 
 

@@ -171,7 +171,7 @@ class OracleBatch(DraftBatch):
 
     def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
         # The inner drafter proposed its own tokens: it keeps no more of them than the round kept.
-        adjusted = [Verified(min(v.accepted, k), k, v.captures) for v, k in zip(verified, self.inner_k)]
+        adjusted = [Verified(min(v.accepted, k), k, v.captures, v.source) for v, k in zip(verified, self.inner_k)]
         return self.inner.commit(rows, adjusted)
 
 
