@@ -101,6 +101,7 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
     stats: Dict[str, Any] = {"requests": 0, "errors": 0, "mismatches": 0, "tokens": 0}
     steps: Dict[str, float] = {}
     rounds = [0]
+    paused = {"plain_steps": 0, "reasons": {}}
     stop_at = time.monotonic() + duration
 
     def loop(i: int) -> None:
@@ -119,6 +120,10 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
                 stats["tokens"] += max(got[1], 0)
                 stats["mismatches"] += int(got != refs[j])
                 rounds[0] += int(timing.get("draft_rounds") or 0)
+                paused["plain_steps"] += int(timing.get("draft_plain_steps") or 0)
+                why = (timing.get("draft_pause_reason") or "")[:48]
+                if why:
+                    paused["reasons"][why] = paused["reasons"].get(why, 0) + 1
                 for name, ms in (timing.get("round_steps_ms") or {}).items():
                     steps[name] = steps.get(name, 0.0) + ms
 
@@ -138,7 +143,8 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
             "ms_per_decode_step": round(1e3 * wall / n_steps, 2) if n_steps else None, "rounds": int(drafts),
             "tau": round(1 + d.get("spec_decode_num_accepted_tokens_total", 0) / drafts, 3) if drafts else None,
             # a batched round's steps are recorded by each of its rows: per row-round
-            "ms_per_row_round": {k: round(v / rounds[0], 3) for k, v in sorted(steps.items())} if rounds[0] else None}
+            "ms_per_row_round": {k: round(v / rounds[0], 3) for k, v in sorted(steps.items())} if rounds[0] else None,
+            "paused_plain_steps": paused["plain_steps"], "pause_reasons": paused["reasons"]}
 
 
 def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: Any, name: str, block: int, tau: float,

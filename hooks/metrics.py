@@ -127,5 +127,6 @@ def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float
         out.update(draft_kind=spec["kind"], draft_rounds=spec["rounds"],
                    mean_acceptance_length=spec["mean_acceptance_length"],
                    acceptance_rate=spec["acceptance_rate"], draft_fallback=spec["fallback"],
-                   round_steps_ms={k: round(1e3 * v, 3) for k, v in (spec.get("steps") or {}).items()})
+                   round_steps_ms={k: round(1e3 * v, 3) for k, v in (spec.get("steps") or {}).items()},
+                   draft_plain_steps=spec.get("plain_steps", 0), draft_pause_reason=spec.get("pause_reason"))
     return out
