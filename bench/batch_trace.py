@@ -124,7 +124,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"plain policy {variant} {row}", flush=True)
             for regime in ("fresh", "warm"):
                 rt.TRACE.clear()
-                rt.LABEL[0] = f"{regime} {b}"
                 scheduler = Scheduler(host, target)
                 submitted = [scheduler.submit(p, GenerationParams(max_tokens=args.max_tokens, stop_token_ids=[]))
                              for p in reqs[:b]]

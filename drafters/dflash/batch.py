@@ -138,10 +138,11 @@ class DFlashBatch(DraftBatch):
             if g is None or parts is None or len(parts) != 1 or parts[0] is not g[3]:
                 return None
         src = got[0][0]
-        if any(g[0] is not src for g in got) or [g[1] for g in got] != list(range(len(self.rows))):
-            return None
-        counts = [g[2] for g in got]
         layers = self.drafter.capture_layers()
+        if any(g[0] is not src for g in got) or [g[1] for g in got] != list(range(len(self.rows))) \
+                or any(i not in src or src[i].shape[0] != len(self.rows) for i in layers):
+            return None  # other rows in the verify too (e.g. a request decoding plainly): one slice per row
+        counts = [g[2] for g in got]
         n = max(counts)
         for r in self.rows:
             del self.pending[id(r)], self.sources[id(r)]
