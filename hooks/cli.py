@@ -203,13 +203,37 @@ def build_parser(pm: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def blas_hint(args: argparse.Namespace) -> None:
+    """One line on stderr when a CPU run would use MLX's reference BLAS (hooks/blas.py)."""
+    import mlx.core as mx
+
+    from . import blas
+
+    if args.command in BLAS_HINT_COMMANDS and (mx.default_device().type == mx.cpu or getattr(args, "cpu", False)):
+        line = blas.hint()
+        if line:
+            print(line, file=sys.stderr)
+
+
+BLAS_HINT_COMMANDS = ("generate", "serve", "bench")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    if argv is None:  # this process's own command line: MLX_SPEC_BLAS may re-execute it (the console script did already)
+        from . import blas
+
+        try:
+            blas.reexec_if_asked()
+        except ValueError as e:
+            print(f"mlx-spec: error: {e}", file=sys.stderr)
+            return 2
     pm = make_plugin_manager()
     parser = build_parser(pm)
     args = parser.parse_args(argv)
     args.pm = pm
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="[%(name)s] %(levelname)s: %(message)s")
     try:
+        blas_hint(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
