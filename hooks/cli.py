@@ -210,6 +210,9 @@ def blas_hint(args: argparse.Namespace) -> None:
     from . import blas
 
     if args.command in BLAS_HINT_COMMANDS and (mx.default_device().type == mx.cpu or getattr(args, "cpu", False)):
+        used = blas.in_use()
+        logging.getLogger("mlx_speculative").info("BLAS of MLX's CPU matmuls: %s (%s)%s", used.kind, used.path,
+                                                  f", preloaded by {blas.ENV}" if used.preloaded else "")
         line = blas.hint()
         if line:
             print(line, file=sys.stderr)
