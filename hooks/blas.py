@@ -172,5 +172,5 @@ def hint() -> Optional[str]:
                 f"({used.path}): the library did not load or lacks cblas_sgemm; {ENV}=off hides this line")
     lib = find_openblas()
     todo = f"OpenBLAS is installed ({lib}): {ENV}=auto runs on it" if lib else f"{INSTALL}, then {ENV}=auto runs on it"
-    return (f"[mlx-spec] note: MLX's CPU matmuls use the reference BLAS, so a multi-token forward costs ~10x a one-token one "
+    return (f"[mlx-spec] note: MLX's CPU matmuls use the reference BLAS, so a 16-token forward costs up to ~15x a one-token one "
             f"and speculation rarely pays; {todo} ({ENV}=off hides this line)")
