@@ -287,3 +287,7 @@ class DrafterFamily:
     priority: int = 0
     distribution: str = ""  # filled by the registry: the package it came from
     trainer: Optional[Callable[[], Any]] = None  # the family's FamilyTrainer class (drafters/training), lazily
+    # What of this family a target's own checkpoint can carry (vLLM's ``method: mtp``): a run naming the
+    # family's kind and no draft model uses the target's checkpoint when ``detect`` accepts the target's
+    # config. Empty: never inside a target (a draft LM the target could "be" is no drafter of its own).
+    in_target: str = ""

@@ -71,11 +71,42 @@ def detect_family(config: Dict[str, Any]) -> Optional[DrafterFamily]:
     return max(matches, key=lambda f: f.priority) if matches else None
 
 
-def resolve(draft_model: Optional[str], kind: str = "auto") -> Resolution:
+def own_heads(kind: str, target: Optional[DraftTarget]) -> Optional[Resolution]:
+    """The target's own checkpoint as its drafter, where a family of ``kind`` finds its heads in the
+    target's config (Qwen3.5 ``mtp.*``, DeepSeek-V3's nextn layer); the family's check then reads the tensors."""
+    if target is None or target.path is None or not target.config:
+        return None
+    found = [f for f in families().values() if f.kind == kind and f.in_target and f.detect(target.config)]
+    if not found:
+        return None
+    family = max(found, key=lambda f: f.priority)
+    log.info("draft kind %r with no draft model: the %s inside the target's checkpoint %s", kind, family.name, target.path)
+    return Resolution(family, kind, Path(target.path), dict(target.config), [])
+
+
+def _needs_weights(kind: str, target: Optional[DraftTarget]) -> str:
+    inside = [f for f in families().values() if f.kind == kind and f.in_target]
+    if not inside:
+        return f"draft kind {kind!r} needs a draft model (speculative.draft_model / --draft-model)"
+    has = ""
+    if target is not None:
+        got = str(target.config.get("model_type"))
+        text = target.config.get("text_config") if isinstance(target.config.get("text_config"), dict) else {}
+        if text.get("model_type") and text.get("model_type") != got:
+            got += f", text_config {text.get('model_type')}"
+        has = f"; the target (model_type {got!r}) has none"
+    return (f"draft kind {kind!r} with no draft model needs heads inside the target's own checkpoint{has}; expected: "
+            f"{'; or '.join(f.in_target for f in inside)}; allowed: such a target, or a draft model "
+            "(speculative.draft_model / --draft-model)")
+
+
+def resolve(draft_model: Optional[str], kind: str = "auto", target: Optional[DraftTarget] = None) -> Resolution:
     """The family and kind for a drafter checkpoint (or for a weightless kind).
 
     An explicit kind that needs no weights wins over ``draft_model`` (ignored, with a warning);
     an explicit kind that conflicts with a checkpoint's family loses to the family (warning).
+    With no draft model, an explicit kind whose heads the target carries itself uses the target's
+    checkpoint (``own_heads``).
     """
     fams = families()
     allowed = ["auto"] + kinds()
@@ -89,9 +120,12 @@ def resolve(draft_model: Optional[str], kind: str = "auto") -> Resolution:
         if kind == "auto":
             kind = "ngram"
         weightless = [f for f in fams.values() if f.kind == kind and not f.needs_weights]
-        if not weightless:
-            raise DrafterError(f"draft kind {kind!r} needs a draft model (speculative.draft_model / --draft-model)")
-        return Resolution(weightless[0], kind, None, {}, ignored)
+        if weightless:
+            return Resolution(weightless[0], kind, None, {}, ignored)
+        own = own_heads(kind, target)
+        if own is None:
+            raise DrafterError(_needs_weights(kind, target))
+        return own
     path = loading.resolve_path(draft_model, "draft model")
     config = loading.read_config(path, "draft model")
     family = detect_family(config)

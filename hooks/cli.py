@@ -78,11 +78,38 @@ def build_parser(pm: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def blas_hint(args: argparse.Namespace) -> None:
+    """One line on stderr when a CPU run would use MLX's reference BLAS (hooks/blas.py)."""
+    import mlx.core as mx
+
+    from . import blas
+
+    if args.command in BLAS_HINT_COMMANDS and (mx.default_device().type == mx.cpu or getattr(args, "cpu", False)):
+        used = blas.in_use()
+        logging.getLogger("mlx_speculative").info("BLAS of MLX's CPU matmuls: %s (%s)%s", used.kind, used.path,
+                                                  f", preloaded by {blas.ENV}" if used.preloaded else "")
+        line = blas.hint()
+        if line:
+            print(line, file=sys.stderr)
+
+
+BLAS_HINT_COMMANDS = ("generate", "serve", "bench")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    own = argv is None  # this process's own command line: MLX_SPEC_BLAS may re-execute it (the console script did)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-V", "--version"):  # without loading the plugins (and mlx with them)
         print(version_line())
         return 0
+    if own:
+        from . import blas
+
+        try:
+            blas.reexec_if_asked()
+        except ValueError as e:
+            print(f"mlx-spec: error: {e}", file=sys.stderr)
+            return 2
     from .manager import make_plugin_manager
 
     pm = make_plugin_manager()
@@ -91,6 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.pm = pm
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="[%(name)s] %(levelname)s: %(message)s")
     try:
+        blas_hint(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

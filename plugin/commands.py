@@ -29,8 +29,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     # Every header of the target's files (no tensor is read); a corrupt file is an error.
     target_headers = loading.safetensors_headers(target_path, "model", required=False)
     num_layers = target_config.get("num_hidden_layers") or (target_config.get("text_config") or {}).get("num_hidden_layers")
-    resolution = registry.resolve(args.draft_model, args.draft_kind)
-    verdict = registry.check(resolution, DraftTarget(config=target_config, path=target_path, num_layers=num_layers))
+    target = DraftTarget(config=target_config, path=target_path, num_layers=num_layers)
+    resolution = registry.resolve(args.draft_model, args.draft_kind, target)
+    verdict = registry.check(resolution, target)
     verdict.notes.append("target " + registry.describe_headers(target_headers))
     report: dict[str, Any] = {
         "kind": resolution.kind,
@@ -61,7 +62,7 @@ def add_commands(subparsers: Any) -> None:
 
     p = subparsers.add_parser("check", help="resolve a drafter's kind and check it against a target")
     p.add_argument("--model", required=True, help="target model: path, HF repo id or 'demo'")
-    p.add_argument("--draft-model", default=None, help="drafter: path, HF repo id or 'demo-drafter' (none for ngram)")
+    p.add_argument("--draft-model", default=None, help="drafter: path, HF repo id or 'demo-drafter' (none for ngram, or for mtp heads inside the target)")
     p.add_argument("--draft-kind", default="auto", help="auto or a registered kind")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_check)

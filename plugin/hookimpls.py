@@ -53,7 +53,7 @@ def draft_target(target: LoadedTarget, policy: Optional[CachePolicy] = None) -> 
 def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     """Resolve, check and load the drafter for ``target``; raises on any problem."""
     mode = draft.ahead_mode()
-    resolution = registry.resolve(settings.draft_model, settings.kind)
+    resolution = registry.resolve(settings.draft_model, settings.kind, draft_target(target))
     for warning in resolution.warnings:
         log.warning(warning)
     policy = cache_policy.policy_for()

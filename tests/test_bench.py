@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_speculative.hooks import blas
 from mlx_speculative.plugin.bench import oracle
 from mlx_speculative.plugin.bench.methods import allocate_lengths
 
@@ -51,6 +52,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert abs(sum(v for k, v in steps.items() if k not in ("draft", "commit_drafter")) - split["verify"]) < 0.02
         assert rows["mlx_lm.generate_step"]["speedup_vs_mlx_lm_plain"] == 1.0
     assert report["versions"]["mlx"] and report["machine"]["backend"] == "cpu"
+    assert report["machine"]["blas"]["kind"] == blas.in_use().kind and "ld_preload" in report["machine"]["blas"]
     costs = report["kernel_costs"]  # bare forwards at each prompt's key length: the target over 1, 4, 16, 32 positions
     keys = costs["run_key_lengths"]  # mid-decode: 64..151 and 300..387 keys + 6, rounded up to 256
     assert keys == [256, 512] and costs["extra_key_lengths"] == []  # the CPU: no extra lengths by default

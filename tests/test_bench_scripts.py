@@ -322,3 +322,18 @@ def test_forward_kernels_summary(tmp_path: Path, capsys: pytest.CaptureFixture) 
     with pytest.raises(SystemExit):
         fk.main(["--windows", str(tmp_path / "w.json"), "--shapes", "--rows", "1,x"])
     assert "got '1,x'; expected integers separated by commas" in capsys.readouterr().err
+
+
+def test_blas_summary_pairs_the_committed_runs(tmp_path: Path) -> None:
+    """bench/blas_summary.py over the committed reference / OpenBLAS runs: the forward ratios and speed-ups."""
+    cpu = BENCH / "results" / "cpu"
+    files = [str(cpu / f"blas-{b}-llama150m.json") for b in ("reference", "openblas")]
+    report = run("blas_summary", files, tmp_path / "s.json")
+    (pair,) = report["pairs"]
+    assert [b["kind"] for b in pair["blas"]] == ["reference", "openblas"] and "MLX_SPEC_BLAS=auto" in pair["commands"][1]
+    ratios = pair["forward_cost_vs_one_position"]
+    assert ratios["reference"]["256"]["16"] > 10 > 3 > ratios["openblas"]["256"]["16"]
+    row = pair["methods (reference, openblas)"]["fresh | plugin dflash b16 tau3.5"]
+    assert row["x_mlx_lm"][0] < 0.5 < 1.0 < row["x_mlx_lm"][1]
+    with pytest.raises(SystemExit):
+        script("blas_summary").main(files[:1])

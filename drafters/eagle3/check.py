@@ -103,8 +103,10 @@ def check(path: Optional[Path], config: Dict[str, Any], target: DraftTarget) -> 
         verdict.fail(f"{f('num_hidden_layers')}: {args.num_hidden_layers}; expected 1 or more")
 
     n = target_layers(target)
-    ids = args.aux_layer_ids if args.aux_layer_ids else (args.layer_ids(n) if n is not None else None)
+    ids = args.layer_ids(n or 0) if args.aux_layer_ids else (args.layer_ids(n) if n is not None else None)
     where = "from the checkpoint" if args.aux_layer_ids else "absent: the published default [2, N//2, N-3]"
+    if args.aux_layer_ids and list(args.aux_layer_ids) != ids:
+        where += f", listed as {list(args.aux_layer_ids)}: fc reads the taps in ascending layer order"
     if ids is not None:
         captures = args.capture_layers(n or 0)
         bad = [i for i, c in zip(ids, captures) if c < 0 or (n is not None and c >= n)]

@@ -14,6 +14,8 @@ Layouts of config.json (``config_layout``), all read into one flat ``ModelArgs``
   the INPUT of layer i (hidden_states[i]; N = the last layer's output); flags ``norm_before_fc``,
   ``fc_norm``, ``norm_before_residual``, ``norm_output``.
 
+In every layout fc reads the taps concatenated in ascending layer order, whatever order the ids are listed in.
+
 Tensor names: fc, norm, lm_head, d2t, t2d, embed_tokens (optional), the first layer as
 ``midlayer.*`` (EAGLE, SpecForge) or ``layers.0.*`` (speculators), its hidden_norm inside it.
 """
@@ -143,7 +145,10 @@ class ModelArgs(BaseModelArgs):
         return int(self.target_hidden_size or self.hidden_size)
 
     def layer_ids(self, num_target_layers: int) -> List[int]:
-        return list(self.aux_layer_ids) if self.aux_layer_ids else default_layer_ids(num_target_layers)
+        """fc's taps in its input order: the checkpoint's ids in ascending layer order whatever order its config
+        lists them (vLLM and mlx-vlm append each tap as the target's layer loop passes it; every published
+        config lists them ascending), else the published default."""
+        return sorted(self.aux_layer_ids) if self.aux_layer_ids else default_layer_ids(num_target_layers)
 
     def capture_layers(self, num_target_layers: int) -> List[int]:
         """Target decoder layers whose OUTPUT is read (0-based), in fc's input order."""

@@ -50,7 +50,7 @@ def new_config(target: TrainTarget, layer_ids: List[int], draft_vocab: int) -> D
     rope = value("rope_parameters", {}) or {}
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sorted(layer_ids), "use_aux_hidden_state": True},
         "attention_bias": False,
         "bos_token_id": value("bos_token_id"),
         "draft_vocab_size": int(draft_vocab),

@@ -40,6 +40,7 @@ qwen_family = DrafterFamily(
     detect=qwen.detect,
     trainer=_trainer,  # mlx-spec train-drafter --kind mtp
     priority=20,
+    in_target=qwen.IN_TARGET,
 )
 
 gemma_family = DrafterFamily(
@@ -61,4 +62,5 @@ deepseek_family = DrafterFamily(
     check=deepseek.check,
     detect=deepseek.detect,
     priority=20,
+    in_target=deepseek.IN_TARGET,
 )

@@ -25,6 +25,8 @@ FAMILY = "deepseek_nextn"
 TYPES = ("deepseek_v3",)
 REQUIRED = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
             "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.o_proj.weight")
+IN_TARGET = ("DeepSeek-V3: num_nextn_predict_layers >= 1 and the nextn layer's model.layers.{num_hidden_layers}.* "
+             "tensors in its safetensors (mlx-lm's convert drops them: pass the original checkpoint as the draft model)")
 
 
 def detect(config: Dict[str, Any]) -> bool:

@@ -42,6 +42,10 @@ SPLIT_HINT = ("split the head out of the original Hugging Face checkpoint with m
               "(`python -m mlx_vlm.split_mtp --model <original> --output <folder>`, model_type qwen3_5_mtp) and "
               "pass that folder as the draft model, or pass the original checkpoint itself as the draft model")
 
+IN_TARGET = ("Qwen3.5 / Qwen3.6 / Qwen3-Next: (text_config.)mtp_num_hidden_layers >= 1 and the mtp.* tensors in "
+             "its safetensors (mlx-lm's convert drops them: " + SPLIT_HINT + "; a plain target (llama, qwen3, ...) "
+             "gets a head from `mlx-spec train-drafter --kind mtp`)")
+
 
 def is_standalone(config: Dict[str, Any]) -> bool:
     return config.get("model_type") == STANDALONE_TYPE

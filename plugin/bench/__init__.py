@@ -45,7 +45,7 @@ def add_command(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="benchmark plain vs speculative decoding (mlx-lm and this plugin)")
     src = p.add_argument_group("models")
     src.add_argument("--model", help="target checkpoint: path or HF repo id")
-    src.add_argument("--synthetic-target", help="build a random target in memory instead: llama-8b, llama-1b, tiny")
+    src.add_argument("--synthetic-target", help="build a random target in memory instead: llama-8b, llama-1b, llama-150m (float32), tiny")
     src.add_argument("--draft-model", help="draft LM for the draft_model kind and mlx-lm's speculative loop")
     src.add_argument("--drafter", action="append", default=[], metavar="PATH[@B]",
                      help="a real drafter checkpoint (repeat the flag for several; one per kind), loaded as "

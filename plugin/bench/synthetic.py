@@ -21,6 +21,9 @@ SPECS: Dict[str, Dict[str, Any]] = {
                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, dtype="bfloat16"),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0, dtype="bfloat16"),
+    # float32: the CPU's BLAS-bound shape (MLX calls cblas_sgemm for float32 matmuls only; hooks/blas.py)
+    "llama-150m": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=64, vocab_size=32000, rope_theta=10000.0, dtype="float32"),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=384, rope_theta=10000.0, dtype="float32"),
 }

@@ -1,0 +1,22 @@
+"""The ``mlx-spec`` console script: the BLAS choice (hooks/blas.py) before MLX is imported, then the CLI."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    from . import blas
+
+    try:
+        blas.reexec_if_asked()  # returns unless it replaced this process
+    except ValueError as e:
+        print(f"mlx-spec: error: {e}", file=sys.stderr)
+        return 2
+    from .cli import main as cli_main
+
+    return cli_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
