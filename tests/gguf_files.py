@@ -100,9 +100,11 @@ def gguf_name(hf: str) -> str:
 
 def write_pair(root: Path, arch: str, kind: str, tokenizer_dir: Path, pre: str, seed: int = 0,
                permute_qk: bool = True, overrides: Dict[str, str] | None = None,
-               extra: Dict[str, np.ndarray] | None = None, add_bos: bool = False, **config_over: Any) -> Tuple[Path, Path]:
+               extra: Dict[str, np.ndarray] | None = None, add_bos: bool = False, split: int = 0,
+               **config_over: Any) -> Tuple[Path, Path]:
     """(model.gguf, its reference mlx-lm folder) for a tiny ``arch`` model whose matrices are stored as
-    ``kind`` (norms and biases in F32); ``overrides`` stores single tensors (GGUF names) as other types."""
+    ``kind`` (norms and biases in F32); ``overrides`` stores single tensors (GGUF names) as other types;
+    ``split``: llama.cpp's split shards of at most that many tensors (the first shard's path is returned)."""
     import gguf
 
     from mlx_speculative.hooks.gguf_tokenizer import CONTROL, NORMAL
@@ -124,7 +126,7 @@ def write_pair(root: Path, arch: str, kind: str, tokenizer_dir: Path, pre: str, 
     params = {k: np.array(v) for k, v in tree_flatten(tm.build_model(config).parameters())}
     path = root / f"{arch}-{kind}.gguf"
     root.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split)
     w.add_block_count(2), w.add_context_length(2048), w.add_embedding_length(256), w.add_feed_forward_length(512)
     w.add_head_count(4), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-5), w.add_rope_freq_base(10000.0)
     w.add_key_length(64), w.add_value_length(64)
@@ -152,7 +154,9 @@ def write_pair(root: Path, arch: str, kind: str, tokenizer_dir: Path, pre: str, 
         w.add_tensor(gname, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
     for gname, value in (extra or {}).items():
         w.add_tensor(gname, value)
+    shards = w.format_shard_names(path)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    path = shards[0]
     ref_dir = root / f"{arch}-{kind}-reference"
     ref_dir.mkdir(exist_ok=True)
     mx.save_safetensors(str(ref_dir / "model.safetensors"), {k: mx.array(v) for k, v in reference.items()},

@@ -152,6 +152,24 @@ def test_tokenizer_round_trip(tmp_path: Path, cache: Path, tokenizers_dir: Dict[
     assert rebuilt.encode(texts[0]) == [bos] + rebuilt.encode(texts[0], add_special_tokens=False)
 
 
+def test_split_shards_load_as_one_checkpoint(tmp_path: Path, cache: Path, tokenizers_dir: Dict[str, Path]) -> None:
+    """llama.cpp's split shards (name-00001-of-0000N.gguf, the gguf writer's split) load from the first shard
+    or their folder; a missing shard and a folder of several checkpoints are named."""
+    path, ref_dir = _write(tmp_path, tokenizers_dir, "qwen2", "Q4_K", split=10)
+    shards = sorted(path.parent.glob("*.gguf"))
+    assert len(shards) > 2 and path.name.endswith("-00001-of-%05d.gguf" % len(shards))
+    ref = logits(_load(ref_dir)[0], IDS)
+    np.testing.assert_allclose(logits(_load(loading.resolve_path(str(path)))[0], IDS), ref, rtol=1e-4, atol=1e-4)
+    assert loading.resolve_path(str(path.parent)) == loading.resolve_path(str(path))
+    shards[-1].rename(tmp_path / "aside.gguf")
+    with pytest.raises(gg.GGUFError, match=f"is shard 1 of {len(shards)}; missing: {shards[-1].name}"):
+        gg.gguf_files(path)
+    (tmp_path / "aside.gguf").rename(shards[-1])
+    (path.parent / "other.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(gg.GGUFError, match="holds several GGUF checkpoints"):
+        gg.gguf_files(path.parent)
+
+
 def test_unsupported_types_and_architectures_are_named(tmp_path: Path, cache: Path,
                                                        tokenizers_dir: Dict[str, Path]) -> None:
     path, _ = _write(tmp_path, tokenizers_dir, "llama", "Q8_0", overrides={"blk.1.ffn_up.weight": "TQ2_0"})
@@ -160,6 +178,15 @@ def test_unsupported_types_and_architectures_are_named(tmp_path: Path, cache: Pa
     with pytest.raises(loading.CheckpointError, match="not a GGUF file"):
         loading.resolve_path(str(tmp_path / "files" / "llama-Q8_0-reference" / "config.json"))
     assert main(["convert", str(path), str(tmp_path / "out"), "--dtype", "f64"]) == 2
+    from mlx_speculative.hooks.gguf_convert import build_config
+
+    meta, tensors = gg.read_metadata([path])
+    with pytest.raises(gg.GGUFError, match=r"architecture 'gemma' is not supported \(supported: llama, qwen2, qwen3\)"):
+        build_config(dict(meta, **{"general.architecture": "gemma"}), tensors)
+    from mlx_speculative.hooks.gguf_tokenizer import build_tokenizer
+
+    with pytest.raises(ValueError, match="GGUF tokenizer is 'llama'; only byte-level BPE"):
+        build_tokenizer(dict(meta, **{"tokenizer.ggml.model": "llama"}))
 
 
 def test_mlx_reader_and_gguf_blocks_agree(tmp_path: Path) -> None:
