@@ -237,3 +237,23 @@ def test_speculative_greedy_with_gguf_target_equals_plain(tmp_path: Path, cache:
         assert result.tokens == greedy_reference(target.model, prompt, 24)
         accepted += result.report["speculative"].accepted_tokens
     assert accepted > 0
+
+
+def test_yaml_and_cli_take_gguf_paths(tmp_path: Path, cache: Path, tokenizers_dir: Dict[str, Path],
+                                      capsys: pytest.CaptureFixture) -> None:
+    """A YAML's relative 'sub/x.gguf' is a file beside it (not a Hugging Face repo id); generate and check run on it."""
+    from mlx_speculative.hooks.config import load_host_config
+
+    target_path, _ = _write(tmp_path, tokenizers_dir, "qwen2", "Q8_0", seed=5)
+    draft_path, _ = _write(tmp_path, tokenizers_dir, "qwen2", "Q4_0", seed=5)
+    (tmp_path / "host.yaml").write_text(f"model: files/{target_path.name}\n"  # looks like 'org/name'
+                                        f"speculative: {{draft_model: files/{draft_path.name}, block_size: 3}}\n")
+    config = load_host_config(str(tmp_path / "host.yaml"))
+    assert config.sections["model"] == str(target_path)
+    assert config.sections["speculative"]["draft_model"] == str(draft_path)
+    assert main(["generate", "--config", str(tmp_path / "host.yaml"), "--prompt", CODE[0], "--max-tokens", "12",
+                 "--ignore-chat-template", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["speculative"]["kind"] == "draft_model" and out["speculative"]["rounds"] > 0
+    assert main(["check", "--model", str(target_path), "--draft-model", str(draft_path)]) == 0
+    assert "verdict: compatible" in capsys.readouterr().out
