@@ -63,9 +63,9 @@ def _greedy_mlx_lm(model: Any, ids: List[int], n: int, eos: set) -> List[int]:
 
     out = []
     for token, _ in generate_step(mx.array(ids), model, max_tokens=n):
-        out.append(int(token))
-        if int(token) in eos:
+        if int(token) in eos:  # the host ends there too, without emitting it
             break
+        out.append(int(token))
     return out
 
 

@@ -8,8 +8,9 @@ by a GGUF path is converted once into the cache folder (``$MLX_SPEC_CACHE/gguf``
 that folder. ``mlx-spec convert`` writes such a folder where the user says, in a dtype of their choice.
 
 Tensors: MLX's own GGUF reader (``mx.load``) where it reads the whole file (F32, F16, Q4_0, Q4_1, Q8_0
-only). Q4_0, Q4_1 and Q8_0 blocks are MLX's affine quantization at group size 32 (a scale and a bias per
-32 values), so they stay quantized layers. Other block types have no MLX layout and are dequantized with
+only), else the ``gguf`` package's reader. Q4_0, Q4_1 and Q8_0 blocks are MLX's affine quantization at
+group size 32 (a scale and a bias per 32 values), so they stay quantized layers (repacked bit for bit
+where MLX's reader does not read the file). Other block types have no MLX layout and are dequantized with
 the ``gguf`` package (one log line says which and to what dtype).
 """
 
@@ -35,6 +36,7 @@ MLX_QUANTIZED = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 FLOATS = ("F32", "F16", "BF16")
 DEQUANTIZED = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED = (*FLOATS, *MLX_QUANTIZED, *DEQUANTIZED)
+MLX_READS = ("F32", "F16", *MLX_QUANTIZED)  # as stored (its reader turns BF16 into float16, fails on the rest)
 DTYPES = {"keep": None, "f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
@@ -173,7 +175,7 @@ def load_tensors(files: List[Path], tensors: List[Any], meta: Dict[str, Any], dt
     if bad:
         raise GGUFError(f"{what}: GGUF tensor type(s) {', '.join(bad)} are not supported "
                         f"(supported: {', '.join(SUPPORTED)})")
-    native = _mlx_reader(files) if all(k in FLOATS[:2] or k in MLX_QUANTIZED for k in kinds.values()) else None
+    native = _mlx_reader(files) if all(k in MLX_READS for k in kinds.values()) else None
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
