@@ -16,7 +16,7 @@ prompt once per block: tau per prompt and its median. Every speculative output i
 target's own greedy choice at each position (one teacher-forced forward over prompt + output: argmax
 and its margin over the runner-up); the first --plain-prompts prompts are also decoded one token at a
 time (plain decoding, the costly reference: ~2 s per token for the 1.5B in float32 here) and compared
-token for token. Prompts with "chat": true go through the model's chat template. EOS ends a request.
+token for token; --prompt-ids runs a subset (a block-size sweep). Prompts with "chat": true go through the model's chat template. EOS ends a request.
 The JSON is rewritten after every prompt.
 """
 
@@ -121,7 +121,10 @@ def _teacher_forced(model: Any, ids: List[int], out: List[int]) -> Dict[str, Any
 
 
 def pair(args: argparse.Namespace, argv: List[str]) -> int:
-    items = json.loads(Path(args.prompts).read_text())["prompts"][: args.max_prompts]
+    items = list(enumerate(json.loads(Path(args.prompts).read_text())["prompts"]))[: args.max_prompts]
+    if args.prompt_ids:
+        keep = {int(i) for i in args.prompt_ids.split(",")}
+        items = [(i, item) for i, item in items if i in keep]
     blocks = [int(b) for b in args.blocks.split(",")]
     hosts = {b: _host({"draft_model": args.draft_model, "block_size": b, "adaptive": False}) for b in blocks}
     target = hosts[blocks[0]].load(args.target)
@@ -129,11 +132,11 @@ def pair(args: argparse.Namespace, argv: List[str]) -> int:
     report: Dict[str, Any] = {"environment": _environment(["pair", *argv]), "target": args.target,
                               "draft_model": args.draft_model, "kind": "draft_model", "blocks": blocks,
                               "max_tokens": args.max_tokens, "prompts_file": args.prompts, "rows": []}
-    for i, item in enumerate(items):
+    for n, (i, item) in enumerate(items):
         ids = encode_prompt(target.tokenizer, item["prompt"], chat=item["chat"])
         row: Dict[str, Any] = {"i": i, "kind": item["kind"], "prompt_tokens": len(ids), "by_block": {}}
         reference = None
-        if i < args.plain_prompts:
+        if n < args.plain_prompts:
             result = plain.generate(target, ids, GenerationParams(max_tokens=args.max_tokens))
             reference = result.tokens
             row["plain"] = {"tokens": len(reference), "tok_s": round(result.generation_tps, 3)}
@@ -193,6 +196,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--draft-model", required=True)
     p.add_argument("--prompts", required=True, help='JSON {"prompts": [{"prompt", "chat", "kind"}, ...]}')
     p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--prompt-ids", help="only these prompts (their indices in the file), comma-separated")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--blocks", default="4,6,8", help="pinned block sizes, comma-separated")
     p.add_argument("--plain-prompts", type=int, default=0, help="prompts also decoded plainly (the reference)")

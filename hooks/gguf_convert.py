@@ -59,17 +59,19 @@ def build_config(meta: Dict[str, Any], tensors: List[Any], what: str = "model") 
                             "only models with one value for all layers are supported")
         return value
 
-    try:
-        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-        config: Dict[str, Any] = {
-            "model_type": arch, "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
-            "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
-            "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-        }
-    except (TypeError, KeyError) as e:
-        raise GGUFError(f"{what}: the GGUF metadata lacks {arch}'s shape (block_count, embedding_length, "
-                        f"feed_forward_length, attention.head_count, attention.layer_norm_rms_epsilon): {e}") from e
+    required = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+                "attention.layer_norm_rms_epsilon")
+    missing = [f"{arch}.{k}" for k in required if get(k) is None]
+    if missing:
+        raise GGUFError(f"{what}: the GGUF metadata lacks {', '.join(missing)}; expected every one of "
+                        f"{', '.join(f'{arch}.{k}' for k in required)}")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    config: Dict[str, Any] = {
+        "model_type": arch, "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+    }
     names = {t.name: t for t in tensors}
     head_dim = int(get("attention.key_length", hidden // heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:

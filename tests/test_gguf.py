@@ -183,6 +183,8 @@ def test_unsupported_types_and_architectures_are_named(tmp_path: Path, cache: Pa
     meta, tensors = gg.read_metadata([path])
     with pytest.raises(gg.GGUFError, match=r"architecture 'gemma' is not supported \(supported: llama, qwen2, qwen3\)"):
         build_config(dict(meta, **{"general.architecture": "gemma"}), tensors)
+    with pytest.raises(gg.GGUFError, match="metadata lacks llama.feed_forward_length; expected every one of"):
+        build_config({k: v for k, v in meta.items() if k != "llama.feed_forward_length"}, tensors)
     from mlx_speculative.hooks.gguf_tokenizer import build_tokenizer
 
     with pytest.raises(ValueError, match="GGUF tokenizer is 'llama'; only byte-level BPE"):
