@@ -54,6 +54,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, speculative_overrides(args))
 
 
+def add_convert(subparsers: Any) -> None:
+    p = subparsers.add_parser("convert", help="write a GGUF checkpoint as an mlx-lm folder (mlx_lm.load reads it)")
+    p.add_argument("gguf", help="a .gguf file, the first shard of a split one, or a folder holding one")
+    p.add_argument("out_dir", help="the folder to write (config.json, model.safetensors, tokenizer files)")
+    p.add_argument("--dtype", default="keep", help="keep (Q4_0/Q4_1/Q8_0 stay quantized, other blocks become "
+                   "float16), f32, bf16 or f16 (every weight dense in that dtype); default keep")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .gguf import DTYPES, is_gguf
+    from .gguf_convert import convert
+
+    source, out = Path(args.gguf).expanduser(), Path(args.out_dir).expanduser()
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r}: expected one of {', '.join(DTYPES)}")
+    if not source.exists() or not is_gguf(source):
+        raise ValueError(f"{args.gguf!r} is not a GGUF checkpoint: expected a .gguf file (magic bytes 'GGUF'), "
+                         "the first shard of a split one, or a folder holding one")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{args.out_dir!r} exists and is not empty: expected a new or empty folder")
+    config = convert(source, out, args.dtype)
+    quantized = config.get("quantization")
+    print(f"[mlx-spec] wrote {out}: {config['model_type']}, {config['num_hidden_layers']} layers, vocabulary "
+          f"{config['vocab_size']}, " + (f"quantized layers at {quantized['bits']} bits (group 32)" if quantized
+                                         else f"dense weights ({args.dtype})"))
+    return 0
+
+
 def version_line() -> str:
     """``mlx-spec <version>`` from the installed package's metadata, with mlx's and mlx-lm's."""
     from importlib.metadata import PackageNotFoundError, version
@@ -74,6 +105,7 @@ def build_parser(pm: Any) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
     add_serve(sub)
+    add_convert(sub)
     pm.hook.host_add_commands(subparsers=sub)
     return parser
 

