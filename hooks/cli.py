@@ -27,6 +27,8 @@ def add_serve(subparsers: Any) -> None:
     p.add_argument("--max-tokens", help="default max_tokens of a request (default 512)")
     p.add_argument("--context-length", help="prompt + completion limit (default: the model config's)")
     p.add_argument("--max-active", help="requests decoded together on the generation thread (default 8)")
+    p.add_argument("--warmup-rows", help="decode batches of 1..N rows before serving, so that no client waits on a "
+                   "shape compiling (default: --max-active on CUDA, 0 elsewhere)")
     p.add_argument("--max-queue", help="requests waiting beyond those; more get 503 (default 64)")
     p.add_argument("--prompt-cache-bytes", help="bytes of finished requests' caches kept for later requests "
                    "sharing a prefix, e.g. 8GB (0: off; default: (device memory - model weights) / 4)")

@@ -25,6 +25,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from . import openai_compat as oc
 from . import openai_output as reply
 from . import prompt_cache as pc
+from . import warmup
 from .host import GenerationParams, Host, HostEvent
 from .metrics import HostCounters, timings
 from .scheduler import Request, Scheduler
@@ -166,6 +167,11 @@ class Engine:
             self.prompt_cache = pc.PromptCache(limit, entries) if limit > 0 and entries != 0 else None
             self.scheduler = Scheduler(self.host, self.target, batching=self.settings.batching, raise_errors=False,
                                        prompt_cache=self.prompt_cache)
+            rows = self.settings.warmup_rows
+            rows = warmup.default_rows(self.settings.max_active) if rows is None else rows
+            if rows:
+                log.info("warming up: batches of 1..%d rows (server.warmup_rows)", rows)
+                warmup.warm_up(self.host, self.target, rows, self.settings.batching, prefill_step_size=self.settings.prefill_step_size)
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self.load_error = e
             self.ready.set()

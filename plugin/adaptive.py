@@ -33,6 +33,12 @@ bigger block returns more tokens per second (``pays_to_grow``); a size whose rou
 ``alpha`` is the per-position acceptance estimate (accepted drafts over drafts tried until the first
 rejection, exponentially averaged) that prices a block: 1 + alpha + ... + alpha**k tokens a round.
 
+On shape-stable targets (the CUDA policy: a verify costs about the same for 2 or 16 positions, and a shape met
+for the first time compiles for seconds) the acceptance-rate rules above hold only until both costs of the
+row's shape are measured; from then on the costs decide: a pause when the round loses against the plain
+steps it replaces, a smaller block only where its shape was measured and returns more tokens per second
+(``decide_by_costs``). A block of 16 accepting 3 drafts a round still triples a plain step's yield there.
+
 An explicit ``block_size`` pins the size (``adaptive=False``). ``history`` holds the size each
 round used; the stats report it (``SpecStats.block_sizes``).
 """
@@ -73,6 +79,9 @@ class BlockSizeController:
     plain_steps: int = 0  # plain steps taken while paused, for the stats
     probing: bool = False  # a pause is over: the next round is its probe
     pause_reason: str = ""  # why the latest pause began, for the stats
+    shape_stable: bool = False  # the target's cache policy keeps shapes (CUDA): measured costs decide (above)
+    window: List[int] = field(default_factory=list)  # drafts accepted by the latest rounds since the last pause
+    window_size: int = 8
     _good: int = 0
 
     def __post_init__(self) -> None:
@@ -142,16 +151,21 @@ class BlockSizeController:
         r, p = self.round_seconds, self.plain_seconds
         return r > 0 and p > 0 and (1 + self.recent_accepted) * p < r
 
-    def pays_to_grow(self, new: int) -> bool:
+    def pays_to_grow(self, new: int, untried: bool = True) -> bool:
         """Whether blocks of ``new`` positions return more tokens per second than blocks of ``size`` at this
-        alpha, at the measured costs of the row's shape (a size never measured is tried)."""
+        alpha, at the measured costs of the row's shape (a size never measured: ``untried``)."""
         rows = self.shape[0]
         old_cost = self.costs.get("round", rows, self.width_for(self.size))
         new_cost = self.costs.get("round", rows, self.width_for(new))
         if old_cost is None or new_cost is None:
-            return True
+            return untried
         a = self.alpha
         return expected_tokens(a, new - 1) / new_cost >= expected_tokens(a, self.size - 1) / old_cost
+
+    @property
+    def decide_by_costs(self) -> bool:
+        """Shape-stable target and both costs of the row's shape measured: the costs decide (module doc)."""
+        return self.shape_stable and self.round_seconds > 0 and self.plain_seconds > 0
 
     def pause_now(self) -> None:
         """Pause: the batch's round would lose against plain steps at the measured costs (plugin/round.py)."""
@@ -181,7 +195,9 @@ class BlockSizeController:
         self.recent_rate = self.decay * rate + (1 - self.decay) * self.recent_rate
         self.recent_accepted = self.decay * accepted + (1 - self.decay) * self.recent_accepted
         collapsed = self.recent_rate < self.collapse_rate
-        if collapsed and rate < self.collapse_rate and (self.size == self.floor or accepted == 0):
+        if self.decide_by_costs:
+            self._by_costs(collapsed, accepted, rate)
+        elif collapsed and rate < self.collapse_rate and (self.size == self.floor or accepted == 0):
             self._pause(f"acceptance below break-even: {self.recent_rate:.0%} of recent drafts accepted "
                         f"(< {self.collapse_rate:.0%}) at block {self.size}")
         elif collapsed:
@@ -192,6 +208,32 @@ class BlockSizeController:
         elif self.losing() and rate < self.good_rate:
             self._pause(f"acceptance below break-even: a round ({1000 * self.round_seconds:.1f} ms) costs more than "
                         f"the {1 + self.recent_accepted:.1f} plain steps it replaces ({1000 * self.plain_seconds:.1f} ms each)")
+        elif rate >= self.good_rate:
+            self.pause = 0
+            self._good += 1
+            if self._good >= self.grow_after and self.size < self.cap:
+                new = min(self.cap, self.size + max(1, self.size // 4))
+                if self.pays_to_grow(new):
+                    self.size = new
+                self._good = 0
+        else:
+            self._good = 0
+
+    def _by_costs(self, collapsed: bool, accepted: int, rate: float) -> None:
+        # The mean of the latest rounds, not the fast average the acceptance rules use: two rounds accepting
+        # nothing between good ones should not pause rounds that pay on average.
+        self.window = (self.window + [accepted])[-self.window_size:]
+        mean = sum(self.window) / len(self.window)
+        if len(self.window) >= 2 and (1 + mean) * self.plain_seconds < self.round_seconds:
+            self._pause(f"acceptance below break-even: a round ({1000 * self.round_seconds:.1f} ms) costs more than "
+                        f"the {1 + mean:.1f} plain steps it replaces ({1000 * self.plain_seconds:.1f} ms each)")
+            self.window = []
+            return
+        if collapsed:
+            fit = max(self.floor, 2 * math.ceil(min(self.recent_accepted, accepted)) + 2)
+            if fit < self.size and self.pays_to_grow(fit, untried=False):
+                self.size = fit
+            self._good = 0
         elif rate >= self.good_rate:
             self.pause = 0
             self._good += 1

@@ -141,11 +141,11 @@ def test_growth_past_the_drafters_block_while_it_pays() -> None:
     assert sizes[0] == 4 and max(sizes) == 16 and sizes == sorted(sizes)
     # Measured: a block of 5 costs 3x a block of 4; at full acceptance 5 tokens for 3x the cost of 4 do not pay.
     c = BlockSizeController(cap=16, start=4)
-    c.costs.fixed[("round", 1, 4)], c.costs.fixed[("round", 1, 5)] = 0.010, 0.030
+    c.costs.prices[("round", 1, 4)], c.costs.prices[("round", 1, 5)] = 0.010, 0.030
     assert max(run(c, 1.0, 30)) == 4
     # Where the policy pads blocks to powers of two, 5..8 positions cost what 8 do: priced as such.
     c = BlockSizeController(cap=16, start=4, width_for=lambda n: 1 << (n - 1).bit_length())
-    c.costs.fixed[("round", 1, 4)], c.costs.fixed[("round", 1, 8)] = 0.010, 0.011
+    c.costs.prices[("round", 1, 4)], c.costs.prices[("round", 1, 8)] = 0.010, 0.011
     assert max(run(c, 1.0, 30)) == 16  # 16 was never measured: tried
 
 
@@ -158,3 +158,48 @@ def test_alpha_is_the_per_position_acceptance() -> None:
     for _ in range(30):
         c.update(15, 15)
     assert c.alpha > 0.999
+
+
+def _priced(shape_stable: bool, round_s: float = 0.014, plain_s: float = 0.007) -> BlockSizeController:
+    c = BlockSizeController(cap=16, shape_stable=shape_stable, width_for=lambda n: 1 << (n - 1).bit_length())
+    c.shape = (1, 16)
+    for _ in range(2):  # the first observation of a shape pays for compiling it; the second prices it
+        c.record_round(round_s)
+        c.record_plain(1, plain_s)
+    return c
+
+
+def test_shape_stable_targets_decide_from_measured_costs() -> None:
+    # Block 16 accepting 0 or 5 drafts a round (recent rate below the collapse rate of 25 % after two zeros):
+    # on a CPU the acceptance rules shrink or pause; on a shape-stable target a 14 ms round yielding ~3 tokens
+    # beats 7 ms plain steps, and a smaller block is a shape never measured: the block stays, rounds go on.
+    accepted = [5, 0, 5, 0, 0, 5, 0, 5, 0, 0, 5, 0]
+    for shape_stable in (False, True):
+        c = _priced(shape_stable)
+        sizes, paused = [], 0
+        for a in accepted:
+            if c.paused_left:
+                paused += c.take_plain_steps()
+                continue
+            sizes.append(c.next())
+            c.update(min(a, c.size - 1), c.size - 1)
+        if shape_stable:
+            assert sizes == [16] * len(accepted) and paused == 0 and c.decide_by_costs
+        else:
+            assert min(sizes) < 16 or paused > 0
+    # Nothing accepted: the round loses against the plain step it replaces, whatever the shape.
+    c = _priced(True)
+    c.next()
+    c.update(0, 15)
+    c.next()
+    c.update(0, 15)
+    assert c.paused_left > 0 and "costs more than" in c.pause_reason
+    # A smaller block whose shape was measured and pays is taken.
+    c = _priced(True)
+    for width, cost in ((4, 0.004), (2, 0.0035)):
+        for _ in range(2):
+            c.costs.observe("round", 1, width, cost)
+    for _ in range(3):
+        c.next()
+        c.update(1, c.size - 1)
+    assert c.size < 16 and c.width_for(c.size) in (2, 4) and c.paused_left == 0

@@ -158,11 +158,11 @@ def test_a_round_priced_below_plain_steps_is_not_run(pair: Dict[str, Path]) -> N
     pay for it: the batch takes plain steps (every row paused) and still decodes exactly."""
     probe = make_host(None, plugins=False).load(str(pair["target"]))
     requests = [encode(probe, PROMPTS[i]) for i in range(4)]
-    costs = CostTable(samples=1)
+    costs = CostTable()
     for width in range(1, 17):
         for rows in range(1, 5):
-            costs.fixed[("round", rows, width)] = 0.010 * rows
-            costs.fixed[("plain", rows, 1)] = 0.001 * rows
+            costs.prices[("round", rows, width)] = 0.010 * rows
+            costs.prices[("plain", rows, 1)] = 0.001 * rows
     log: List[Any] = []
     host, target, refs = _forced_host(pair, requests, ["partial"] * 4, log, costs)
     tokens, reports = _decode(host, target, requests)
@@ -170,12 +170,12 @@ def test_a_round_priced_below_plain_steps_is_not_run(pair: Dict[str, Path]) -> N
     assert all(r.rounds == 0 and r.plain_steps == MAX_TOKENS - 1 for r in reports)
 
 
-def test_cost_table_fixes_each_shape_once() -> None:
-    t = CostTable(samples=3)
-    for s in (0.5, 0.010, 0.012, 0.011):  # the first pays for the shape's compile
+def test_cost_table_prices_each_shape_by_its_least_cost() -> None:
+    t = CostTable()
+    for s in (0.5, 0.012, 0.3, 0.011, 0.4):  # the first pays for the shape's compile; 0.3, 0.4: stalls
         t.observe("round", 2, 16, s)
-    assert t.get("round", 2, 16) == 0.011 and ("round", 2, 16) in t.fixed
-    t.observe("round", 2, 16, 5.0)  # fixed: later observations (a busy machine) change nothing
+    assert t.get("round", 2, 16) == 0.011 and t.seen[("round", 2, 16)] == 5
+    t.observe("round", 2, 16, 5.0)  # a busy machine raises no price
     assert t.get("round", 2, 16) == 0.011 and t.get("round", 2, 8) is None
     t.observe("plain", 2, 1, 0.030)
     assert t.get("plain", 2, 1) is None  # its first observation alone (compiling) prices nothing

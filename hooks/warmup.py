@@ -1,0 +1,70 @@
+"""The server's warm-up: batches of 1 .. N rows decoded once before the first client is served.
+
+Why: a backend that compiles per shape (MLX-CUDA: mx.compile traces, fused kernels, the plugin's kernel
+templates) pays seconds the first time a batch of a new row count decodes (measured on an H100 through
+bench/server_batching.py: 4 clients after 1 gave 97 tok/s plain and 29 tok/s speculative over 10 s, rounds
+of 366 ms while shapes compiled). vLLM captures its CUDA graphs for each batch size at start-up for the same
+reason. Each warm-up batch runs through the scheduler and every plugin like a served one (prefill, rows
+joining and leaving, rounds and plain steps), on a scheduler of its own with no prompt cache, and leaves
+nothing behind but compiled shapes and the plugins' measured costs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .host import GenerationParams, Host
+from .scheduler import Request, Scheduler
+from .state import LoadedTarget
+
+log = logging.getLogger("mlx_speculative.server")
+TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n"
+        "        a, b = b, a + b\n    return a\n\nThe quick brown fox jumps over the lazy dog. ")
+PROMPT_TOKENS = 48  # the first row's prompt; row i's is 5 * i longer (rows at their own lengths, as served)
+NEW_TOKENS = 64  # per row: a few rounds of a 16-position block, and plain steps where a pause begins
+
+
+def default_rows(max_active: int) -> int:
+    """``server.warmup_rows`` left out: every row count the server can form on a CUDA backend, else none
+    (CPUs and Metal compile little per shape)."""
+    cuda = getattr(mx, "cuda", None)
+    try:
+        on_cuda = bool(cuda is not None and cuda.is_available()) and mx.default_device() == mx.gpu
+    except Exception:  # noqa: BLE001 - an MLX without the query: no warm-up
+        on_cuda = False
+    return max_active if on_cuda else 0
+
+
+def prompt(target: LoadedTarget, length: int) -> List[int]:
+    """``length`` tokens of TEXT (ids spread over the vocabulary where the target has no tokenizer)."""
+    if target.tokenizer is not None:
+        ids = list(target.tokenizer.encode(TEXT))
+    else:
+        vocab = int(target.model_config.get("vocab_size", 256))
+        ids = [(3 + 7919 * i) % vocab for i in range(97)]
+    if not ids:
+        raise ValueError("the tokenizer encodes the warm-up text to no tokens")
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True,
+            new_tokens: int = NEW_TOKENS, prefill_step_size: Optional[int] = None) -> float:
+    """Decode batches of 1 .. ``rows`` rows (greedy, ``new_tokens`` each); returns the seconds it took."""
+    t0 = time.perf_counter()
+    scheduler = Scheduler(host, target, batching=batching, raise_errors=True, prompt_cache=None)
+    for n in range(1, rows + 1):
+        params = GenerationParams(max_tokens=new_tokens, stop_token_ids=[])
+        if prefill_step_size:
+            params.prefill_step_size = prefill_step_size
+        batch: List[Request] = [scheduler.submit(prompt(target, PROMPT_TOKENS + 5 * i), params) for i in range(n)]
+        while not all(r.done for r in batch):
+            scheduler.step()
+    mx.clear_cache()
+    seconds = time.perf_counter() - t0
+    if rows:
+        log.info("warmed up: batches of 1..%d rows in %.1f s", rows, seconds)
+    return seconds
