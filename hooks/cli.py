@@ -29,6 +29,8 @@ def add_serve(subparsers: Any) -> None:
     p.add_argument("--max-active", help="requests decoded together on the generation thread (default 8)")
     p.add_argument("--warmup-rows", help="decode batches of 1..N rows before serving, so that no client waits on a "
                    "shape compiling (default: --max-active on CUDA, 0 elsewhere)")
+    p.add_argument("--warmup-tokens", help="keys the warm-up reaches: one batch per cache bucket up to this many "
+                   "(default 2048), so that longer prompts meet no new shape")
     p.add_argument("--max-queue", help="requests waiting beyond those; more get 503 (default 64)")
     p.add_argument("--prompt-cache-bytes", help="bytes of finished requests' caches kept for later requests "
                    "sharing a prefix, e.g. 8GB (0: off; default: (device memory - model weights) / 4)")

@@ -171,7 +171,10 @@ class Engine:
             rows = warmup.default_rows(self.settings.max_active) if rows is None else rows
             if rows:
                 log.info("warming up: batches of 1..%d rows (server.warmup_rows)", rows)
-                warmup.warm_up(self.host, self.target, rows, self.settings.batching, prefill_step_size=self.settings.prefill_step_size)
+                tokens = self.settings.warmup_tokens
+                warmup.warm_up(self.host, self.target, rows, self.settings.batching,
+                               warmup.DEFAULT_TOKENS if tokens is None else tokens,
+                               prefill_step_size=self.settings.prefill_step_size)
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self.load_error = e
             self.ready.set()

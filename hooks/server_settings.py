@@ -20,12 +20,12 @@ from .validate import HostConfigError, SettingError
 
 SERVER_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue",
                "model_name", "chat_template", "chat_template_args", "prefill_step_size", "batching",
-               "prompt_cache_bytes", "prompt_cache_size", "allowed_origins", "log_level", "warmup_rows")
+               "prompt_cache_bytes", "prompt_cache_size", "allowed_origins", "log_level", "warmup_rows", "warmup_tokens")
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 # `serve`'s flags that set server: keys (argparse dest = key)
 FLAG_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_active", "max_queue", "model_name",
              "prompt_cache_bytes", "prompt_cache_size", "prefill_step_size", "chat_template", "chat_template_args",
-             "allowed_origins", "log_level", "warmup_rows")
+             "allowed_origins", "log_level", "warmup_rows", "warmup_tokens")
 # `serve`'s flags that set generation: keys, the defaults of requests (mlx-lm's server flags)
 GENERATION_FLAG_KEYS = ("temp", "top_p", "top_k", "min_p")
 CHAT_TEMPLATE_ARGS = 'a JSON object of apply_chat_template arguments, e.g. \'{"enable_thinking": false}\''
@@ -53,6 +53,8 @@ class ServerSettings:
     log_level: Optional[str] = None  # None: INFO (DEBUG with mlx-spec -v)
     # Batches of 1 .. N rows decoded before serving (hooks/warmup.py); None: max_active on CUDA, else 0.
     warmup_rows: Optional[int] = None
+    # Keys the warm-up's longest row reaches (one batch per cache bucket); None: 2048.
+    warmup_tokens: Optional[int] = None
     sources: Dict[str, str] = field(default_factory=dict)
 
 

@@ -84,6 +84,7 @@ RULES: Dict[str, Rule] = {
     "prefill_step_size": Rule("int", "an integer >= 1", lo=1),
     "prompt_cache_size": Rule("int", "an integer >= 0 (entries kept; 0: off)", lo=0),
     "warmup_rows": Rule("int", "an integer >= 0 (batches of 1..N rows decoded before serving; 0: off)", lo=0),
+    "warmup_tokens": Rule("int", "an integer >= 0 (keys the warm-up's longest row reaches; 0: short prompts only)", lo=0),
     # generate
     "max_kv_size": Rule("int", "an integer >= 1 (positions the cache keeps; older ones are dropped)", lo=1),
     # mlx-lm's count of draft tokens per round: the block size - 1 (0: speculative off, as in requests)

@@ -7,13 +7,19 @@ of 366 ms while shapes compiled). vLLM captures its CUDA graphs for each batch s
 reason. Each warm-up batch runs through the scheduler and every plugin like a served one (prefill, rows
 joining and leaving, rounds and plain steps), on a scheduler of its own with no prompt cache, and leaves
 nothing behind but compiled shapes and the plugins' measured costs.
+
+Shapes also change with the key length: a batch's cache spans a multiple of the policy's ``bucket`` past its
+longest row (plugin/ragged_cache.py), and each span is a new shape for every row count. So each row count is
+decoded once per bucket up to ``server.warmup_tokens`` keys, its first row's prompt ending just below the
+bucket's end (the others stay short: only the longest row sets the span), the decode crossing into the next.
+Without that the served 256-word bench met its 512..1280-key spans as stalls of seconds (every row count).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -26,6 +32,8 @@ TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n 
         "        a, b = b, a + b\n    return a\n\nThe quick brown fox jumps over the lazy dog. ")
 PROMPT_TOKENS = 48  # the first row's prompt; row i's is 5 * i longer (rows at their own lengths, as served)
 NEW_TOKENS = 64  # per row: a few rounds of a 16-position block, and plain steps where a pause begins
+SPAN_TOKENS = 32  # per row, at each longer span: a bucket's end crossed
+DEFAULT_TOKENS = 2048  # ``server.warmup_tokens`` left out: spans up to 2048 keys
 
 
 def default_rows(max_active: int) -> int:
@@ -51,20 +59,35 @@ def prompt(target: LoadedTarget, length: int) -> List[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True,
-            new_tokens: int = NEW_TOKENS, prefill_step_size: Optional[int] = None) -> float:
-    """Decode batches of 1 .. ``rows`` rows (greedy, ``new_tokens`` each); returns the seconds it took."""
+def first_rows(target: LoadedTarget, tokens: int) -> List[Tuple[int, int]]:
+    """(prompt length, new tokens) of a warm-up batch's first row: short, then just below each bucket's end up
+    to ``tokens`` keys (and the model's context); one short case where the cache policy has no buckets."""
+    bucket = getattr(target.cache_policy, "bucket", None)
+    context = int(target.model_config.get("max_position_embeddings") or 0) or tokens
+    cases = [(PROMPT_TOKENS, NEW_TOKENS)]
+    if isinstance(bucket, int) and bucket > SPAN_TOKENS:
+        end = min(tokens, context)
+        cases += [(b - SPAN_TOKENS // 2, SPAN_TOKENS) for b in range(bucket, end - SPAN_TOKENS // 2 + 1, bucket)]
+    return cases
+
+
+def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True, tokens: int = DEFAULT_TOKENS,
+            prefill_step_size: Optional[int] = None) -> float:
+    """Decode batches of 1 .. ``rows`` rows (greedy) at each of ``first_rows``; returns the seconds it took."""
     t0 = time.perf_counter()
     scheduler = Scheduler(host, target, batching=batching, raise_errors=True, prompt_cache=None)
+    cases = first_rows(target, tokens)
     for n in range(1, rows + 1):
-        params = GenerationParams(max_tokens=new_tokens, stop_token_ids=[])
-        if prefill_step_size:
-            params.prefill_step_size = prefill_step_size
-        batch: List[Request] = [scheduler.submit(prompt(target, PROMPT_TOKENS + 5 * i), params) for i in range(n)]
-        while not all(r.done for r in batch):
-            scheduler.step()
+        for first, new_tokens in cases:
+            params = GenerationParams(max_tokens=new_tokens, stop_token_ids=[])
+            if prefill_step_size:
+                params.prefill_step_size = prefill_step_size
+            lengths = [first] + [PROMPT_TOKENS + 5 * i for i in range(1, n)]
+            batch: List[Request] = [scheduler.submit(prompt(target, length), params) for length in lengths]
+            while not all(r.done for r in batch):
+                scheduler.step()
     mx.clear_cache()
     seconds = time.perf_counter() - t0
     if rows:
-        log.info("warmed up: batches of 1..%d rows in %.1f s", rows, seconds)
+        log.info("warmed up: batches of 1..%d rows, %d key spans, in %.1f s", rows, len(cases), seconds)
     return seconds

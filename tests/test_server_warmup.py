@@ -24,7 +24,7 @@ def test_warm_up_decodes_every_row_count_and_leaves_outputs_alone(llama_pair: Di
     target = host.load(str(llama_pair["target"]))
     costs = target.attachments["speculative"].costs
     before = METRICS.snapshot()
-    seconds = warmup.warm_up(host, target, 3, new_tokens=12)
+    seconds = warmup.warm_up(host, target, 3, tokens=0)
     after = METRICS.snapshot()
     assert seconds > 0
     assert after["mlx_spec_verify_forwards_total"] > before["mlx_spec_verify_forwards_total"]
@@ -58,8 +58,42 @@ def test_the_engine_warms_up_before_it_is_ready(llama_pair: Dict[str, Path]) -> 
         assert engine.stop()
 
 
+def test_warm_up_reaches_each_key_span_of_a_bucketed_policy(llama_pair: Dict[str, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padded caches (bucket 256): a batch's first row at 48 tokens, then just below 256 and 512 keys, so each
+    row count decodes across the 256-, 512- and 768-key spans; the engine's later output is unchanged."""
+    from mlx_speculative.plugin import cache_policy, compiled
+
+    for env in (cache_policy.ENV, compiled.ENV):
+        monkeypatch.setenv(env, "on")
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
+    host = make_host({"draft_model": str(llama_pair["drafter"])})
+    target = host.load(str(llama_pair["target"]))
+    assert target.cache_policy.bucket == 256
+    assert warmup.first_rows(target, 530) == [(48, 64), (240, 32), (496, 32)]
+    assert warmup.first_rows(target, 0) == [(48, 64)]
+    spans = []
+    for case in warmup.first_rows(target, 530):
+        assert case[0] + case[1] > -(-case[0] // 256) * 256 or case[0] == 48  # the decode crosses a bucket's end
+        spans.append(-(-(case[0] + case[1]) // 256))
+    assert spans == [1, 2, 3]
+    warmup.warm_up(host, target, 2, tokens=530)
+    costs = target.attachments["speculative"].costs
+    assert {1, 2} <= {rows for (_, rows, _) in costs.seen}, costs.report()
+    prompt = encode(target, PROMPTS[1])
+    scheduler = Scheduler(host, target)
+    scheduler.submit(prompt, GenerationParams(max_tokens=12, stop_token_ids=[]))
+    tokens = []
+    while scheduler.busy:
+        tokens += [e.token for _, e in scheduler.step()]
+    assert tokens == greedy_reference(target.model, prompt, 12)
+
+
 def test_default_rows_and_the_setting() -> None:
     assert warmup.default_rows(8) == 0  # a CPU compiles little per shape: no warm-up unless asked
     assert server_value("warmup_rows", 4, "server.warmup_rows") == 4
     with pytest.raises(SettingError, match="server.warmup_rows.*an integer >= 0"):
         server_value("warmup_rows", -1, "server.warmup_rows")
+    assert server_value("warmup_tokens", 4096, "server.warmup_tokens") == 4096
+    with pytest.raises(SettingError, match="server.warmup_tokens.*an integer >= 0"):
+        server_value("warmup_tokens", "many", "server.warmup_tokens")
