@@ -121,9 +121,11 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
                 stats["mismatches"] += int(got != refs[j])
                 rounds[0] += int(timing.get("draft_rounds") or 0)
                 paused["plain_steps"] += int(timing.get("draft_plain_steps") or 0)
-                why = (timing.get("draft_pause_reason") or "")[:48]
+                full = timing.get("draft_pause_reason") or ""
+                why = full.split(" (")[0][:90]  # the rule, without its numbers
                 if why:
                     paused["reasons"][why] = paused["reasons"].get(why, 0) + 1
+                    paused.setdefault("examples", {}).setdefault(why, full)  # the first one, numbers included
                 for name, ms in (timing.get("round_steps_ms") or {}).items():
                     steps[name] = steps.get(name, 0.0) + ms
 
@@ -144,7 +146,8 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
             "tau": round(1 + d.get("spec_decode_num_accepted_tokens_total", 0) / drafts, 3) if drafts else None,
             # a batched round's steps are recorded by each of its rows: per row-round
             "ms_per_row_round": {k: round(v / rounds[0], 3) for k, v in sorted(steps.items())} if rounds[0] else None,
-            "paused_plain_steps": paused["plain_steps"], "pause_reasons": paused["reasons"]}
+            "paused_plain_steps": paused["plain_steps"], "pause_reasons": paused["reasons"],
+            "pause_examples": paused.get("examples", {})}
 
 
 def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: Any, name: str, block: int, tau: float,
@@ -183,6 +186,9 @@ def plugin_counts(target: LoadedTarget) -> Dict[str, Any]:
         part = getattr(policy, name, None)
         if part is not None and hasattr(part, "report"):
             out[name] = part.report()
+    att = target.attachments.get("speculative")
+    if att is not None and hasattr(att, "costs"):
+        out["costs_ms"] = att.costs.report()  # the adaptive controllers' prices (plugin/costs.py)
     return out
 
 

@@ -143,16 +143,20 @@ def _grant(row: DecodeState, req: RowRounds, probes: bool) -> Optional[int]:
     return min(steps, PROBE_EVERY) if probes else steps
 
 
-def _batch_loses(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds], plans: Sequence[Optional[int]]) -> bool:
-    """Whether this round would yield fewer tokens per second than plain steps of the batch, at the costs measured
-    for its shape and each drafting row's acceptance (rows that draft nothing yield their one token either way)."""
+def _batch_loses(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds], plans: Sequence[Optional[int]]) -> str:
+    """Why this round would yield fewer tokens per second than plain steps of the batch, at the costs measured
+    for its shape and each drafting row's acceptance (rows that draft nothing yield their one token either way);
+    "" where it would not."""
     if not all(q.controller.adaptive for q, k in zip(reqs, plans) if k):
-        return False  # a pinned block is the user's choice
+        return ""  # a pinned block is the user's choice
     width_for = getattr(batch.target.cache_policy, "verify_width", None) or (lambda n: n)
     rows = len(batch.rows)
     width = width_for(1 + max(k or 0 for k in plans))
     expected = rows - sum(1 for k in plans if k) + sum(expected_tokens(q.controller.alpha, k) for q, k in zip(reqs, plans) if k)
-    return att.costs.round_loses(rows, width, expected)
+    if not att.costs.round_loses(rows, width, expected):
+        return ""
+    r, p = att.costs.get("round", rows, width), att.costs.get("plain", rows, 1)
+    return f"{rows}x{width} round {1e3 * r:.1f} ms for {expected:.1f} tokens, plain step {1e3 * p:.1f} ms"
 
 
 def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
@@ -178,10 +182,11 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     for req in on_reqs:
         req.synced = True
     plans = [_plan(r, q, br.draft) for r, q in zip(on_rows, on_reqs)]
-    if any(plans) and _batch_loses(batch, att, on_reqs, plans):
+    loses = _batch_loses(batch, att, on_reqs, plans) if any(plans) else ""
+    if loses:
         for req, k in zip(on_reqs, plans):
             if k:
-                req.controller.pause_now()
+                req.controller.pause_now(loses)
         plans = [None] * len(plans)
     if not any(plans):
         outs = [StepOutput([], None) for _ in rows]
