@@ -113,8 +113,7 @@ def test_architecture_names_files_that_exist() -> None:
     assert not absent, f"docs/architecture.md does not name these files of a round: {', '.join(absent)}"
 
 
-@pytest.mark.parametrize("path", [p for p in doc_files() if p.name != "README.md" or p.parent == ROOT],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_paths_named_in_docs_exist(path: Path) -> None:
     """Backquoted repository paths (`plugin/round.py`, `bench/results/...json`) in every page exist."""
     text = path.read_text()
