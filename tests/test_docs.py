@@ -61,10 +61,26 @@ def test_docs_exist() -> None:
 def test_relative_links_resolve(path: Path) -> None:
     broken = []
     for n, target in links(path):
-        file = target.split("#", 1)[0]
-        if file and not (path.parent / file).exists():
+        file, _, anchor = target.partition("#")
+        linked = path.parent / file if file else path
+        if not linked.exists():
             broken.append(f"{path.relative_to(ROOT)}:{n}: {target}")
-    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(f"{path.relative_to(ROOT)}:{n}: {target} (no such heading)")
+    assert not broken, "links to files or headings that do not exist:\n" + "\n".join(broken)
+
+
+def anchors(path: Path) -> Set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    out: Set[str] = set()
+    fence = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
 
 
 def library_environment() -> Set[str]:
