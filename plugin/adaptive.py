@@ -1,7 +1,7 @@
 """Adaptive block size: shrink quickly when recent acceptance collapses, grow back slowly to the cap.
 
 Why: a round verifies B positions whatever the drafter gets right, so a block much longer than
-what is accepted wastes verify work (on GPUs the waste is small up to ~16 positions, DESIGN.md;
+what is accepted wastes verify work (on GPUs the waste is small up to ~16 positions, docs/architecture.md;
 on a CPU it is linear in B). The controller watches the recent acceptance rate (an exponential
 average over rounds, so that one bad round after good ones does not shrink the block):
 

@@ -18,7 +18,7 @@ arguments. ``Dispatcher`` sends a call to its kernel (plugin/cuda_attention.py o
 Everything else calls ``mlx_lm.models.base.scaled_dot_product_attention`` unchanged. ``counts`` tallies
 which path each call took ("kernel", or "mlx: <reason>"); ``mlx-spec bench`` records them.
 
-Thresholds (bench/README.md, H200, 16 queries, 32/8 heads, head dim 128): the kernel ties SDPA "causal"
+Thresholds (docs/benchmarks.md, H200, 16 queries, 32/8 heads, head dim 128): the kernel ties SDPA "causal"
 at 4096 keys and wins above; against SDPA with a boolean mask (what padded and batched caches pass) it
 ties at 512 keys and wins 1.9x at 4096. Hence ``min_keys`` 4096 for None / "causal", 1024 for described
 arrays behind the padded caches, whose shapes MLX has compiled once. With mlx-lm's caches (exact key

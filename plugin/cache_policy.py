@@ -1,7 +1,7 @@
 """The cache policy per backend: plain mlx-lm caches, or shape-stable ones where attention compiles per shape.
 
 Why: MLX's CUDA backend compiles attention per (query length, key length) pair on first use
-(40-70 ms each, DESIGN.md). A plain ``KVCache`` returns exactly ``offset`` keys, so every decode
+(40-70 ms each, docs/gpu.md). A plain ``KVCache`` returns exactly ``offset`` keys, so every decode
 step and every round meets a new key length on a fresh prompt. ``PaddedKVCache`` returns keys and
 values padded up to a multiple of ``bucket`` and a boolean mask ``[N, padded]`` that hides the
 padding (and the stale tail left by ``trim``), so a whole bucket of positions shares one shape;
@@ -24,7 +24,7 @@ reading them; the kernel reads only the real keys of the padded buffer. The poli
 dispatcher (``attention``) where ``MLX_SPEC_ATTENTION_KERNEL`` resolves on; ``RoutedPolicy`` is
 mlx-lm's caches with it (``MLX_SPEC_PADDED_CACHE=off`` on CUDA), the kernel then taking every 2..32-query
 call it can at any key length. Measured on the H200 (Llama-3-8B shape, DFlash at oracle tau 6.5, prompts
-near 512-8192; bench/README.md): that matches the padded caches within the machine's noise (one pair of
+near 512-8192; docs/benchmarks.md): that matches the padded caches within the machine's noise (one pair of
 runs: 2.22 / 2.09 / 2.40x over mlx-lm fresh / warm / paired against 2.49 / 2.14 / 2.19x), where with the
 kernel's own thresholds it fell to 0.37x fresh. The padded caches stay the default on CUDA all the same:
 batches served through the routed policy, exact, ran at a third of the padded caches' rate (97.8 against

@@ -13,7 +13,7 @@ block loads 64-key K/V tiles (32 at head dim 256) through shared memory with cp.
 its 4 warps (16 query rows each: all query heads of one KV head times the L queries) multiply them on the
 tensor cores (mma.sync m16n8k16, f32 accumulation, online softmax in f32). A second small kernel
 merges the partial softmaxes (a warp per row); with one split the first kernel writes the output itself.
-Measured on the H200 (bench/README.md, bench/results/kernels/): faster than SDPA "causal" from ~4k keys
+Measured on the H200 (docs/benchmarks.md, bench/results/kernels/): faster than SDPA "causal" from ~4k keys
 (2.3x in chained calls at 16k), slower at 512 keys, where launch costs dominate.
 
 Compiled once per (head dim, dtype, variant) by NVRTC (MLX caches the module; the three are constants

@@ -272,7 +272,7 @@ def test_parameters_match_the_real_muse_assistant_header() -> None:
                                          ("z-lab__Qwen3.6-35B-A3B-DFlash", None)])
 def test_real_sizes_build(name: str, count: Any) -> None:
     shapes = _param_shapes(real(name))
-    if count is not None:  # tensor counts pinned for the published checkpoints (formats README)
+    if count is not None:  # tensor counts pinned for the published checkpoints (docs/drafters.md)
         assert len(shapes) == count
     args = ModelArgs.from_dict(real(name))
     assert shapes["fc.weight"] == [args.hidden_size, len(args.target_layer_ids) * args.hidden_size]

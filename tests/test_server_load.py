@@ -1,5 +1,5 @@
 """A bounded run of bench/server_load.py: concurrent streaming clients, zero errors, outputs equal
-to the sequential greedy ones, memory stable. The full run (16 clients, 60 s) is in the README."""
+to the sequential greedy ones, memory stable. The full run (16 clients, 60 s) is in docs/server.md."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ captures, batches, the optimiser and schedule, evaluation, checkpoints and resum
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -73,10 +73,6 @@ FAMILY_OPTIONS = ("hidden_size", "target_layers", "mask_token_id", "anchors", "l
 
 def option_name(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def option_names() -> List[str]:
-    return [f.name for f in fields(TrainOptions)]
 
 
 @dataclass
