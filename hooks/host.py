@@ -72,9 +72,11 @@ class GenerationResult:
 class Host:
     """An mlx-lm host that honours the contract of ``hooks.specs``."""
 
-    def __init__(self, config: Optional[HostConfig] = None, pm: Optional[pluggy.PluginManager] = None):
+    def __init__(self, config: Optional[HostConfig] = None, pm: Optional[pluggy.PluginManager] = None,
+                 cluster: Optional[Any] = None):
         self.config = config or HostConfig()
         self.pm = pm if pm is not None else make_plugin_manager()
+        self.cluster = cluster  # hooks.distributed.Cluster: targets load sharded over its ranks
 
     # model-load -----------------------------------------------------------------------------
     def load(self, spec: str) -> LoadedTarget:
@@ -83,9 +85,14 @@ class Host:
         loading.check_safetensors(path, "model")
         # mlx_lm.load; a checkpoint's extra prediction layers (DeepSeek nextn) are left out.
         model, tokenizer = loading.load_target(path, config)
+        if self.cluster is not None:  # this rank's share (mlx-lm's own shard()), before any plugin sees the model
+            from .distributed import shard
+
+            shard(model, config, self.cluster)
         # Recurrent layers of this model can then keep part of a forward (hooks/recurrent.py).
         recurrent.scope_model(model)
-        target = LoadedTarget(model=model, tokenizer=tokenizer, path=path, model_config=config, name=spec)
+        target = LoadedTarget(model=model, tokenizer=tokenizer, path=path, model_config=config, name=spec,
+                              cluster=self.cluster)
         self.pm.hook.host_model_loaded(target=target, config=self.config)
         self.apply_policy(target, self.pm.hook.host_cache_policy(target=target))
         return target

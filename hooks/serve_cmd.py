@@ -18,10 +18,19 @@ from .server import INTERRUPTED, SHUTDOWN_SECONDS, Server, build_server, log
 from .server_settings import check_port, request_defaults, serve_overrides, server_settings
 
 
+def oc_error_distributed(config: Any) -> Exception:
+    from .validate import HostConfigError
+
+    return HostConfigError(f"{config.where('distributed')}distributed: mlx-spec serve does not run over sharded ranks "
+                           "yet; allowed: mlx-spec generate under mlx.launch (docs/distributed.md)", "distributed")
+
+
 def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -> int:
     warning = oc.check_mlx_lm_version()
     overrides = {"speculative": speculative_overrides, **serve_overrides(args)}
     config = load_host_config(args.config, overrides, strict=False)
+    if "distributed" in config.sections:
+        raise oc_error_distributed(config)
     settings = server_settings(config)
     request_defaults(config, settings)  # the generation flags checked before the model loads
     level = settings.log_level or ("DEBUG" if args.verbose else "INFO")
