@@ -163,6 +163,8 @@ def failed(cluster: Cluster, error: BaseException) -> "NoReturn":  # type: ignor
     failure ends it, and its closed connections end the others'. ``os._exit``: no teardown that could wait on a
     peer."""
     text = str(error).strip() or type(error).__name__
+    if isinstance(error, KeyboardInterrupt):
+        text = "interrupted (Ctrl-C); the other ranks stop at their next exchange"
     if "[ring]" in text or "peer" in text or "connection" in text.lower():
         text = f"another rank failed or left ({text}); every rank stops"
     print(f"mlx-spec: error: rank {cluster.rank} of {cluster.size}: {text}", file=sys.stderr, flush=True)

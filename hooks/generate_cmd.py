@@ -10,6 +10,7 @@ how many tokens came from rounds and how many from plain one-token steps, and wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -196,7 +197,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate(args, None)
     try:
         return generate(args, cluster)
-    except Exception as e:  # noqa: BLE001 - every failure ends this rank at once (distributed.failed says why)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure ends this rank at once (failed says why)
         distributed.failed(cluster, e)
 
 
@@ -248,14 +249,14 @@ def generate(args: argparse.Namespace, cluster: Any) -> int:
     )
     mx.reset_peak_memory()
     run = Run(len(prompt))
-    with Interrupt() as interrupt:
-        # Sharded, Ctrl-C ends the rank (a step left out on one rank only would set the ranks apart).
-        stop = (lambda: interrupt.hit) if cluster is None else (lambda: False)
+    # Sharded, Ctrl-C ends the rank at once (a step left out on one rank only would set the ranks apart).
+    with (Interrupt() if cluster is None else contextlib.nullcontext()) as interrupt:
+        stop = (lambda: interrupt.hit) if interrupt is not None else (lambda: False)
         for event in host.stream(target, prompt, params, state_out=run.states, stop=stop):
             run.event(event)
             if not args.json and show:
                 print(event.text, end="", flush=True)
-        if interrupt.hit:
+        if interrupt is not None and interrupt.hit:
             run.finish_reason = INTERRUPTED
     run.end(mx.get_peak_memory())
     if cluster is not None:

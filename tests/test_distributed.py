@@ -194,7 +194,9 @@ def test_a_killed_rank_ends_the_others(tmp_path: Path, llama_pair: Dict[str, Pat
     procs[1].kill()
     killed = time.monotonic()
     ended = finish(procs, timeout=20)
-    assert time.monotonic() - killed < 10
+    took = time.monotonic() - killed
+    print(f"rank 0 ended {took:.2f} s after rank 1 was killed")
+    assert took < 10
     assert ended[0]["rc"] != 0
     assert "mlx-spec: error: rank 0 of 2: another rank failed or left" in ended[0]["stderr"], ended[0]["stderr"][-1000:]
 
