@@ -221,19 +221,20 @@ class Host:
 
 # Start-up of a long-running host (mlx-spec serve) ---------------------------------------------------
 
-def load_with_plugins(config: HostConfig, model: str, pm: Optional[Any] = None) -> Tuple[Host, LoadedTarget, Optional[str]]:
+def load_with_plugins(config: HostConfig, model: str, pm: Optional[Any] = None,
+                      cluster: Optional[Any] = None) -> Tuple[Host, LoadedTarget, Optional[str]]:
     """Load the target with the plugins (``pm``: default, the entry points); if a plugin cannot
     even start, serve plain decoding.
 
     The config is non-strict, so a drafter that fails to load or is incompatible already gives
     a warning and plain decoding; this also covers settings the plugin refuses.
     """
-    host = Host(config, pm=pm)
+    host = Host(config, pm=pm, cluster=cluster)
     try:
         return host, host.load(model), None
     except Exception as e:  # noqa: BLE001
         reason = f"{type(e).__name__}: {e}"
-    plain = Host(config, pm=make_plugin_manager(load_entry_points=False))
+    plain = Host(config, pm=make_plugin_manager(load_entry_points=False), cluster=cluster)
     target = plain.load(model)  # a problem with the model itself raises again here: fatal
     _log.warning("the plugins could not start (%s); serving %s with plain decoding", reason, model)
     return plain, target, reason

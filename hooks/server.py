@@ -351,23 +351,36 @@ def _text_parts(parts: Tuple[str, str, list], finish: Optional[str] = None) -> T
 
 # Start-up -----------------------------------------------------------------------------------------
 
-def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
-                 target: Optional[LoadedTarget] = None) -> Server:
-    """Load the target on the engine's thread and bind the HTTP server (``pm``: the plugins; default:
-    the entry points). ``target``: one already loaded (benchmarks build synthetic ones in memory)."""
+def make_engine(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
+                target: Optional[LoadedTarget] = None, relay: Optional[Any] = None) -> Tuple[Engine, Dict[str, Any]]:
+    """The engine, not started, and a box that holds the plugins' start-up error once it loaded. ``relay``
+    (hooks/distributed_serve.py): the target is sharded over the ranks of ``relay.cluster``."""
     counters = HostCounters()
     box: Dict[str, Any] = {}
+    cluster = relay.cluster if relay is not None else None
 
     def load() -> Tuple[Host, LoadedTarget]:
         if target is not None:
             host = Host(config, pm=pm)
             host.apply_policy(target, host.pm.hook.host_cache_policy(target=target))
             return host, target
-        host, loaded, error = load_with_plugins(config, model, pm)
+        host, loaded, error = load_with_plugins(config, model, pm, cluster=cluster)
         box["error"] = error
+        if cluster is not None:  # a drafter that loaded on some ranks only would set them apart
+            cluster.check_same([int(error is None)], "whether the plugins started (speculative decoding on or off)")
         return host, loaded
 
     engine = Engine(load, settings, counters)
+    engine.relay = relay
+    return engine, box
+
+
+def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
+                 target: Optional[LoadedTarget] = None, relay: Optional[Any] = None) -> Server:
+    """Load the target on the engine's thread and bind the HTTP server (``pm``: the plugins; default:
+    the entry points). ``target``: one already loaded (benchmarks build synthetic ones in memory)."""
+    engine, box = make_engine(config, model, settings, pm, target, relay)
+    counters = engine.counters
     engine.start()
     assert engine.host is not None and engine.target is not None
     target = engine.target
