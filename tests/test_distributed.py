@@ -4,7 +4,8 @@ by the test itself (as mlx.launch starts them: MLX_RANK, MLX_HOSTFILE), on tiny 
 One launch runs every case (tests/distributed_worker.py): draft_model, ngram and dflash drafters, replicated and
 on rank 0 alone, zero / partial / full acceptance (forced for DFlash), greedy output equal to the whole target's
 token for token on every rank, seeded sampling equal across ranks, the sharded hidden-state taps equal to the whole
-target's. Then `mlx-spec generate` under mlx.launch itself, and a killed rank: the other ends within seconds.
+target's. Then `mlx-spec generate` under mlx.launch itself, a killed rank (the other ends within seconds), and
+`mlx-spec serve` over 2 ranks (HTTP on rank 0, the same completions, a clean shutdown, a killed rank while idle).
 """
 
 from __future__ import annotations
@@ -201,6 +202,67 @@ def test_a_killed_rank_ends_the_others(tmp_path: Path, llama_pair: Dict[str, Pat
     assert "mlx-spec: error: rank 0 of 2: another rank failed or left" in ended[0]["stderr"], ended[0]["stderr"][-1000:]
 
 
+def _post(port: int, body: Dict[str, Any]) -> Dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _listening(procs: List[subprocess.Popen], deadline: float = 60) -> None:
+    """Wait for rank 0's "listening" line (its stderr), failing if a rank ends first."""
+    end, seen = time.monotonic() + deadline, ""
+    while time.monotonic() < end:
+        line = procs[0].stderr.readline()
+        seen += line
+        if "listening on" in line:
+            return
+        if any(p.poll() is not None for p in procs):
+            break
+    raise AssertionError(f"the server did not start: {seen[-2000:]}")
+
+
+def test_serve_over_two_ranks(tmp_path: Path, llama_pair: Dict[str, Path]) -> None:
+    """Rank 0 serves HTTP, rank 1 follows: greedy completions are the whole target's; a seeded sampled one repeats;
+    SIGTERM to rank 0 ends both cleanly. Then, idle, a killed rank 1 ends rank 0 within seconds (the heartbeat)."""
+    from conftest import encode, greedy_reference, make_host, no_stop
+
+    plain = make_host(None, plugins=False)
+    whole = plain.load(str(llama_pair["target"]))
+    cli = Path(sys.executable).with_name("mlx-spec")
+    for attempt in ("shutdown", "killed"):
+        port = free_ports(1)[0]
+        procs = launch(tmp_path, [str(cli), "serve", "--distributed", "ring", "--model", str(llama_pair["target"]),
+                                  "--draft-model", str(llama_pair["drafter"]), "--port", str(port)]
+                       + (["--distributed-drafter", "rank0"] if attempt == "killed" else []))
+        try:
+            _listening(procs)
+            for text in PROMPTS[:2]:
+                got = _post(port, {"prompt": text, "max_tokens": 24, "temperature": 0})
+                ref = plain.generate(whole, encode(whole, text), no_stop(24))  # the whole target, one process
+                assert ref.tokens == greedy_reference(whole.model, encode(whole, text), 24)
+                assert got["usage"]["completion_tokens"] == 24 and got["choices"][0]["text"] == ref.text, text
+            sampled = [_post(port, {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.9, "seed": 3})
+                       for _ in range(2)]
+            assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]
+            if attempt == "shutdown":
+                procs[0].terminate()
+                ended = finish(procs, timeout=30)
+                assert [e["rc"] for e in ended] == [0, 0], [e["stderr"][-1000:] for e in ended]
+            else:
+                procs[1].kill()
+                killed = time.monotonic()
+                ended = finish(procs, timeout=20)
+                assert time.monotonic() - killed < 8
+                assert ended[0]["rc"] != 0 and "another rank failed or left" in ended[0]["stderr"]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+
 def test_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert distributed.settings(None) is None
     assert distributed.settings({"backend": "ring", "drafter": "rank0"}) == distributed.DistributedSettings("ring", "rank0")
@@ -215,9 +277,9 @@ def test_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert main(["generate", "--config", str(yaml)]) == 2
     assert "host.yaml:4: distributed.drafter" in capsys.readouterr().err
     yaml.write_text("model: demo\ndistributed:\n  backend: ring\n")
-    assert main(["serve", "--config", str(yaml)]) == 2
-    assert "mlx-spec serve does not run over sharded ranks yet" in capsys.readouterr().err
     # outside a launcher: what to do
     assert main(["generate", "--config", str(yaml)]) == 2
     err = capsys.readouterr().err
     assert "could not start" in err and "MLX_RANK" in err and "mlx.launch --backend ring --hostfile" in err
+    assert main(["serve", "--config", str(yaml), "--distributed-drafter", "rank0"]) == 2
+    assert "could not start" in capsys.readouterr().err
