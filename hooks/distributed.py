@@ -24,7 +24,7 @@ import os
 import secrets
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence
 
 import mlx.core as mx
 
@@ -158,7 +158,7 @@ def shard(model: Any, config: Dict[str, Any], cluster: Cluster) -> None:
     mx.eval(model.parameters())
 
 
-def failed(cluster: Cluster, error: BaseException) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+def failed(cluster: Cluster, error: BaseException) -> NoReturn:
     """End this rank at once with one clear line: a peer that died makes the collectives fail; this rank's own
     failure ends it, and its closed connections end the others'. ``os._exit``: no teardown that could wait on a
     peer."""

@@ -26,11 +26,11 @@ from . import openai_compat as oc
 from . import openai_output as reply
 from . import prompt_cache as pc
 from . import warmup
-from .host import GenerationParams, Host, HostEvent
+from .host import GenerationParams, Host, HostEvent, load_with_plugins
 from .metrics import HostCounters, timings
 from .scheduler import Request, Scheduler
 from .server_settings import ServerSettings
-from .state import LoadedTarget
+from .state import HostConfig, LoadedTarget
 
 log = logging.getLogger("mlx_speculative.server")
 SPECULATIVE = "speculative"  # the plugin report the server summarises (llama.cpp timings, logs)
@@ -324,3 +324,27 @@ class Engine:
         log.info("request %s %s %s: prompt %d tokens (%d cached), completion %d tokens, %.3f s, %.1f tok/s, %s%s",
                  job.id, job.endpoint, outcome, prompt_n, cached, job.completion_tokens, now - (job.t_start or now),
                  t["predicted_per_second"], how, f", error: {error}" if error else "")
+
+
+def make_engine(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
+                target: Optional[LoadedTarget] = None, relay: Optional[Any] = None) -> Tuple[Engine, Dict[str, Any]]:
+    """The engine, not started, and a box that holds the plugins' start-up error once it loaded. ``relay``
+    (hooks/distributed_serve.py): the target is sharded over the ranks of ``relay.cluster``."""
+    counters = HostCounters()
+    box: Dict[str, Any] = {}
+    cluster = relay.cluster if relay is not None else None
+
+    def load() -> Tuple[Host, LoadedTarget]:
+        if target is not None:
+            host = Host(config, pm=pm)
+            host.apply_policy(target, host.pm.hook.host_cache_policy(target=target))
+            return host, target
+        host, loaded, error = load_with_plugins(config, model, pm, cluster=cluster)
+        box["error"] = error
+        if cluster is not None:  # a drafter that loaded on some ranks only would set them apart
+            cluster.check_same([int(error is None)], "whether the plugins started (speculative decoding on or off)")
+        return host, loaded
+
+    engine = Engine(load, settings, counters)
+    engine.relay = relay
+    return engine, box

@@ -12,11 +12,12 @@ import sys
 import threading
 from typing import Any, Dict
 
+from . import distributed
 from . import openai_compat as oc
 from .config import load_host_config, model_or_demo
-from . import distributed
 from .distributed_serve import Relay, follow
-from .server import INTERRUPTED, SHUTDOWN_SECONDS, Server, build_server, log, make_engine
+from .engine import make_engine
+from .server import INTERRUPTED, SHUTDOWN_SECONDS, Server, build_server, log
 from .server_settings import check_port, request_defaults, serve_overrides, server_settings
 
 

@@ -26,8 +26,8 @@ from . import openai_compat as oc
 from . import validate
 from . import openai_output as reply
 from . import prompt_cache as pc
-from .engine import Engine, Finished, Job
-from .host import Host, describe, load_with_plugins
+from .engine import Engine, Finished, Job, make_engine
+from .host import describe
 from .metrics import HostCounters, render
 from .server_settings import ServerSettings, request_defaults
 from .state import HostConfig, LoadedTarget
@@ -350,30 +350,6 @@ def _text_parts(parts: Tuple[str, str, list], finish: Optional[str] = None) -> T
 
 
 # Start-up -----------------------------------------------------------------------------------------
-
-def make_engine(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
-                target: Optional[LoadedTarget] = None, relay: Optional[Any] = None) -> Tuple[Engine, Dict[str, Any]]:
-    """The engine, not started, and a box that holds the plugins' start-up error once it loaded. ``relay``
-    (hooks/distributed_serve.py): the target is sharded over the ranks of ``relay.cluster``."""
-    counters = HostCounters()
-    box: Dict[str, Any] = {}
-    cluster = relay.cluster if relay is not None else None
-
-    def load() -> Tuple[Host, LoadedTarget]:
-        if target is not None:
-            host = Host(config, pm=pm)
-            host.apply_policy(target, host.pm.hook.host_cache_policy(target=target))
-            return host, target
-        host, loaded, error = load_with_plugins(config, model, pm, cluster=cluster)
-        box["error"] = error
-        if cluster is not None:  # a drafter that loaded on some ranks only would set them apart
-            cluster.check_same([int(error is None)], "whether the plugins started (speculative decoding on or off)")
-        return host, loaded
-
-    engine = Engine(load, settings, counters)
-    engine.relay = relay
-    return engine, box
-
 
 def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
                  target: Optional[LoadedTarget] = None, relay: Optional[Any] = None) -> Server:
