@@ -178,6 +178,8 @@ def start(args: Any, config_path: Optional[str]) -> Optional[Cluster]:
 
     config = load_host_config(config_path) if config_path else None
     section = config.sections.get("distributed") if config is not None else None
+    if config is not None and "distributed" in config.sections and section is None:
+        section = {}  # "distributed:" alone: on, with the defaults (as an empty speculative: section)
     cli = {"backend": getattr(args, "distributed", None), "drafter": getattr(args, "distributed_drafter", None)}
     chosen = settings(section, cli, where=config.where if config is not None else (lambda key: ""))
     return init(chosen) if chosen is not None else None

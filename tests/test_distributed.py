@@ -276,7 +276,7 @@ def test_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     yaml.write_text("model: demo\ndistributed:\n  backend: ring\n  drafter: all\n")
     assert main(["generate", "--config", str(yaml)]) == 2
     assert "host.yaml:4: distributed.drafter" in capsys.readouterr().err
-    yaml.write_text("model: demo\ndistributed:\n  backend: ring\n")
+    yaml.write_text("model: demo\ndistributed:\n")  # alone: on, with the defaults
     # outside a launcher: what to do
     assert main(["generate", "--config", str(yaml)]) == 2
     err = capsys.readouterr().err
