@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, List, Optional
 
-from .generate_cmd import DEFAULT_PROMPT, MODEL_HELP, add_generate, add_speculative_flags, encode_prompt
+from .generate_cmd import DEFAULT_PROMPT, MODEL_HELP, add_distributed_flags, add_generate, add_speculative_flags, encode_prompt
 from .generate_cmd import speculative_overrides
 
 __all__ = ["DEFAULT_PROMPT", "build_parser", "encode_prompt", "main"]
@@ -49,6 +49,7 @@ def add_serve(subparsers: Any) -> None:
     p.add_argument("--allowed-origins", help="CORS: '*' (default) or comma-separated origins")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR or CRITICAL")
     add_speculative_flags(p)
+    add_distributed_flags(p)
     p.set_defaults(func=cmd_serve)
 
 

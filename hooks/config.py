@@ -13,7 +13,7 @@ from .loading import DEMO_DRAFTER, DEMO_TARGET, resolve_relative
 from .state import HostConfig
 from .validate import HostConfigError, SettingError
 
-SECTIONS = ("model", "server", "generation", "speculative")
+SECTIONS = ("model", "server", "generation", "speculative", "distributed")
 # Values that name a checkpoint: relative paths are read from the YAML file's folder.
 PATH_KEYS = (("model",), ("speculative", "draft_model"))
 
@@ -46,6 +46,10 @@ def _check_sections(sections: Dict[str, Any]) -> None:
         validate.generation_section(sections["generation"])
     for key, value in sections.get("server", {}).items():
         server_value(key, value, f"server.{key}")
+    if "distributed" in sections:
+        from .distributed import settings
+
+        settings(sections["distributed"])
     spec = sections.get("speculative")
     if isinstance(spec, dict):
         if "block_size" in spec:

@@ -26,11 +26,11 @@ from . import openai_compat as oc
 from . import openai_output as reply
 from . import prompt_cache as pc
 from . import warmup
-from .host import GenerationParams, Host, HostEvent
+from .host import GenerationParams, Host, HostEvent, load_with_plugins
 from .metrics import HostCounters, timings
 from .scheduler import Request, Scheduler
 from .server_settings import ServerSettings
-from .state import LoadedTarget
+from .state import HostConfig, LoadedTarget
 
 log = logging.getLogger("mlx_speculative.server")
 SPECULATIVE = "speculative"  # the plugin report the server summarises (llama.cpp timings, logs)
@@ -90,6 +90,9 @@ class Engine:
         self.ready = threading.Event()
         self.load_error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run, name="mlx-spec-generation", daemon=True)
+        # A target sharded over ranks: sends each step's admitted requests and cancellations to the other ranks
+        # (hooks/distributed_serve.py). None: one process.
+        self.relay: Any = None
 
     def start(self) -> None:
         self.thread.start()
@@ -158,23 +161,30 @@ class Engine:
             # would abort the process (see ``stop``).
             mx.clear_streams()
 
+    def setup(self) -> None:
+        """Load the target, make the prompt cache and the scheduler, warm up (on a rank that follows rank 0's engine
+        too: hooks/distributed_serve.py)."""
+        self.host, self.target = self._load()
+        limit = self.settings.prompt_cache_bytes
+        limit = pc.default_bytes(self.target.model) if limit is None else limit
+        if self.relay is not None:  # every rank keeps what rank 0 keeps (the default depends on the machine's memory)
+            limit = self.relay.agree_bytes(limit)
+        entries = self.settings.prompt_cache_size
+        self.prompt_cache = pc.PromptCache(limit, entries) if limit > 0 and entries != 0 else None
+        self.scheduler = Scheduler(self.host, self.target, batching=self.settings.batching, raise_errors=False,
+                                   prompt_cache=self.prompt_cache)
+        rows = self.settings.warmup_rows
+        rows = warmup.default_rows(self.settings.max_active) if rows is None else rows
+        if rows:
+            log.info("warming up: batches of 1..%d rows (server.warmup_rows)", rows)
+            tokens = self.settings.warmup_tokens
+            warmup.warm_up(self.host, self.target, rows, self.settings.batching,
+                           warmup.DEFAULT_TOKENS if tokens is None else tokens,
+                           prefill_step_size=self.settings.prefill_step_size)
+
     def _serve(self) -> None:
         try:
-            self.host, self.target = self._load()
-            limit = self.settings.prompt_cache_bytes
-            limit = pc.default_bytes(self.target.model) if limit is None else limit
-            entries = self.settings.prompt_cache_size
-            self.prompt_cache = pc.PromptCache(limit, entries) if limit > 0 and entries != 0 else None
-            self.scheduler = Scheduler(self.host, self.target, batching=self.settings.batching, raise_errors=False,
-                                       prompt_cache=self.prompt_cache)
-            rows = self.settings.warmup_rows
-            rows = warmup.default_rows(self.settings.max_active) if rows is None else rows
-            if rows:
-                log.info("warming up: batches of 1..%d rows (server.warmup_rows)", rows)
-                tokens = self.settings.warmup_tokens
-                warmup.warm_up(self.host, self.target, rows, self.settings.batching,
-                               warmup.DEFAULT_TOKENS if tokens is None else tokens,
-                               prefill_step_size=self.settings.prefill_step_size)
+            self.setup()
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self.load_error = e
             self.ready.set()
@@ -187,16 +197,22 @@ class Engine:
             with self.cond:
                 while not self.stopping and not self.jobs and not self.waiting:
                     mx.clear_cache()
-                    self.cond.wait()
+                    heartbeat = self.relay.heartbeat_s if self.relay is not None else None
+                    if not self.cond.wait(heartbeat) and heartbeat is not None:
+                        break  # an empty step for the other ranks: one that died is noticed now, not at the next request
                 if self.stopping:
+                    if self.relay is not None:
+                        self.relay.send([], [], stop=True)
                     self._interrupt_all()
                     return
                 admitted = self._admit()
+            cancels = [job for job in list(self.jobs.values()) if job.cancelled.is_set() and job.scheduled is not None]
+            if self.relay is not None:  # the other ranks take the same requests, cancel the same, step alike
+                self.relay.send([job.request for job in admitted], [job.scheduled.id for job in cancels])
             for job in admitted:
                 self._start(job)
-            for job in list(self.jobs.values()):
-                if job.cancelled.is_set() and job.scheduled is not None:
-                    self.scheduler.cancel(job.scheduled)
+            for job in cancels:
+                self.scheduler.cancel(job.scheduled)
             for request, event in self.scheduler.step():
                 job = self.jobs.get(request.id)
                 if job is not None and not job.cancelled.is_set():
@@ -236,15 +252,9 @@ class Engine:
     def _start(self, job: Job) -> None:
         assert self.scheduler is not None and self.target is not None
         req = job.request
-        stops, _ = reply.stop_machinery(self.target.tokenizer, req.stop_words)
         job.t_start = time.perf_counter()
-        params = GenerationParams(
-            max_tokens=req.max_tokens, sampling=req.sampling, logits_processors=oc.logits_processors(req),
-            prefill_step_size=self.settings.prefill_step_size, stop_sequences=stops,
-            options={SPECULATIVE: False} if req.speculative is False else {},
-        )
         try:
-            job.scheduled = self.scheduler.submit(req.prompt, params)
+            job.scheduled = self.scheduler.submit(req.prompt, self.params(req))
         except Exception as e:  # noqa: BLE001 - one request fails, the server keeps serving
             log.exception("request %s failed", job.id)
             self._finished(job, "error", f"{type(e).__name__}: {e}")
@@ -253,6 +263,16 @@ class Engine:
         self.counters.running = len(self.jobs)
         if job.scheduled.done:
             self._done(job)
+
+    def params(self, req: oc.ParsedRequest) -> GenerationParams:
+        """A parsed request's generation parameters (on the generation thread: the processors hold mx arrays)."""
+        assert self.target is not None
+        stops, _ = reply.stop_machinery(self.target.tokenizer, req.stop_words)
+        return GenerationParams(
+            max_tokens=req.max_tokens, sampling=req.sampling, logits_processors=oc.logits_processors(req),
+            prefill_step_size=self.settings.prefill_step_size, stop_sequences=stops,
+            options={SPECULATIVE: False} if req.speculative is False else {},
+        )
 
     def _emit(self, job: Job, event: HostEvent) -> None:
         """Send one token to the client."""
@@ -307,3 +327,27 @@ class Engine:
         log.info("request %s %s %s: prompt %d tokens (%d cached), completion %d tokens, %.3f s, %.1f tok/s, %s%s",
                  job.id, job.endpoint, outcome, prompt_n, cached, job.completion_tokens, now - (job.t_start or now),
                  t["predicted_per_second"], how, f", error: {error}" if error else "")
+
+
+def make_engine(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
+                target: Optional[LoadedTarget] = None, relay: Optional[Any] = None) -> Tuple[Engine, Dict[str, Any]]:
+    """The engine, not started, and a box that holds the plugins' start-up error once it loaded. ``relay``
+    (hooks/distributed_serve.py): the target is sharded over the ranks of ``relay.cluster``."""
+    counters = HostCounters()
+    box: Dict[str, Any] = {}
+    cluster = relay.cluster if relay is not None else None
+
+    def load() -> Tuple[Host, LoadedTarget]:
+        if target is not None:
+            host = Host(config, pm=pm)
+            host.apply_policy(target, host.pm.hook.host_cache_policy(target=target))
+            return host, target
+        host, loaded, error = load_with_plugins(config, model, pm, cluster=cluster)
+        box["error"] = error
+        if cluster is not None:  # a drafter that loaded on some ranks only would set them apart
+            cluster.check_same([int(error is None)], "whether the plugins started (speculative decoding on or off)")
+        return host, loaded
+
+    engine = Engine(load, settings, counters)
+    engine.relay = relay
+    return engine, box

@@ -10,6 +10,7 @@ how many tokens came from rounds and how many from plain one-token steps, and wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -68,7 +69,15 @@ def add_generate(subparsers: Any) -> None:
     p.add_argument("--verbose", dest="verbose_output", nargs="?", const="true", default="true",
                    help="mlx-lm's: true (default) streams the text and the stats line, false the text alone")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_distributed_flags(p)
     p.set_defaults(func=cmd_generate)
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", metavar="BACKEND", help="shard the target over the ranks mlx.launch started: "
+                   "ring (CPU/Mac), mpi, nccl, jaccl or any (distributed.backend)")
+    p.add_argument("--distributed-drafter", metavar="WHERE", help="replicated (every rank drafts; default) or rank0 "
+                   "(rank 0 drafts and broadcasts the proposals) (distributed.drafter)")
 
 
 def speculative_overrides(args: argparse.Namespace) -> Dict[str, Any]:
@@ -181,6 +190,19 @@ class Interrupt:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from . import distributed
+
+    cluster = distributed.start(args, args.config)
+    if cluster is None:
+        return generate(args, None)
+    try:
+        return generate(args, cluster)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure ends this rank at once (failed says why)
+        distributed.failed(cluster, e)
+
+
+def generate(args: argparse.Namespace, cluster: Any) -> int:
+    """One request; on a target sharded over ranks (``cluster``) every rank runs it, rank 0 reads and prints."""
     import mlx.core as mx
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -200,7 +222,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                     "turn); --ignore-chat-template uses the raw prompt")
     prompt_text = read_prompt(args)
     model = model_or_demo(args.model, config, overrides["speculative"])
-    host = Host(config, pm=getattr(args, "pm", None))
+    host = Host(config, pm=getattr(args, "pm", None), cluster=cluster)
     target = host.load(model)
     cfg = target.model_config
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
@@ -211,6 +233,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             validate.logit_bias(config.section("generation").get("logit_bias"), "generation.logit_bias", vocab)
     stops = stop_tokens(target.tokenizer, list(args.extra_eos_token), vocab)
     prompt = encode_prompt(target.tokenizer, prompt_text, chat=not args.ignore_chat_template, system=system)
+    if cluster is not None:  # rank 0's request on every rank: its prompt, and a seed (the ranks sample alike)
+        prompt, gen["seed"] = cluster.broadcast_tokens(prompt), cluster.seed(gen["seed"])
+    show = cluster is None or cluster.primary
     max_tokens = fit_context(prompt, gen["max_tokens"], validate.context_length(cfg),
                              "--max-tokens" if args.max_tokens is not None else "max_tokens")
     params = GenerationParams(
@@ -224,14 +249,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     mx.reset_peak_memory()
     run = Run(len(prompt))
-    with Interrupt() as interrupt:
-        for event in host.stream(target, prompt, params, state_out=run.states, stop=lambda: interrupt.hit):
+    # Sharded, Ctrl-C ends the rank at once (a step left out on one rank only would set the ranks apart).
+    with (Interrupt() if cluster is None else contextlib.nullcontext()) as interrupt:
+        stop = (lambda: interrupt.hit) if interrupt is not None else (lambda: False)
+        for event in host.stream(target, prompt, params, state_out=run.states, stop=stop):
             run.event(event)
-            if not args.json:
+            if not args.json and show:
                 print(event.text, end="", flush=True)
-        if interrupt.hit:
+        if interrupt is not None and interrupt.hit:
             run.finish_reason = INTERRUPTED
     run.end(mx.get_peak_memory())
+    if cluster is not None:
+        cluster.check_same(run.tokens)
+        run.distributed = {"ranks": cluster.size, "rank": cluster.rank, "backend": cluster.config.backend,
+                           "drafter": cluster.config.drafter}
+        if not show:
+            return 0
     if args.json:
         print(json.dumps(run.to_dict()), flush=True)
     else:
@@ -254,6 +287,7 @@ class Run:
         self.first: Optional[float] = None
         self.stop = self.start
         self.peak_memory = 0.0
+        self.distributed: Optional[Dict[str, Any]] = None  # ranks, backend, drafter: a target sharded over ranks
 
     def event(self, event: Any) -> None:
         if self.first is None:
@@ -286,12 +320,15 @@ class Run:
         return {"text": "".join(self.text), "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
                 "prompt_tps": round(prompt_tps, 3), "generation_tokens": len(self.tokens),
                 "generation_tps": round(generation_tps, 3), "peak_memory": round(self.peak_memory, 3),
-                "finish_reason": self.finish_reason, "speculative": spec.to_dict() if spec is not None else None}
+                "finish_reason": self.finish_reason, "speculative": spec.to_dict() if spec is not None else None,
+                **({"distributed": self.distributed} if self.distributed else {})}
 
     def stats_line(self) -> str:
         prompt_tps, generation_tps = self.speeds()
         line = (f"[mlx-spec] prompt {self.prompt_tokens} tokens, {prompt_tps:.1f} tok/s; generation "
                 f"{len(self.tokens)} tokens, {generation_tps:.1f} tok/s; peak memory {self.peak_memory:.3f} GB")
+        if self.distributed:
+            line += f"; sharded over {self.distributed['ranks']} ranks ({self.distributed['backend']})"
         if self.finish_reason == INTERRUPTED:
             line += "; interrupted"
         spec = self.speculative

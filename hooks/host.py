@@ -72,9 +72,11 @@ class GenerationResult:
 class Host:
     """An mlx-lm host that honours the contract of ``hooks.specs``."""
 
-    def __init__(self, config: Optional[HostConfig] = None, pm: Optional[pluggy.PluginManager] = None):
+    def __init__(self, config: Optional[HostConfig] = None, pm: Optional[pluggy.PluginManager] = None,
+                 cluster: Optional[Any] = None):
         self.config = config or HostConfig()
         self.pm = pm if pm is not None else make_plugin_manager()
+        self.cluster = cluster  # hooks.distributed.Cluster: targets load sharded over its ranks
 
     # model-load -----------------------------------------------------------------------------
     def load(self, spec: str) -> LoadedTarget:
@@ -83,9 +85,14 @@ class Host:
         loading.check_safetensors(path, "model")
         # mlx_lm.load; a checkpoint's extra prediction layers (DeepSeek nextn) are left out.
         model, tokenizer = loading.load_target(path, config)
+        if self.cluster is not None:  # this rank's share (mlx-lm's own shard()), before any plugin sees the model
+            from .distributed import shard
+
+            shard(model, config, self.cluster)
         # Recurrent layers of this model can then keep part of a forward (hooks/recurrent.py).
         recurrent.scope_model(model)
-        target = LoadedTarget(model=model, tokenizer=tokenizer, path=path, model_config=config, name=spec)
+        target = LoadedTarget(model=model, tokenizer=tokenizer, path=path, model_config=config, name=spec,
+                              cluster=self.cluster)
         self.pm.hook.host_model_loaded(target=target, config=self.config)
         self.apply_policy(target, self.pm.hook.host_cache_policy(target=target))
         return target
@@ -214,19 +221,20 @@ class Host:
 
 # Start-up of a long-running host (mlx-spec serve) ---------------------------------------------------
 
-def load_with_plugins(config: HostConfig, model: str, pm: Optional[Any] = None) -> Tuple[Host, LoadedTarget, Optional[str]]:
+def load_with_plugins(config: HostConfig, model: str, pm: Optional[Any] = None,
+                      cluster: Optional[Any] = None) -> Tuple[Host, LoadedTarget, Optional[str]]:
     """Load the target with the plugins (``pm``: default, the entry points); if a plugin cannot
     even start, serve plain decoding.
 
     The config is non-strict, so a drafter that fails to load or is incompatible already gives
     a warning and plain decoding; this also covers settings the plugin refuses.
     """
-    host = Host(config, pm=pm)
+    host = Host(config, pm=pm, cluster=cluster)
     try:
         return host, host.load(model), None
     except Exception as e:  # noqa: BLE001
         reason = f"{type(e).__name__}: {e}"
-    plain = Host(config, pm=make_plugin_manager(load_entry_points=False))
+    plain = Host(config, pm=make_plugin_manager(load_entry_points=False), cluster=cluster)
     target = plain.load(model)  # a problem with the model itself raises again here: fatal
     _log.warning("the plugins could not start (%s); serving %s with plain decoding", reason, model)
     return plain, target, reason

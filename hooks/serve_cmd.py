@@ -12,8 +12,11 @@ import sys
 import threading
 from typing import Any, Dict
 
+from . import distributed
 from . import openai_compat as oc
 from .config import load_host_config, model_or_demo
+from .distributed_serve import Relay, follow
+from .engine import make_engine
 from .server import INTERRUPTED, SHUTDOWN_SECONDS, Server, build_server, log
 from .server_settings import check_port, request_defaults, serve_overrides, server_settings
 
@@ -22,18 +25,22 @@ def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -
     warning = oc.check_mlx_lm_version()
     overrides = {"speculative": speculative_overrides, **serve_overrides(args)}
     config = load_host_config(args.config, overrides, strict=False)
+    cluster = distributed.start(args, args.config)
+    relay = Relay(cluster) if cluster is not None else None
     settings = server_settings(config)
     request_defaults(config, settings)  # the generation flags checked before the model loads
     level = settings.log_level or ("DEBUG" if args.verbose else "INFO")
     logging.getLogger("mlx_speculative").setLevel(level)
     if warning:
         log.warning("%s", warning)
-    check_port(settings.host, settings.port)  # before the model loads
     model = model_or_demo(args.model, config, speculative_overrides)
+    if relay is not None and not relay.cluster.primary:  # no HTTP here: repeat rank 0's engine steps
+        return follow(make_engine(config, model, settings, relay=relay)[0], relay)
+    check_port(settings.host, settings.port)  # before the model loads
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable from other machines%s", settings.host,
                     "" if settings.api_key else " and no API key is set")
-    server = build_server(config, model, settings)
+    server = build_server(config, model, settings, relay=relay)
     host, port = server.server_address[:2]
     stopping = threading.Event()
 

@@ -26,8 +26,8 @@ from . import openai_compat as oc
 from . import validate
 from . import openai_output as reply
 from . import prompt_cache as pc
-from .engine import Engine, Finished, Job
-from .host import Host, describe, load_with_plugins
+from .engine import Engine, Finished, Job, make_engine
+from .host import describe
 from .metrics import HostCounters, render
 from .server_settings import ServerSettings, request_defaults
 from .state import HostConfig, LoadedTarget
@@ -352,22 +352,11 @@ def _text_parts(parts: Tuple[str, str, list], finish: Optional[str] = None) -> T
 # Start-up -----------------------------------------------------------------------------------------
 
 def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: Optional[Any] = None,
-                 target: Optional[LoadedTarget] = None) -> Server:
+                 target: Optional[LoadedTarget] = None, relay: Optional[Any] = None) -> Server:
     """Load the target on the engine's thread and bind the HTTP server (``pm``: the plugins; default:
     the entry points). ``target``: one already loaded (benchmarks build synthetic ones in memory)."""
-    counters = HostCounters()
-    box: Dict[str, Any] = {}
-
-    def load() -> Tuple[Host, LoadedTarget]:
-        if target is not None:
-            host = Host(config, pm=pm)
-            host.apply_policy(target, host.pm.hook.host_cache_policy(target=target))
-            return host, target
-        host, loaded, error = load_with_plugins(config, model, pm)
-        box["error"] = error
-        return host, loaded
-
-    engine = Engine(load, settings, counters)
+    engine, box = make_engine(config, model, settings, pm, target, relay)
+    counters = engine.counters
     engine.start()
     assert engine.host is not None and engine.target is not None
     target = engine.target

@@ -96,6 +96,7 @@ class LoadedTarget:
     name: str
     attachments: Dict[str, Any] = field(default_factory=dict)
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
+    cluster: Any = None  # hooks.distributed.Cluster: the model is this rank's shard of a target over several ranks
 
     @property
     def num_layers(self) -> int:

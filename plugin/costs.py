@@ -17,7 +17,7 @@ their rounds, so the table belongs to the loaded target (``Attachment.costs``), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 Key = Tuple[str, int, int]  # ("round" | "plain", rows, width)
 
@@ -26,8 +26,13 @@ Key = Tuple[str, int, int]  # ("round" | "plain", rows, width)
 class CostTable:
     seen: Dict[Key, int] = field(default_factory=dict)  # observations by shape
     prices: Dict[Key, float] = field(default_factory=dict)  # the least observation after the first
+    # A target sharded over ranks (hooks/distributed.py): every rank takes rank 0's measurement, so that all decide
+    # the same block sizes and pauses. Called at the same observations on every rank.
+    agree: Optional[Callable[[float], float]] = None
 
     def observe(self, kind: str, rows: int, width: int, seconds: float) -> None:
+        if self.agree is not None:
+            seconds = self.agree(seconds)
         key = (kind, rows, width)
         if seconds <= 0:
             return

@@ -61,13 +61,20 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     check_supported((policy or target.cache_policy).make_cache(target.model))
     options: Dict[str, Any] = {"ngram_n": settings.ngram_n, "block_size": settings.block_size}
     drafter = registry.load(resolution, draft_target(target, policy), options)
+    costs = CostTable()
+    if target.cluster is not None:  # a sharded target: the ranks decide from rank 0's costs, draft where configured
+        costs.agree = target.cluster.agree
+        if target.cluster.config.drafter == "rank0":
+            from .rank0_drafts import Rank0Drafter
+
+            drafter = Rank0Drafter(drafter, target.cluster)
     block = settings.block_size or drafter.default_block_size
     most = block if settings.block_size or not settings.adaptive else max(block, drafter.max_block_size or block)
     if policy is not None:
         policy.block_size = most  # the host warms the policy's shapes after routing attention (prepare)
         policy.capture_layers = tuple(drafter.capture_layers())  # tapped by the host before prepare
     return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy, ahead_mode=mode,
-                      max_block=most)
+                      max_block=most, costs=costs)
 
 
 @hookimpl
