@@ -203,6 +203,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tau", type=float, default=6.0, help="oracle mean acceptance length for dflash")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--modes", default="plain,dflash,dflash-tau1", help=f"any of {', '.join(MODES)}")
+    ap.add_argument("--warmup-tokens", type=int, default=None,
+                    help="the server's warmup_tokens (keys its warm-up reaches; default: the server's, 2048)")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -227,7 +229,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         target, plugins = target_for(mode, model, config, tokenizer, args.synthetic_target, args.block, args.tau, reqs,
                                      args.max_tokens)
         t0 = time.perf_counter()
-        server = serve(target, plugins, {"max_active": max(clients), "max_queue": 4 * max(clients)})
+        over: Dict[str, Any] = {"max_active": max(clients), "max_queue": 4 * max(clients)}
+        if args.warmup_tokens is not None:
+            over["warmup_tokens"] = args.warmup_tokens
+        server = serve(target, plugins, over)
         try:
             url = f"http://127.0.0.1:{server.server_address[1]}/v1"
             refs = [one(url, p, args.max_tokens)[0] for p in reqs]  # each request alone
