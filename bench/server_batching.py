@@ -192,6 +192,28 @@ def plugin_counts(target: LoadedTarget) -> Dict[str, Any]:
     return out
 
 
+def write_report(args: argparse.Namespace, argv: Optional[List[str]], results: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
+    """The ratios over plain of the modes so far; the JSON (``--json``) with them."""
+    ratios: Dict[str, Dict[str, float]] = {}
+    if "plain" in results:
+        base = results["plain"]["by_clients"]
+        for mode in results:
+            ratios[mode] = {n: round(r["tokens_per_s"] / base[n]["tokens_per_s"], 3)
+                            for n, r in results[mode]["by_clients"].items() if base[n]["tokens_per_s"]}
+        one_client = base.get("1", {}).get("tokens_per_s")
+        if one_client:
+            ratios["plain_over_plain_x1"] = {n: round(r["tokens_per_s"] / one_client, 3) for n, r in base.items()}
+    report = {"command": "python bench/server_batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "target": args.synthetic_target, "quantized_bits": args.quantize_target, "max_tokens": args.max_tokens,
+              "prompt_words": args.prompt_words, "tau": args.tau, "block": args.block,
+              "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
+              "results": results, "tokens_per_s_over_plain": ratios}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return ratios
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--synthetic-target", default="tiny", choices=list(synthetic.SPECS))
@@ -242,29 +264,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 results[mode]["by_clients"][str(n)] = row
                 print(f"{mode} x{n}: {json.dumps(row)}", file=sys.stderr, flush=True)
             results[mode]["plugin"] = plugin_counts(server.engine.target or target)
+            write_report(args, argv, results)  # after each mode: a run cut short keeps the modes it finished
         finally:
             server.shutdown()
             server.engine.stop()
             server.engine.thread.join(timeout=120)  # no MLX work left in flight when the process exits
             server.server_close()
-    ratios: Dict[str, Dict[str, float]] = {}
-    if "plain" in results:
-        base = results["plain"]["by_clients"]
-        for mode in results:
-            ratios[mode] = {n: round(r["tokens_per_s"] / base[n]["tokens_per_s"], 3)
-                            for n, r in results[mode]["by_clients"].items() if base[n]["tokens_per_s"]}
-        one_client = base.get("1", {}).get("tokens_per_s")
-        if one_client:
-            ratios["plain_over_plain_x1"] = {n: round(r["tokens_per_s"] / one_client, 3) for n, r in base.items()}
-    report = {"command": "python bench/server_batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "target": args.synthetic_target, "quantized_bits": args.quantize_target, "max_tokens": args.max_tokens,
-              "prompt_words": args.prompt_words, "tau": args.tau, "block": args.block,
-              "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
-              "results": results, "tokens_per_s_over_plain": ratios}
+    ratios = write_report(args, argv, results)
     print(json.dumps(ratios, indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
     ok = all(r["errors"] == 0 and r["requests"] > 0 for m in results.values() for r in m["by_clients"].values())
     return 0 if ok else 1
 
