@@ -31,7 +31,7 @@ Growth may pass the drafter's own block size up to ``cap`` (a drafter's ``max_bl
 accepting everything at its default 4 does better at 8 and more), but only while the costs measured say the
 bigger block returns more tokens per second (``pays_to_grow``); a size whose round was never measured is tried.
 ``alpha`` is the per-position acceptance estimate (accepted drafts over drafts tried until the first
-rejection, over the latest ``window_size`` rounds since a pause) that prices a block: 1 + alpha + ... + alpha**k tokens a round.
+rejection, over the latest ``window_size`` rounds, or the request's before there are as many) that prices a block: 1 + alpha + ... + alpha**k tokens a round.
 
 On shape-stable targets (the CUDA policy: a verify costs about the same for 2 or 16 positions, and a shape met
 for the first time compiles for seconds) the acceptance-rate rules above hold only until both costs of the
@@ -72,15 +72,16 @@ class BlockSizeController:
     costs: CostTable = field(default_factory=CostTable)  # the target's, shared by its requests (round.py)
     shape: Tuple[int, int] = (1, 0)  # (rows, verify width) of the latest round (width 0: its block size)
     width_for: Callable[[int], int] = lambda n: n  # the verify width a block of n positions takes (the cache policy's)
-    accepted_trials: float = 0.0  # exponentially averaged drafts accepted ...
-    trials: float = 0.0  # ... and drafts tried up to the first rejection: alpha
+    accepted_total: int = 0  # drafts accepted over the request's rounds ...
+    tried_total: int = 0  # ... and drafts tried up to each round's first rejection
+    prior: float = 4.0  # pseudo-rounds' worth of drafts tried at ``good_rate`` in the request-long estimate
     pause: int = 0  # length of the next pause, in plain steps (0: not pausing)
     paused_left: int = 0  # plain steps still to take before the next probe round
     plain_steps: int = 0  # plain steps taken while paused, for the stats
     probing: bool = False  # a pause is over: the next round is its probe
     pause_reason: str = ""  # why the latest pause began, for the stats
     shape_stable: bool = False  # the target's cache policy keeps shapes (CUDA): measured costs decide (above)
-    window: List[Tuple[int, int]] = field(default_factory=list)  # (accepted, tried) of the latest rounds since a pause
+    window: List[Tuple[int, int]] = field(default_factory=list)  # (accepted, tried) of the latest rounds
     window_size: int = 8
     _good: int = 0
 
@@ -122,14 +123,15 @@ class BlockSizeController:
 
     @property
     def alpha(self) -> float:
-        """Per-position acceptance estimate: over the latest rounds since a pause, else the fast average (the good
-        rate until a round was seen). The window, not the fast average, prices a round: with a weight of 1/2 on
-        the newest round, two rejected rounds between good ones halve it (measured on an H100: one served row at
-        tau 5.9 paused 12 times in 30 s on such dips)."""
-        tried = sum(t for _, t in self.window)
-        if tried > 0:
-            return sum(a for a, _ in self.window) / tried
-        return self.accepted_trials / self.trials if self.trials > 0 else self.good_rate
+        """Per-position acceptance estimate: over the latest ``window_size`` rounds once there are as many, else
+        over the request's rounds with ``prior`` drafts tried at ``good_rate`` added. Not a fast average: with a
+        weight of 1/2 on the newest round, two rejected rounds between good ones halved it, and a round priced with
+        it lost (one served row at tau 5.9 paused 12 times in 30 s on such dips, H100). Over 8 rounds at tau 6 a
+        dip that low comes about once in 700 rounds."""
+        if len(self.window) >= self.window_size:
+            tried = sum(t for _, t in self.window)
+            return sum(a for a, _ in self.window) / tried if tried else self.good_rate
+        return (self.accepted_total + self.good_rate * self.prior) / (self.tried_total + self.prior)
 
     @property
     def round_seconds(self) -> float:
@@ -190,16 +192,18 @@ class BlockSizeController:
         self.pause = max(backoff, probe_paid)
         self.paused_left = self.pause
         self._good = 0
-        self.window = []
 
     def update(self, accepted: int, draft_tokens: int) -> None:
-        self.probing = False
+        probe, self.probing = self.probing, False
         if not self.adaptive or draft_tokens == 0:
             return
         rate = accepted / draft_tokens
-        self.window = (self.window + [(accepted, accepted + (accepted < draft_tokens))])[-self.window_size:]
-        self.accepted_trials = self.decay * accepted + (1 - self.decay) * self.accepted_trials
-        self.trials = self.decay * (accepted + (accepted < draft_tokens)) + (1 - self.decay) * self.trials
+        tried = accepted + (accepted < draft_tokens)
+        # A probe that accepts most of its drafts starts the window afresh: the rounds that paused are history.
+        start = [] if probe and rate >= self.good_rate else self.window
+        self.window = (start + [(accepted, tried)])[-self.window_size:]
+        self.accepted_total += accepted
+        self.tried_total += tried
         self.recent_rate = self.decay * rate + (1 - self.decay) * self.recent_rate
         self.recent_accepted = self.decay * accepted + (1 - self.decay) * self.recent_accepted
         collapsed = self.recent_rate < self.collapse_rate
@@ -228,12 +232,12 @@ class BlockSizeController:
             self._good = 0
 
     def _by_costs(self, collapsed: bool, accepted: int, rate: float) -> None:
-        # The mean of the latest rounds, not the fast average the acceptance rules use: two rounds accepting
-        # nothing between good ones should not pause rounds that pay on average.
-        mean = sum(a for a, _ in self.window) / len(self.window)
-        if len(self.window) >= 2 and (1 + mean) * self.plain_seconds < self.round_seconds:
+        # ``alpha`` (the latest rounds, or the request's), not the fast average the acceptance rules use: two rounds
+        # accepting nothing between good ones should not pause rounds that pay on average.
+        expected = expected_tokens(self.alpha, self.size - 1)
+        if expected * self.plain_seconds < self.round_seconds:
             self._pause(f"acceptance below break-even: a round ({1000 * self.round_seconds:.1f} ms) costs more than "
-                        f"the {1 + mean:.1f} plain steps it replaces ({1000 * self.plain_seconds:.1f} ms each)")
+                        f"the {expected:.1f} plain steps it replaces ({1000 * self.plain_seconds:.1f} ms each)")
             return
         if collapsed:
             fit = max(self.floor, 2 * math.ceil(min(self.recent_accepted, accepted)) + 2)

@@ -5,7 +5,8 @@ load (the same tokens gave tau 3.47 and 4.45 on a busy and an idle CPU), and one
 compiling, a garbage collection) shifts every later decision. Here each shape has its own entry: a round
 of ``rows`` x ``width`` (the verify width; the drafter's work for the same rows included) and a plain step of
 ``rows``; an entry's price is the least of its observations after the first (which pays for compiling the
-shape). A price only falls: a stall (a key length's first compile on MLX-CUDA, a busy machine) never raises
+shape), once ``trust`` of them were seen: a shape priced by one stalled round (4.4 s for 2 rows x 16 on an H200)
+lost to plain steps and so never ran again to correct it. A price only falls: a stall (a key length's first compile on MLX-CUDA, a busy machine) never raises
 it, and it settles at what the shape costs on an idle machine (a median of the first few observations was
 fixed too early on the GPU, where a server's warm-up sees a compile in most of them). Rows of a batch share
 their rounds, so the table belongs to the loaded target (``Attachment.costs``), not to a request.
@@ -25,7 +26,9 @@ Key = Tuple[str, int, int]  # ("round" | "plain", rows, width)
 @dataclass
 class CostTable:
     seen: Dict[Key, int] = field(default_factory=dict)  # observations by shape
-    prices: Dict[Key, float] = field(default_factory=dict)  # the least observation after the first
+    least: Dict[Key, float] = field(default_factory=dict)  # the least observation after the first
+    prices: Dict[Key, float] = field(default_factory=dict)  # ``least`` once ``trust`` observations follow the first
+    trust: int = 2
     # A target sharded over ranks (hooks/distributed.py): every rank takes rank 0's measurement, so that all decide
     # the same block sizes and pauses. Called at the same observations on every rank.
     agree: Optional[Callable[[float], float]] = None
@@ -37,11 +40,13 @@ class CostTable:
         if seconds <= 0:
             return
         self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] > 1 and seconds < self.prices.get(key, float("inf")):  # the first paid for the compile
-            self.prices[key] = seconds
+        if self.seen[key] > 1 and seconds < self.least.get(key, float("inf")):  # the first paid for the compile
+            self.least[key] = seconds
+        if self.seen[key] > self.trust:
+            self.prices[key] = self.least[key]
 
     def get(self, kind: str, rows: int, width: int) -> Optional[float]:
-        """The shape's price (None: not observed past its first)."""
+        """The shape's price (None: fewer than ``trust`` observations past its first)."""
         return self.prices.get((kind, rows, width))
 
     def round_loses(self, rows: int, width: int, expected: float) -> bool:

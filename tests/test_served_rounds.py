@@ -174,12 +174,16 @@ def test_cost_table_prices_each_shape_by_its_least_cost() -> None:
     t = CostTable()
     for s in (0.5, 0.012, 0.3, 0.011, 0.4):  # the first pays for the shape's compile; 0.3, 0.4: stalls
         t.observe("round", 2, 16, s)
+        if t.seen[("round", 2, 16)] == 3:
+            assert t.get("round", 2, 16) == 0.012  # priced from the third observation on
     assert t.get("round", 2, 16) == 0.011 and t.seen[("round", 2, 16)] == 5
     t.observe("round", 2, 16, 5.0)  # a busy machine raises no price
     assert t.get("round", 2, 16) == 0.011 and t.get("round", 2, 8) is None
     t.observe("plain", 2, 1, 0.030)
     assert t.get("plain", 2, 1) is None  # its first observation alone (compiling) prices nothing
     t.observe("plain", 2, 1, 0.004)
+    assert t.get("plain", 2, 1) is None  # nor one more: a stall there would price the shape out for good
+    t.observe("plain", 2, 1, 0.005)
     assert t.get("plain", 2, 1) == 0.004 and not t.round_loses(2, 16, 6.0) and t.round_loses(2, 16, 4.0)
     assert t.round_loses(2, 8, 1.0) is False  # a shape never measured is not priced
     assert expected_tokens(0.0, 15) == 1.0 and expected_tokens(1.0, 3) == 4.0
