@@ -90,6 +90,15 @@ def _flag(yaml_value: Any, name: str) -> bool:
     return flag(yaml_value, name)
 
 
+def _blas(value: Any, name: str) -> str:
+    """hooks/blas.py checks the value itself (a library path must exist); an unquoted YAML off is false."""
+    if isinstance(value, bool):
+        return "auto" if value else "off"
+    if not isinstance(value, str):
+        raise SettingError(name, value, "auto, openblas, off, or the path of an LP64 BLAS library")
+    return value.strip()
+
+
 def _path(value: Any, name: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise SettingError(name, value, "a folder path")
@@ -137,6 +146,11 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
     Knob("offline", "HF_HUB_OFFLINE", False, "`false` (unset)", "true or false (the variable: 1, true or yes)",
          "Hugging Face repo ids resolve from the local cache only, never the network",
          lambda text, name: text.lower() in ("1", "true", "yes"), _flag),
+    Knob("blas", "MLX_SPEC_BLAS", "", "unset (a one-line hint when MLX's reference BLAS is in use)",
+         "auto, openblas, off, or the path of an LP64 BLAS library",
+         "Linux CPU: `auto` re-executes `mlx-spec` once with OpenBLAS preloaded where found; `openblas` (or an "
+         "error); a library's path; `off` (no hint). Read from the `--config` file before MLX loads",
+         lambda text, name: text.strip(), _blas, "usage.md#linux-cpu-an-optimised-blas"),
 )}
 
 

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Variables the library reads that are not runtime knobs: where each is set instead.
 ELSEWHERE = {"MLX_VLM_DRAFT_MODEL": "speculative.draft_model", "MLX_VLM_DRAFT_KIND": "speculative.kind",
              "MLX_VLM_DRAFT_BLOCK_SIZE": "speculative.block_size", "MLX_SPEC_API_KEY": "server.api_key",
-             # read before MLX loads (it re-executes the process), before any YAML; the other two are its own
-             "MLX_SPEC_BLAS": None, "MLX_SPEC_BLAS_PRELOADED": None, "LD_PRELOAD": None}
+             # runtime.blas's re-execution: its own mark, and the user's preloads it keeps (not settings)
+             "MLX_SPEC_BLAS_PRELOADED": None, "LD_PRELOAD": None}
 
 
 @pytest.fixture(autouse=True)
@@ -201,3 +201,20 @@ def test_nothing_reads_the_environment_at_import() -> None:
     found = [f"{p.relative_to(ROOT)}:{n}" for package in ("hooks", "plugin", "drafters")
              for p in sorted((ROOT / package).rglob("*.py")) for n in _module_level_reads(ast.parse(p.read_text()))]
     assert not found, f"environment read at import (read it at load, through hooks/knobs.py): {', '.join(found)}"
+
+
+def test_blas_from_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime.blas is read from the --config file before MLX loads (hooks/blas.py re-executes the process)."""
+    from mlx_speculative.hooks import blas
+
+    path = write(tmp_path, "runtime:\n  blas: off\n")  # YAML's unquoted off: false
+    assert blas.config_path(["generate", "--config", path]) == path == blas.config_path([f"--config={path}"])
+    assert blas.mode() == "" and blas.mode(path) == "off" and blas.hint(path) is None
+    monkeypatch.setenv("MLX_SPEC_BLAS", "auto")
+    assert blas.mode(path) == "auto"  # the variable wins
+    monkeypatch.delenv("MLX_SPEC_BLAS")
+    path = write(tmp_path, "runtime:\n  blas: /no/such/libblas.so\n")
+    with pytest.raises(ValueError, match=r"host\.yaml: runtime\.blas: got '/no/such/libblas\.so' \(no such file\); "
+                                         r"allowed: auto"):
+        blas.mode(path)
+    assert blas.mode(str(tmp_path / "missing.yaml")) == ""  # the configuration's own load reports that
