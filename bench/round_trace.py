@@ -42,7 +42,7 @@ from mlx_speculative.plugin import commit, hookimpls  # noqa: E402
 from mlx_speculative.plugin import round as rnd  # noqa: E402
 from mlx_speculative.plugin.accept import plan_rows, read_plans, unread_outcome  # noqa: E402
 from mlx_speculative.plugin.bench import core  # noqa: E402
-from mlx_speculative.plugin.draft import LAZY_DRAFTS, as_ints, draft  # noqa: E402
+from mlx_speculative.plugin.draft import as_ints, draft  # noqa: E402
 from mlx_speculative.plugin.metrics import Laps  # noqa: E402
 from mlx_speculative.plugin.verify import row_logprobs, verify  # noqa: E402
 
@@ -109,7 +109,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     inner = getattr(br.draft, "inner", br.draft)
     mx.eval(arrays(getattr(inner, "cache", None) or []))  # DFlash's context appends are lazy until drafted
     phase("prepare")
-    lazy = LAZY_DRAFTS and not any(r.logits_processors for r in rows)
+    lazy = att.lazy_drafts and not any(r.logits_processors for r in rows)
     drafted = draft(br.draft, on_rows, [k or 0 for k in plans], vocab, lazy)
     phase("draft")
     after = _context(br)

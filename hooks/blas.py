@@ -49,14 +49,47 @@ class BlasInUse:
         return dict(asdict(self), ld_preload=os.environ.get("LD_PRELOAD") or None)
 
 
-def mode() -> str:
-    """``MLX_SPEC_BLAS``: '' (unset: hint only), auto, openblas, off, or a library path."""
-    value = os.environ.get(ENV, "").strip()
+def mode(config: Optional[str] = None) -> str:
+    """``MLX_SPEC_BLAS``, else ``runtime.blas`` of the YAML file ``config``: '' (unset: hint only), auto, openblas,
+    off, or a library path."""
+    from . import knobs
+
+    layers = knobs.Layers(yaml=_from_yaml(config), where=lambda key: f"{config}: ")
+    value, _, field = knobs.setting("blas", layers=layers)
     if value.lower() in MODES:
         return value.lower()
     if value and ("/" not in value or not os.path.isfile(value)):
-        raise ValueError(f"{ENV}: got {value!r}" + (" (no such file)" if "/" in value else "") + f"; allowed: {ALLOWED}")
+        raise ValueError(f"{field}: got {value!r}" + (" (no such file)" if "/" in value else "") + f"; allowed: {ALLOWED}")
     return value
+
+
+def config_path(argv: List[str]) -> Optional[str]:
+    """The ``--config`` file of a command line (read here before the CLI parses it: MLX must not load first)."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _from_yaml(config: Optional[str]) -> Dict[str, Any]:
+    """``{"blas": value}`` from the YAML's ``runtime:`` section, checked; {} without one. A file that does not read
+    is left to the configuration's own load, which says what is wrong with it."""
+    if not config:
+        return {}
+    import yaml
+
+    from . import knobs
+
+    try:
+        sections = yaml.safe_load(Path(config).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    runtime = sections.get(knobs.SECTION) if isinstance(sections, dict) else None
+    if not isinstance(runtime, dict) or runtime.get("blas") is None:
+        return {}
+    return {"blas": knobs.KNOBS["blas"].from_yaml(runtime["blas"], f"{config}: runtime.blas")}
 
 
 def classify(path: str) -> str:
@@ -135,12 +168,13 @@ def find_openblas() -> Optional[str]:
     return ctypes.util.find_library("openblas")  # a soname from the loader's cache: LD_PRELOAD takes it too
 
 
-def reexec_if_asked() -> None:
-    """The CLI entry point's step: with ``MLX_SPEC_BLAS`` asking for it and the reference BLAS about to be
-    used, replace this process by itself with ``LD_PRELOAD`` naming OpenBLAS (once: ``MARK``).
+def reexec_if_asked(argv: Optional[List[str]] = None) -> None:
+    """The CLI entry point's step: with ``MLX_SPEC_BLAS`` (or the ``--config`` file's ``runtime.blas``) asking for
+    it and the reference BLAS about to be used, replace this process by itself with ``LD_PRELOAD`` naming OpenBLAS
+    (once: ``MARK``).
 
     Raises ValueError (a one-line message) for a bad value or ``openblas`` with none installed."""
-    want = mode()
+    want = mode(config_path(sys.argv[1:] if argv is None else argv))
     if want in ("", "off") or os.environ.get(MARK) or not sys.platform.startswith("linux"):
         return
     current = in_use()
@@ -160,9 +194,9 @@ def reexec_if_asked() -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def hint() -> Optional[str]:
+def hint(config: Optional[str] = None) -> Optional[str]:
     """One line for the CLI's start on the CPU when MLX uses the reference BLAS (None otherwise)."""
-    if not sys.platform.startswith("linux") or mode() == "off":
+    if not sys.platform.startswith("linux") or mode(config) == "off":
         return None
     used = in_use()
     if not used.reference:

@@ -125,7 +125,7 @@ def blas_hint(args: argparse.Namespace) -> None:
         used = blas.in_use()
         logging.getLogger("mlx_speculative").info("BLAS of MLX's CPU matmuls: %s (%s)%s", used.kind, used.path,
                                                   f", preloaded by {blas.ENV}" if used.preloaded else "")
-        line = blas.hint()
+        line = blas.hint(getattr(args, "config", None))
         if line:
             print(line, file=sys.stderr)
 

@@ -8,12 +8,12 @@ from typing import Any, Dict, Optional
 
 import yaml
 
-from . import validate
+from . import knobs, validate
 from .loading import DEMO_DRAFTER, DEMO_TARGET, resolve_relative
 from .state import HostConfig
 from .validate import HostConfigError, SettingError
 
-SECTIONS = ("model", "server", "generation", "speculative", "distributed")
+SECTIONS = ("model", "server", "generation", "speculative", "distributed", knobs.SECTION)
 # Values that name a checkpoint: relative paths are read from the YAML file's folder.
 PATH_KEYS = (("model",), ("speculative", "draft_model"))
 
@@ -50,6 +50,7 @@ def _check_sections(sections: Dict[str, Any]) -> None:
         from .distributed import settings
 
         settings(sections["distributed"])
+    knobs.check_section(sections.get(knobs.SECTION))
     spec = sections.get("speculative")
     if isinstance(spec, dict):
         if "block_size" in spec:
@@ -99,6 +100,9 @@ def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str
             owner = sections if len(keys) == 1 else sections.get(keys[0])
             if isinstance(owner, dict) and isinstance(owner.get(keys[-1]), str):
                 owner[keys[-1]] = resolve_relative(owner[keys[-1]], base)
+        runtime = sections.get(knobs.SECTION)
+        if isinstance(runtime, dict) and isinstance(runtime.get("cache_dir"), str):  # a folder, never a repo id
+            runtime["cache_dir"] = str(base / Path(runtime["cache_dir"]).expanduser())
     return HostConfig(sections=sections, overrides=overrides or {}, source=path, strict=strict, lines=lines)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 import mlx.core as mx
 import numpy as np
 
-from . import gguf
+from . import gguf, knobs
 from .gguf import ARCHITECTURES, DTYPES, FORMAT, GGUFError
 from .gguf_tokenizer import write_tokenizer
 
@@ -135,8 +135,7 @@ def convert(path: Path, out_dir: Path, dtype: str = "keep", what: str = "model",
 
 
 def cache_root() -> Path:
-    root = os.environ.get("MLX_SPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mlx-speculative")
-    return Path(root) / "gguf"
+    return Path(knobs.cache_root()) / "gguf"  # runtime.cache_dir / $MLX_SPEC_CACHE
 
 
 def dense_dtype() -> mx.Dtype:

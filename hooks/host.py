@@ -16,7 +16,7 @@ import mlx.core as mx
 import pluggy
 from mlx_lm.sample_utils import make_sampler
 
-from . import attention, loading, recurrent, taps
+from . import attention, knobs, loading, recurrent, taps
 from .batch import DecodeBatch, forward
 from .manager import make_plugin_manager
 from .specs import Description
@@ -80,6 +80,8 @@ class Host:
 
     # model-load -----------------------------------------------------------------------------
     def load(self, spec: str) -> LoadedTarget:
+        # The runtime: section (and its flags) under the environment, for this load and what follows (hooks/knobs.py)
+        knobs.install(self.config.sections.get(knobs.SECTION), self.config.overrides.get(knobs.SECTION), self.config.where)
         path = loading.resolve_path(spec, "model")
         config = loading.read_config(path, "model")
         loading.check_safetensors(path, "model")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Tuple
+
+from . import knobs
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
@@ -88,7 +89,7 @@ def resolve_path(spec: str, what: str = "model") -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        offline = knobs.value("offline")  # runtime.offline / $HF_HUB_OFFLINE
         return Path(snapshot_download(spec, allow_patterns=_PATTERNS, local_files_only=offline))
     except Exception as e:  # noqa: BLE001 - huggingface_hub raises many types
         raise CheckpointError(

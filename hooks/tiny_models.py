@@ -16,6 +16,8 @@ from typing import Any, Dict, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from . import knobs
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -173,8 +175,7 @@ def make_truncated_drafter(target_dir: Path, out_dir: Path, num_layers: int) -> 
 
 
 def random_pair_dir() -> Path:
-    root = os.environ.get("MLX_SPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mlx-speculative")
-    return Path(root) / "random-pair"
+    return Path(knobs.cache_root()) / "random-pair"  # runtime.cache_dir / $MLX_SPEC_CACHE
 
 
 def ensure_random_pair(announce=print) -> tuple[Path, Path]:

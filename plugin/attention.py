@@ -31,7 +31,6 @@ On by default where the kernel runs (MLX built with CUDA, GPU default device); o
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -39,6 +38,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models import base
 
+from ..hooks import knobs
 from ..hooks.attention import MaskSpec, described
 from . import cuda_attention
 
@@ -158,12 +158,15 @@ def mask_bounds(mask: Any, B: int, L: int, S: int) -> Optional[MaskSpec]:
 def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
     """Whether the dispatcher is on: ``mode`` (or $MLX_SPEC_ATTENTION_KERNEL); auto = where the kernel runs.
     ``source`` names the setting in messages."""
-    return kernel_mode(mode, ENV, source, "the attention kernel")
+    return kernel_mode(mode, "attention_kernel", source, "the attention kernel")
 
 
-def kernel_mode(mode: Optional[str], env: str, source: str, what: str) -> bool:
-    """A CUDA kernel's auto | on | off setting: ``mode``, else $``env``, else auto (on where MLX runs on CUDA)."""
-    mode = (mode or os.environ.get(env) or "auto").strip().lower()
+def kernel_mode(mode: Optional[str], knob: str, source: str, what: str) -> bool:
+    """A CUDA kernel's auto | on | off setting: ``mode``, else the runtime knob ``knob`` (its YAML key, its
+    variable: hooks/knobs.py), else auto (on where MLX runs on CUDA). ``source`` names an explicit ``mode``."""
+    if not mode:
+        mode, _, source = knobs.setting(knob)
+    mode = mode.strip().lower()
     if mode not in MODES:
         raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(MODES)}")
     if mode == "on" and not cuda_attention.available():
@@ -173,16 +176,9 @@ def kernel_mode(mode: Optional[str], env: str, source: str, what: str) -> bool:
 
 
 def min_keys_from_env() -> Optional[Dict[str, int]]:
-    text = os.environ.get(ENV_MIN_KEYS)
-    if text is None or not text.strip():
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"{ENV_MIN_KEYS}: got {text!r}; expected a non-negative integer (keys)") from None
-    if n < 0:
-        raise ValueError(f"{ENV_MIN_KEYS}: got {n}; expected a non-negative integer (keys)")
-    return {kind: n for kind in MIN_KEYS}
+    """Both thresholds from ``runtime.attention_min_keys`` / $MLX_SPEC_ATTENTION_MIN_KEYS (hooks/knobs.py), or None."""
+    n = knobs.value("attention_min_keys")
+    return None if n is None else {kind: n for kind in MIN_KEYS}
 
 
 def dispatcher_for(mode: Optional[str] = None, source: str = ENV,

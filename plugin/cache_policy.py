@@ -44,12 +44,12 @@ decoding is attached to the target; plain decoding keeps mlx-lm's caches.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from ..hooks import knobs
 from ..hooks.attention import MaskSpec, describe
 from ..hooks.batch import forward
 from ..hooks.cache_ops import zeroed
@@ -157,8 +157,9 @@ def backend() -> str:
 
 
 def resolve_mode(mode: Optional[str] = None) -> bool:
-    """Whether padded caches are on: ``mode`` (or $MLX_SPEC_PADDED_CACHE), 'auto' = CUDA only."""
-    mode = (mode or os.environ.get(ENV) or "auto").strip().lower()
+    """Whether padded caches are on: ``mode``, else ``runtime.padded_cache`` / $MLX_SPEC_PADDED_CACHE (hooks/knobs.py);
+    'auto' = CUDA only."""
+    mode = (mode or knobs.value("padded_cache")).strip().lower()
     if mode not in MODES:
         raise ValueError(f"{ENV}: got {mode!r}; allowed: {', '.join(MODES)}")
     if mode == "auto":
@@ -187,8 +188,8 @@ class ShapeStablePolicy(CachePolicy):
         self.projections = projections  # the verify-width matmul's dispatcher (plugin/projections.py), or None
         self.forward = forward  # compiled verify forwards (plugin/compiled.py), or None
         self.block_size: Optional[int] = None  # the drafter's block: the widths ``prepare`` warms
-        tokens = os.environ.get("MLX_SPEC_PREWARM_TOKENS", DEFAULT_PREWARM_TOKENS) if prewarm_tokens is None else prewarm_tokens
-        self.prewarm_tokens = int(tokens)
+        # None: runtime.prewarm_tokens / $MLX_SPEC_PREWARM_TOKENS, else DEFAULT_PREWARM_TOKENS (hooks/knobs.py)
+        self.prewarm_tokens = int(knobs.value("prewarm_tokens") if prewarm_tokens is None else prewarm_tokens)
 
     def make_cache(self, model: Any, max_kv_size: Optional[int] = None) -> List[Any]:
         return make_padded_cache(model, max_kv_size, self.bucket)

@@ -1,4 +1,4 @@
-"""``mlx-spec drafters`` and ``mlx-spec check``, added to the host CLI through ``host_add_commands``."""
+"""``mlx-spec drafters``, ``check`` and ``config`` (plugin/config_command.py), added to the host CLI through ``host_add_commands``."""
 
 from __future__ import annotations
 
@@ -67,6 +67,9 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_check)
 
+    from .config_command import add_command as add_config  # mlx-spec config --show
+
+    add_config(subparsers)
     from .bench import add_command as add_bench
 
     add_bench(subparsers)

@@ -37,7 +37,6 @@ gain where the host is not the bottleneck); ``MLX_SPEC_COMPILED_FORWARD`` = auto
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 import weakref
@@ -47,7 +46,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..hooks import taps
+from ..hooks import knobs, taps
 from ..hooks.attention import MaskSpec, describe
 from .cuda_attention import available
 from .ragged_cache import lengths_array, row_lengths
@@ -168,7 +167,7 @@ class CompiledForward:
         self.enabled = True  # False: every call answers None (the bench's on/off in one process)
         # False: a batch's calls (rows at their own lengths) run plainly; one row's stay compiled. Each new
         # (rows, width, buffer) shape traces and compiles anew on the device ($MLX_SPEC_COMPILED_BATCHES=off).
-        self.batches = os.environ.get("MLX_SPEC_COMPILED_BATCHES", "on").strip().lower() != "off"
+        self.batches = bool(knobs.value("compiled_batches"))  # runtime.compiled_batches (hooks/knobs.py)
         self.counts: Counter = Counter()
         self.failed: Dict[int, str] = {}  # id(owner model) -> why its trace failed
         self._failed_refs: Dict[int, Any] = {}  # id(owner) -> its weakref (an id is reused once an owner is freed)
@@ -310,8 +309,11 @@ class CompiledForward:
 
 
 def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
-    """Whether verify forwards are compiled: ``mode`` (or $MLX_SPEC_COMPILED_FORWARD); auto = on MLX-CUDA."""
-    mode = (mode or os.environ.get(ENV) or "auto").strip().lower()
+    """Whether verify forwards are compiled: ``mode``, else ``runtime.compiled_forward`` / $MLX_SPEC_COMPILED_FORWARD
+    (hooks/knobs.py); auto = on MLX-CUDA."""
+    if not mode:
+        mode, _, source = knobs.setting("compiled_forward")
+    mode = mode.strip().lower()
     if mode not in MODES:
         raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(MODES)}")
     return available() if mode == "auto" else mode == "on"

@@ -7,17 +7,15 @@ whatever the round decides), then proposes inside cache transactions over the ca
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Proposal
+from ..hooks import knobs
 from ..hooks.transaction import CacheTransaction
 
-# MLX_SPEC_LAZY_DRAFTS=0: evaluate each proposal before the verify is built (for measurements).
-LAZY_DRAFTS = os.environ.get("MLX_SPEC_LAZY_DRAFTS", "1").strip() != "0"
 AHEAD_ENV = "MLX_SPEC_DRAFT_AHEAD"
 AHEAD_MODES = ("on", "verify", "off")
 
@@ -25,8 +23,11 @@ AHEAD_MODES = ("on", "verify", "off")
 def ahead_mode(mode: Optional[str] = None, source: str = AHEAD_ENV) -> str:
     """What rounds queue before the host reads their outcome, where the drafter can: ``mode``, or
     $MLX_SPEC_DRAFT_AHEAD: on (the default: the next block, ``DraftBatch.draft_ahead``) | verify (the block and
-    the next verify built over it, run when the next round adopts it; opt-in, plugin/verify_ahead.py says why) | off."""
-    mode = (mode or os.environ.get(AHEAD_ENV) or "on").strip().lower()
+    the next verify built over it, run when the next round adopts it; opt-in, plugin/verify_ahead.py says why) | off.
+    Without ``mode``: ``runtime.draft_ahead`` / $MLX_SPEC_DRAFT_AHEAD (hooks/knobs.py)."""
+    if not mode:
+        mode, _, source = knobs.setting("draft_ahead")
+    mode = mode.strip().lower()
     if mode not in AHEAD_MODES:
         raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(AHEAD_MODES)}")
     return mode

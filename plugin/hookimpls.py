@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from ..drafters import registry
 from ..drafters.base import Drafter, DraftTarget
+from ..hooks import knobs
 from ..hooks.batch import DecodeBatch
 from ..hooks.specs import Description, Metric, RowSnapshot, hookimpl
 from ..hooks.state import CachePolicy, CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
@@ -33,6 +34,7 @@ class Attachment:
     max_block: int = 0  # adaptive blocks grow up to this (the drafter's max_block_size; block_size when pinned)
     costs: CostTable = field(default_factory=CostTable)  # rounds and plain steps by shape, for the controllers
     ahead_mode: str = "on"  # what rounds queue before reading their outcome ($MLX_SPEC_DRAFT_AHEAD: on | verify | off)
+    lazy_drafts: bool = True  # proposals stay unevaluated until the verify (runtime.lazy_drafts, $MLX_SPEC_LAZY_DRAFTS)
 
     @property
     def ahead(self) -> bool:
@@ -53,6 +55,7 @@ def draft_target(target: LoadedTarget, policy: Optional[CachePolicy] = None) -> 
 def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     """Resolve, check and load the drafter for ``target``; raises on any problem."""
     mode = draft.ahead_mode()
+    lazy = bool(knobs.value("lazy_drafts"))
     resolution = registry.resolve(settings.draft_model, settings.kind, draft_target(target))
     for warning in resolution.warnings:
         log.warning(warning)
@@ -74,7 +77,7 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
         policy.block_size = most  # the host warms the policy's shapes after routing attention (prepare)
         policy.capture_layers = tuple(drafter.capture_layers())  # tapped by the host before prepare
     return Attachment(settings=settings, drafter=drafter, block_size=block, policy=policy, ahead_mode=mode,
-                      max_block=most, costs=costs)
+                      lazy_drafts=lazy, max_block=most, costs=costs)
 
 
 @hookimpl

@@ -128,13 +128,13 @@ def stand_in(quantized: bool = False) -> Projections:
 
 def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
     """Whether projections are routed: ``mode`` (or $MLX_SPEC_PROJECTION_KERNEL); auto = where the kernel runs."""
-    return kernel_mode(mode, ENV, source, "the projection kernel")
+    return kernel_mode(mode, "projection_kernel", source, "the projection kernel")
 
 
 def quantized_on() -> bool:
     """$MLX_SPEC_QUANTIZED_KERNEL = auto | on | off (default auto: where the kernel runs): whether 4-bit
     layers are routed too."""
-    return kernel_mode(None, QUANTIZED_ENV, QUANTIZED_ENV, "the 4-bit kernel")
+    return kernel_mode(None, "quantized_kernel", QUANTIZED_ENV, "the 4-bit kernel")
 
 
 def projections_for(mode: Optional[str] = None, source: str = ENV) -> Optional[Projections]:

@@ -29,7 +29,7 @@ from . import commit
 from .accept import RoundOutcome, plan_rows, read_plans, unread_outcome
 from .adaptive import BlockSizeController
 from .costs import expected_tokens
-from .draft import LAZY_DRAFTS, DraftError, as_ints, draft
+from .draft import DraftError, as_ints, draft
 from .metrics import METRICS, PHASES, Laps, SpecStats
 from .settings import SpeculativeSettings
 from .verify import row_logprobs, verify
@@ -222,7 +222,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
     on_rows = [rows[b] for b in on]
     vocab = int(rows[0].pending_logprobs.shape[-1]) if rows[0].pending_logprobs is not None else 0
     lap = Laps()
-    lazy = LAZY_DRAFTS and not any(r.logits_processors for r in rows)
+    lazy = att.lazy_drafts and not any(r.logits_processors for r in rows)
     try:
         drafted = draft(br.draft, on_rows, [k or 0 for k in plans], vocab, lazy)
     except Exception as e:  # noqa: BLE001

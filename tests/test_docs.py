@@ -84,8 +84,11 @@ def anchors(path: Path) -> Set[str]:
 
 
 def library_environment() -> Set[str]:
-    """Every environment variable the library's source reads (by literal name or through a constant)."""
-    names: Set[str] = set()
+    """Every environment variable the library's source reads (by literal name or through a constant), and every
+    variable of the runtime knobs' registry (hooks/knobs.py reads them for the modules that used to)."""
+    from mlx_speculative.hooks.knobs import KNOBS
+
+    names: Set[str] = {k.env for k in KNOBS.values()}
     for package in LIBRARY:
         for source in (ROOT / package).rglob("*.py"):
             text = source.read_text()
@@ -108,13 +111,14 @@ def test_every_environment_variable_is_documented() -> None:
 
 def test_every_yaml_key_is_documented() -> None:
     from mlx_speculative.hooks.config import SECTIONS
+    from mlx_speculative.hooks.knobs import KNOBS
     from mlx_speculative.hooks.server_settings import SERVER_KEYS
     from mlx_speculative.hooks.validate import GENERATION_KEYS
     from mlx_speculative.plugin.settings import KEYS
 
     text = (DOCS / "configuration.md").read_text()
     keys = [*SECTIONS, *(f"server.{k}" for k in SERVER_KEYS), *(f"generation.{k}" for k in GENERATION_KEYS),
-            *(f"speculative.{k}" for k in KEYS)]
+            *(f"speculative.{k}" for k in KEYS), *(f"runtime.{k}" for k in KNOBS)]
     missing = [k for k in keys if f"`{k}`" not in text]
     assert not missing, f"docs/configuration.md does not list (as `section.key`): {', '.join(missing)}"
 

@@ -93,6 +93,9 @@ def snapshot() -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Any]]]:
 # copyreg caches a class's slot names on the class the first time one of its objects is copied
 # (mlx-lm's tokenizer wrapper copies a detokenizer per request).
 BENIGN = {"__slotnames__"}
+# The one global a load may rebind, in its own module: the runtime settings' snapshot (hooks/knobs.py installs
+# the YAML's runtime: section at each load; no other module's names are touched).
+OWN_STATE = {"mlx_speculative.hooks.knobs._loaded"}
 
 
 def rewritten(before: Dict[str, Dict[str, Any]], after: Dict[str, Dict[str, Any]], classes: bool) -> List[str]:
@@ -103,7 +106,8 @@ def rewritten(before: Dict[str, Dict[str, Any]], after: Dict[str, Dict[str, Any]
         if now is None:
             out.append(f"{owner}: gone")
             continue
-        out += [f"{owner}.{k}" for k, v in names.items() if k not in now or now[k] is not v]
+        out += [f"{owner}.{k}" for k, v in names.items()
+                if (k not in now or now[k] is not v) and f"{owner}.{k}" not in OWN_STATE]
         for k in set(now) - set(names):
             submodule = isinstance(now[k], types.ModuleType) and now[k].__name__ == f"{owner}.{k}"
             if not (submodule and not classes) and k not in BENIGN:
