@@ -86,7 +86,7 @@ from .config import load_host_config  # a HostConfig from a YAML file
 from .loading import read_config, resolve_path  # a checkpoint's checked config.json; a model spec -> a local directory
 from .taps import decoder_layers  # the target's decoder layer list
 
-# -- loaded on first use: name -> (home module, attribute; None: the module itself)
+# -- commands, benchmarks and test fixtures, loaded on first use: name -> (home module, attribute; None: the module)
 _LAZY: Dict[str, Tuple[str, Any]] = {
     # CLI helpers of the plugin's commands (mlx-spec config / generate flags)
     "GENERATION_DEFAULTS": ("generate_cmd", "GENERATION_DEFAULTS"),  # generation settings' defaults
