@@ -16,8 +16,7 @@ from typing import Any, Dict, List, Optional, Set
 
 import mlx.core as mx
 
-from ..hooks.batch import extract_row
-from ..hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
+from ..hooks.api import arrays, cache_bytes, copy_caches, extract_row, trim_caches
 from .base import DraftState
 
 STEP = 256  # positions a row's buffer grows by (as mlx-lm's KVCache grows)

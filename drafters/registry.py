@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..hooks import loading
+from ..hooks.api import loading
 from .base import Compatibility, Drafter, DrafterError, DrafterFamily, DraftTarget
 
 ENTRY_POINT_GROUP = "mlx_speculative.drafters"

@@ -37,7 +37,9 @@ def uniform(n: Lengths) -> Optional[int]:
     return values[0] if values and all(v == values[0] for v in values) else None
 
 
-def _check_range(cache: Any, n: Lengths, written: int) -> None:
+def check_range(cache: Any, n: Lengths, written: int) -> None:
+    """Raise ValueError unless every length in ``n`` lies in [0, written]: a rollback cannot keep
+    positions a cache never wrote."""
     rows = [n] if isinstance(n, int) else list(n)
     if not all(0 <= int(v) <= written for v in rows):
         raise ValueError(f"cannot keep {n} of the {written} positions written to a {type(cache).__name__}")

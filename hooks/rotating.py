@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache_ops import Lengths, UnsupportedCache, _check_range, handle, uniform
+from .cache_ops import Lengths, UnsupportedCache, check_range, handle, uniform
 
 
 class Recording:
@@ -82,7 +82,7 @@ class RotatingHandler:
         m = uniform(n)
         if m is None:
             raise ValueError(f"a {type(cache).__name__} holds one row; got per-row lengths {list(n)}")
-        _check_range(cache, m, rec.written)
+        check_range(cache, m, rec.written)
         if m == rec.written:
             return
         if self._trim_is_exact(cache, rec):
@@ -128,7 +128,7 @@ class BatchRotatingHandler(RotatingHandler):
         if len(rows) != cache.offset.shape[0]:
             raise ValueError(f"per-row commit lengths {rows} do not fit a BatchRotatingKVCache of "
                              f"{cache.offset.shape[0]} rows")
-        _check_range(cache, rows, written)
+        check_range(cache, rows, written)
         # Updates kept whole by every row replay as fed; the rest as one right-padded chunk.
         left, whole = min(rows), []
         for keys, values in rec.updates:

@@ -105,7 +105,8 @@ def save_checkpoint(model, config: Dict[str, Any], out_dir: Path, tokenizer_dir:
     return out_dir
 
 
-def _layer_index(name: str) -> Optional[int]:
+def layer_index(name: str) -> Optional[int]:
+    """The layer number in a weight name (``model.layers.3.mlp...`` -> 3), or None."""
     parts = name.split(".")
     if "layers" in parts:
         i = parts.index("layers") + 1
@@ -135,7 +136,7 @@ def make_checkpoint(
             config.get("tie_word_embeddings") and name.endswith("norm.weight") and "layers" not in name
         )):
             scaled[name] = w * logit_scale
-        layer = _layer_index(name)
+        layer = layer_index(name)
         if quiet_layers_from is not None and layer is not None and layer >= quiet_layers_from and (
             name.endswith(("o_proj.weight", "down_proj.weight"))
         ):
@@ -162,7 +163,7 @@ def make_truncated_drafter(target_dir: Path, out_dir: Path, num_layers: int) -> 
     weights = mx.load(str(target_dir / "model.safetensors"))
     kept = {}
     for name, w in weights.items():
-        layer = _layer_index(name)
+        layer = layer_index(name)
         if layer is None or layer < num_layers:
             kept[name] = w
     out_dir.mkdir(parents=True, exist_ok=True)

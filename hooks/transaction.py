@@ -43,7 +43,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from .cache_ops import Lengths, UnsupportedCache, _check_range, handle, uniform
+from .cache_ops import Lengths, UnsupportedCache, check_range, handle, uniform
 from .recurrent import ArraysHandler, commit_partial
 from .rotating import BatchRotatingHandler, RotatingHandler
 
@@ -64,7 +64,7 @@ class TrimHandler:
         m, written = uniform(n), cache.offset - start
         if m is None:
             raise ValueError(f"a {type(cache).__name__} holds one row; got per-row lengths {list(n)}")
-        _check_range(cache, m, written)
+        check_range(cache, m, written)
         cache.trim(written - m)
 
     def abort(self, cache: Any, start: int) -> None:
@@ -109,7 +109,7 @@ class BatchTrimHandler:
         if len(rows) != cache.offset.shape[0]:
             raise ValueError(f"per-row commit lengths {rows} do not fit a {type(cache).__name__} of "
                              f"{cache.offset.shape[0]} rows")
-        _check_range(cache, rows, written)
+        check_range(cache, rows, written)
         keep = max(rows)
         cache.trim(written - keep)
         if keep > min(rows):

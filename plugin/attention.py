@@ -38,8 +38,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models import base
 
-from ..hooks import knobs
-from ..hooks.attention import MaskSpec, described
+from ..hooks.api import MaskSpec, described, knobs
 from . import cuda_attention
 
 ENV = "MLX_SPEC_ATTENTION_KERNEL"

@@ -49,12 +49,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from ..hooks import knobs
-from ..hooks.attention import MaskSpec, describe
-from ..hooks.batch import forward
-from ..hooks.cache_ops import zeroed
-from ..hooks.state import CachePolicy
-from ..hooks.transaction import BatchTrimHandler, TrimHandler
+from ..hooks.api import BatchTrimHandler, CachePolicy, MaskSpec, TrimHandler, describe, forward, knobs, zeroed
 from .attention import ROUTED_MIN_KEYS, Dispatcher, dispatcher_for
 from .compiled import forward_for as compiled_for
 from .projections import Projections, projections_for

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..drafters import registry
 from ..drafters.base import DraftTarget
-from ..hooks import loading
+from ..hooks.api import loading
 
 
 def cmd_drafters(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Verified
-from ..hooks.transaction import CacheTransaction
+from ..hooks.api import CacheTransaction
 from .accept import RoundOutcome
 from .draft import Drafted
 

@@ -46,8 +46,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..hooks import knobs, taps
-from ..hooks.attention import MaskSpec, describe
+from ..hooks.api import MaskSpec, describe, knobs, taps
 from .cuda_attention import available
 from .ragged_cache import lengths_array, row_lengths
 

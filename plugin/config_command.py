@@ -11,11 +11,10 @@ import argparse
 import json
 from typing import Any, Dict, List, NamedTuple
 
-from ..hooks import knobs
-from ..hooks.config import load_host_config
-from ..hooks.generate_cmd import GENERATION_DEFAULTS, add_speculative_flags, speculative_overrides
-from ..hooks.state import HostConfig
-from ..hooks.validate import GENERATION_KEYS, generation_section
+from ..hooks.api import (
+    GENERATION_DEFAULTS, GENERATION_KEYS, HostConfig, add_speculative_flags, generation_section, knobs,
+    load_host_config, speculative_overrides,
+)
 from .settings import KEYS, resolve
 
 SECRET_KEYS = ("server.api_key",)
@@ -29,8 +28,7 @@ class Row(NamedTuple):
 
 def tree(config: HostConfig) -> List[Row]:
     """Every setting of every section, resolved (the environment read now)."""
-    from ..hooks import distributed
-    from ..hooks.server_settings import SERVER_KEYS, server_settings
+    from ..hooks.api import DISTRIBUTED_KEYS, SERVER_KEYS, distributed_settings, server_settings
 
     model = config.sections.get("model")
     rows = [Row("model", model if model is not None else "demo (none given)", "yaml" if model is not None else "default")]
@@ -50,10 +48,10 @@ def tree(config: HostConfig) -> List[Row]:
         on = "yaml" if "speculative" in config.sections else ("cli" if any(
             v is not None for v in config.overrides.get("speculative", {}).values()) else "env")
         rows[-len(KEYS)] = rows[-len(KEYS)]._replace(source=on)
-    dist = distributed.settings(config.sections.get("distributed"), where=config.where)
+    dist = distributed_settings(config.sections.get("distributed"), where=config.where)
     section = config.section("distributed")
     rows += [Row(f"distributed.{k}", getattr(dist, k) if dist is not None else None,
-                 "yaml" if k in section else "default") for k in distributed.KEYS]
+                 "yaml" if k in section else "default") for k in DISTRIBUTED_KEYS]
     for name, s in knobs.resolved(config.sections.get(knobs.SECTION), config.overrides.get(knobs.SECTION),
                                   where=config.where).items():
         shown = knobs.cache_root() if name == "cache_dir" and s.value is None else s.value

@@ -13,8 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Proposal
-from ..hooks import knobs
-from ..hooks.transaction import CacheTransaction
+from ..hooks.api import CacheTransaction, knobs
 
 AHEAD_ENV = "MLX_SPEC_DRAFT_AHEAD"
 AHEAD_MODES = ("on", "verify", "off")

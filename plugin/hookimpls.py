@@ -8,11 +8,10 @@ from typing import Any, Dict, List, Optional
 
 from ..drafters import registry
 from ..drafters.base import Drafter, DraftTarget
-from ..hooks import knobs
-from ..hooks.batch import DecodeBatch
-from ..hooks.specs import Description, Metric, RowSnapshot, hookimpl
-from ..hooks.state import CachePolicy, CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
-from ..hooks.transaction import check_supported
+from ..hooks.api import (
+    CachePolicy, CaptureRequest, DecodeBatch, DecodeState, Description, HostConfig, LoadedTarget, Metric, RowSnapshot,
+    StepOutput, check_supported, hookimpl, knobs,
+)
 from . import cache_policy, draft, round
 from .costs import CostTable
 from .metrics import METRICS

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..hooks.specs import Metric
+from ..hooks.api import Metric
 from .accept import RoundOutcome
 
 

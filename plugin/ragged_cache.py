@@ -28,8 +28,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..hooks.attention import MaskSpec, describe
-from ..hooks.cache_ops import Lengths, _check_range
+from ..hooks.api import Lengths, MaskSpec, check_range, describe
 
 DEFAULT_BUCKET = 256
 _ARRAYS: "OrderedDict[Tuple[int, ...], mx.array]" = OrderedDict()
@@ -85,7 +84,7 @@ class RaggedHandler:
         rows = [int(n)] * len(start) if isinstance(n, int) else [int(v) for v in n]
         if len(rows) != len(start):
             raise ValueError(f"per-row commit lengths {rows} do not fit a {type(cache).__name__} of {len(start)} rows")
-        _check_range(cache, rows, self.written(cache, start) or 0)
+        check_range(cache, rows, self.written(cache, start) or 0)
         cache.set_lengths([s + k for s, k in zip(start, rows)])
 
     def abort(self, cache: "RaggedBatchKVCache", start: Tuple[int, ...]) -> None:

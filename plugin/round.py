@@ -22,9 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Proposal, Unread
-from ..hooks.batch import DecodeBatch, replay
-from ..hooks.state import DecodeState, GeneratedToken, StepOutput
-from ..hooks.transaction import CacheTransaction, UnsupportedCache
+from ..hooks.api import CacheTransaction, DecodeBatch, DecodeState, GeneratedToken, StepOutput, UnsupportedCache, replay
 from . import commit
 from .accept import RoundOutcome, plan_rows, read_plans, unread_outcome
 from .adaptive import BlockSizeController

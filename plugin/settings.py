@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional
 
-from ..hooks import validate
+from ..hooks.api import validate
 
 ENV = {
     "kind": "MLX_VLM_DRAFT_KIND",

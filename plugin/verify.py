@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from ..hooks.batch import DecodeBatch
+from ..hooks.api import DecodeBatch
 from .metrics import METRICS
 
 Drafts = Union[List[int], mx.array]

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Proposal, Unread
-from ..hooks.batch import DecodeBatch
+from ..hooks.api import DecodeBatch
 from .verify import row_inputs
 
 

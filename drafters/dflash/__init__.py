@@ -23,8 +23,7 @@ from mlx_lm.models.cache import KVCache
 from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget
 from ..checkpoint import load_into, read_tensors
 from ..compat import check_tokenizer, config_value
-from ...hooks import attention, loading
-from ...hooks.cache_ops import zeroed
+from ...hooks.api import loading, route_policy, zeroed
 from .batch import CONTEXT_CHUNK, DFlashBatch
 from ..target_parts import target_embedding_and_head
 from .features import final_norm_tap
@@ -289,7 +288,7 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     if target.model is None:
         raise DrafterError("dflash drafters borrow the target's embedding and lm_head: load the target first")
     embed, head = target_embedding_and_head(target.model)
-    attention.route_policy(model, target.cache_policy)  # the host's attention dispatcher (CUDA), if any
+    route_policy(model, target.cache_policy)  # the host's attention dispatcher (CUDA), if any
     drafter = DFlashDrafter(model, embed, head, target.cache_policy)
     drafter.final_norm = final_norm_tap(target.model, drafter.capture_layers())
     if drafter.shape_stable:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.batch import add_row, extract_row, keep_rows
-from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches
-from ...hooks.transaction import CacheTransaction
+from ...hooks.api import (
+    CacheTransaction, add_row, arrays, cache_bytes, copy_caches, extract_row, keep_rows, trim_caches,
+)
 from ..base import DraftBatch, DraftState, Proposal, Unread, Verified
 from .features import target_features
 

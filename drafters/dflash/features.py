@@ -33,7 +33,7 @@ def target_features(
 
 def final_norm_tap(model: nn.Module, layers: Sequence[int]) -> Optional[FinalNorm]:
     """``(last layer, final norm)`` when ``layers`` include the target's last decoder layer, else None."""
-    from ...hooks.taps import decoder_layers
+    from ...hooks.api import decoder_layers
     from ..target_parts import target_final_norm
 
     last = len(decoder_layers(model)) - 1

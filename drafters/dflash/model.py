@@ -20,7 +20,7 @@ from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ...hooks.attention import MaskSpec, describe, project_all
+from ...hooks.api import MaskSpec, describe, project_all
 from .config import build_target_layer_ids, normalize_config
 
 

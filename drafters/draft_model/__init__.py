@@ -22,10 +22,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, make_prompt_cache
 
-from ...hooks import attention, recurrent
-from ...hooks.batch import add_row, extract_row, forward, keep_rows, mergeable, replay
-from ...hooks.prompt_cache import arrays, cache_bytes, copy_caches, trim_caches, trimmable
-from ...hooks.transaction import CacheTransaction, check_supported
+from ...hooks.api import (
+    CacheTransaction, add_row, arrays, cache_bytes, check_supported, copy_caches, extract_row, forward, keep_rows,
+    mergeable, replay, route_policy, scope_model, trim_caches, trimmable,
+)
 from ..base import (Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftState, DraftTarget, Proposal,
                     Verified)
 from ..compat import check_tokenizer, check_vocab
@@ -238,8 +238,8 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     if not mergeable(caches):
         raise DrafterError(f"draft model {str(path)!r}: its caches ({sorted({type(c).__name__ for c in caches})}) "
                            "cannot merge into a batch; expected mlx-lm caches with merge()")
-    recurrent.scope_model(model)  # recurrent draft models keep part of a round without a replay
-    attention.route_policy(model, target.cache_policy)  # the host's attention dispatcher (CUDA), if any
+    scope_model(model)  # recurrent draft models keep part of a round without a replay
+    route_policy(model, target.cache_policy)  # the host's attention dispatcher (CUDA), if any
     return DraftModelDrafter(model, target.cache_policy)
 
 

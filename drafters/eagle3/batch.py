@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.batch import add_row, keep_rows
-from ...hooks.transaction import CacheTransaction
+from ...hooks.api import CacheTransaction, add_row, keep_rows
 from ..base import DraftBatch, DraftState, Proposal, Verified
 from .. import feature_log
 from ..feature_log import FeatureLog

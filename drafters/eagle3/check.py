@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ...hooks import loading
+from ...hooks.api import loading
 from ..base import Compatibility, DraftTarget
 from ..compat import check_tokenizer, config_value
 from .model import INPUT, ModelArgs, canonical_name

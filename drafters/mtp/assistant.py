@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ...hooks.kv_view import KVView
+from ...hooks.api import KVView
 from ..base import DraftBatch, Drafter, DraftState, Proposal
 from .batch import RowBook, draw, proposals
 

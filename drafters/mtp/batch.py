@@ -28,8 +28,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ...hooks.batch import add_row, keep_rows
-from ...hooks.transaction import CacheTransaction
+from ...hooks.api import CacheTransaction, add_row, keep_rows
 from ..base import DraftBatch, Drafter, DraftState, Proposal, Verified
 from .. import feature_log
 from ..feature_log import FeatureLog

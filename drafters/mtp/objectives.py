@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from ...hooks import taps
+from ...hooks.api import taps
 
 
 class Context:

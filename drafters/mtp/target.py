@@ -11,7 +11,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...hooks import loading, taps
+from ...hooks.api import loading, taps
 from ..base import DrafterError
 
 _INNER = ("model", "backbone", "transformer")

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ...hooks import tiny_models as tm
+from ...hooks.api import tiny_models as tm
 from .qwen3_5_mtp import Model as QwenHead
 from .qwen3_5_mtp import ModelArgs as QwenArgs
 from .qwen3_5_mtp import text_config
@@ -112,7 +112,7 @@ def write_qwen_target(out_dir: Path, config: Dict[str, Any], *, seed: int = 0, t
         raw = dict(mx.load(str(made / "model.safetensors")))
         if quiet_from is not None:
             outs = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
-            raw = {k: v * 0.05 if k.endswith(outs) and (tm._layer_index(k) or 0) >= quiet_from and "layers." in k else v
+            raw = {k: v * 0.05 if k.endswith(outs) and (tm.layer_index(k) or 0) >= quiet_from and "layers." in k else v
                    for k, v in raw.items()}
         weights = to_hf(raw, config)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -234,7 +234,7 @@ def write_gemma_target(out_dir: Path, config: Dict[str, Any], *, seed: int = 0, 
         return made
     norms = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight", "post_per_layer_input_norm.weight")
     weights = dict(mx.load(str(made / "model.safetensors")))
-    weights = {k: v * 0.05 if k.endswith(norms) and (tm._layer_index(k) or 0) >= quiet_from else v for k, v in weights.items()}
+    weights = {k: v * 0.05 if k.endswith(norms) and (tm.layer_index(k) or 0) >= quiet_from else v for k, v in weights.items()}
     mx.save_safetensors(str(made / "model.safetensors"), weights, metadata={"format": "mlx"})
     return made
 

@@ -20,7 +20,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ...hooks import loading, taps
+from ...hooks.api import loading, taps
 from ..compat import config_value
 from .checks import STATE_DIR, check_options, check_out, run_options
 from .data import Data, prepare, read_sources

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...hooks import loading
+from ...hooks.api import loading
 
 
 EVAL_LOGITS = 1 << 26  # logits (elements) one evaluation forward may make

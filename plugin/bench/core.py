@@ -20,9 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ...hooks import attention as host_attention
-from ...hooks import taps
-from ...hooks.state import CachePolicy, LoadedTarget
+from ...hooks.api import CachePolicy, LoadedTarget, route_policy, route_projections, taps, unroute_projections
 from .. import attention, cache_policy, compiled, projections
 from ..draft import ahead_modes
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
@@ -106,7 +104,7 @@ def _load_target(s: BenchSettings) -> Tuple[LoadedTarget, Dict[str, Any], str]:
                          f"(allowed: {', '.join(synthetic.SPECS)})")
     from mlx_lm import load as mlx_load
 
-    from ...hooks import loading
+    from ...hooks.api import loading
 
     path = loading.resolve_path(s.model, "model")
     config = loading.read_config(path, "model")
@@ -234,7 +232,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             [d[0].model for k, d in drafters.items() if k == "dflash"]
         routed = [target.model] + extra
         for model in routed:
-            host_attention.route_policy(model, policy)
+            route_policy(model, policy)
     methods = build_methods(s, target, config, drafters, policy,
                             {k: v["blocks"] for k, v in info.items()} if info is not None else None, spec_plugin)
     calls: Dict[str, Counter] = {m.name: Counter() for m in methods}
@@ -247,7 +245,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         if fwd is not None:
             fwd.enabled = on
         for model in routed if proj is not None else []:
-            host_attention.route_projections(model, proj) if on else host_attention.unroute_projections(model)
+            route_projections(model, proj) if on else unroute_projections(model)
 
     def run(m: Method, *args: Any) -> Run:
         """One run; the dispatchers serve this project's host only (mlx-lm's methods keep mlx-lm's attention

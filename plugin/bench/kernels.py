@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ...hooks.batch import forward
+from ...hooks.api import forward
 from .. import cache_policy
 
 

@@ -14,10 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.host import GenerationParams, Host
-from ...hooks.manager import make_plugin_manager
-from ...hooks.scheduler import Scheduler
-from ...hooks.state import CachePolicy, HostConfig, LoadedTarget
+from ...hooks.api import CachePolicy, GenerationParams, Host, HostConfig, LoadedTarget, Scheduler, make_plugin_manager
 from .. import hookimpls
 from ..settings import SpeculativeSettings
 from . import oracle as orc

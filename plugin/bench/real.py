@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...drafters import registry
-from ...hooks.state import CachePolicy, LoadedTarget
+from ...hooks.api import CachePolicy, LoadedTarget
 from ..hookimpls import draft_target
 
 
@@ -129,7 +129,7 @@ def read_prompts(path: str) -> List[str]:
 
 def tokenize(tokenizer: Any, prompts: List[str], path: str) -> List[List[int]]:
     """The target's tokenizer, no chat template (as ``mlx-spec generate --ignore-chat-template``)."""
-    from ...hooks.cli import encode_prompt
+    from ...hooks.api import encode_prompt
 
     if tokenizer is None:
         raise ValueError("--prompts-file: the target has no tokenizer")

@@ -27,7 +27,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def make(target: str, out: Path) -> Path:
     from mlx_lm import load
 
-    from mlx_speculative.hooks.loading import read_config, resolve_path
+    from mlx_speculative.hooks.api import read_config, resolve_path
 
     path = resolve_path(target, "target")
     config = read_config(path, "target")
