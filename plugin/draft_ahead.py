@@ -43,9 +43,9 @@ class DraftAhead:
         """The unread outcomes to evaluate with the round's plans."""
         return [u for u in self.unread if u is not None]
 
-    def queue(self, lap: Laps, batch: DecodeBatch, rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[Any],
-              proposals: Sequence[Proposal], captured: Dict[int, mx.array], written: int, vocab_size: int,
-              width_for: Callable[[int], int]) -> None:
+    def queue_next(self, lap: Laps, batch: DecodeBatch, rows: Sequence[DecodeState], on: Sequence[int],
+                   reqs: Sequence[Any], proposals: Sequence[Proposal], captured: Dict[int, mx.array], written: int,
+                   vocab_size: int, width_for: Callable[[int], int]) -> None:
         """The drafter's next block (lap ``draft_ahead``) and, where the next round is likely alike, its verify
         (lap ``queue``), queued from the unread outcome; a failure is kept for ``check``."""
         if not self.on:
@@ -68,12 +68,12 @@ class DraftAhead:
         """What the drafter was doing when the round's drafter commit failed with ``error``."""
         return "drafting ahead" if error is self.error else "committing"
 
-    def settle(self, queued_to: Any, req: Any, lap: Laps) -> None:
-        """The verify queued ahead handed to the next round (``queued_to.queued``), where the round's one row
-        drafts on (lap ``settle``, recorded into its stats)."""
+    def settle(self, batch_rounds: Any, req: Any, lap: Laps) -> None:
+        """The verify queued ahead handed to the next round (``batch_rounds.queued``: ``round.BatchRounds``),
+        where the round's one row drafts on (lap ``settle``, recorded into its stats)."""
         if self.queued is not None and self.error is None and req.failed is None:
             with lap.phase("settle"):
-                queued_to.queued = settle(self.queued, req.expected)
+                batch_rounds.queued = settle(self.queued, req.expected)
             req.stats.record_steps(lap, "settle")
 
 

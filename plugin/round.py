@@ -1,8 +1,10 @@
 """One speculative round over a batch: draft (draft.py) -> verify (verify.py) -> accept (accept.py) -> commit (commit.py).
 
-Before the host reads the outcome, a round may queue the next one's block (``DraftBatch.draft_ahead``) and
-its verify (verify_ahead.py) from the outcome still on the device; the next round takes them up only where
-everything is as they assumed.
+``step`` decides which rows draft (their controllers, the batch's costs) and ``_round`` runs the round top to
+bottom, each step a ``with`` block timed under its ``metrics.ROUND_STEPS`` name (``Laps.phase``) and guarded
+by ``Fallback``. Before the host reads the outcome, a round may queue the next one's block
+(``DraftBatch.draft_ahead``) and its verify (verify_ahead.py) from the outcome still on the device:
+draft_ahead.py; the next round takes them up only where everything is as they assumed.
 
 Every row of the batch takes part: rows with drafts get their accepted drafts plus the bonus, rows
 without (speculation off for the request, fallen back, paused by the adaptive controller, nothing
@@ -273,7 +275,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
             ahead = DraftAhead(att, br.draft, on_rows, lazy, accepting, drafts)
             # Queued before any drafting ahead, so that reading them waits for the verify alone.
             mx.async_eval([x for _, x in accepting], ahead.arrays)
-        ahead.queue(lap, batch, rows, on, reqs, proposals, captured, inputs.shape[1], vocab, width_for)
+        ahead.queue_next(lap, batch, rows, on, reqs, proposals, captured, inputs.shape[1], vocab, width_for)
         with lap.phase("read"):  # the host reads the outcome: one synchronisation for the batch
             proposals = as_ints(proposals, vocab)
             outcomes: List[RoundOutcome] = read_plans(accepting, proposals)
