@@ -43,6 +43,7 @@ from mlx_speculative.plugin import round as rnd  # noqa: E402
 from mlx_speculative.plugin.accept import plan_rows, read_plans, unread_outcome  # noqa: E402
 from mlx_speculative.plugin.bench import core  # noqa: E402
 from mlx_speculative.plugin.draft import as_ints, draft  # noqa: E402
+from mlx_speculative.plugin.draft_ahead import draft_ahead  # noqa: E402
 from mlx_speculative.plugin.metrics import Laps  # noqa: E402
 from mlx_speculative.plugin.verify import row_logprobs, verify  # noqa: E402
 
@@ -139,7 +140,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     mx.eval([x for _, x in accepting], [u for u in unread if u is not None])
     phase("accept")
     if ahead:  # in a round this runs on the device while the host commits, emits and builds the next verify
-        error = rnd.draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
+        error = draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
         if error is not None:
             raise error
     phase("ahead")

@@ -57,6 +57,25 @@ def commit_drafter(drafter: DraftBatch, drafted: Drafted, rows: Sequence[Any], k
         txn.commit([keep[b] for b in idx])
 
 
+class Open:
+    """A round's open transactions, the drafter's (``drafted``) and, once begun, the target's: rolled back where
+    the block they guard raises (``with Open(drafted) as txns``); ``fed``: the verify's inputs [B, W], for a
+    cache that keeps part of a forward by replaying it."""
+
+    def __init__(self, drafted: Drafted) -> None:
+        self.drafted = drafted
+        self.target: Optional[CacheTransaction] = None
+        self.fed: Optional[mx.array] = None
+
+    def __enter__(self) -> "Open":
+        return self
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+        if kind is not None:
+            abort(self.target, self.drafted)
+        return False
+
+
 def abort(target: Optional[CacheTransaction], drafted: Optional[Drafted]) -> None:
     """Roll back every open transaction of the round (an exception, a drafter found unusable)."""
     if target is not None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from ..hooks.api import Metric
 from .accept import RoundOutcome
@@ -35,6 +36,14 @@ class Laps:
         now = time.perf_counter()
         self.seconds[step] = self.seconds.get(step, 0.0) + now - self.last
         self.last = now
+
+    @contextmanager
+    def phase(self, step: str) -> Iterator[None]:
+        """Lap ``step`` where the block ends (also where it raises); the time before the block counts too."""
+        try:
+            yield
+        finally:
+            self(step)
 
     def total(self, *steps: str) -> float:
         return sum(self.seconds.get(s, 0.0) for s in steps)

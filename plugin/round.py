@@ -1,8 +1,10 @@
 """One speculative round over a batch: draft (draft.py) -> verify (verify.py) -> accept (accept.py) -> commit (commit.py).
 
-Before the host reads the outcome, a round may queue the next one's block (``DraftBatch.draft_ahead``) and
-its verify (verify_ahead.py) from the outcome still on the device; the next round takes them up only where
-everything is as they assumed.
+``step`` decides which rows draft (their controllers, the batch's costs) and ``_round`` runs the round top to
+bottom, each step a ``with`` block timed under its ``metrics.ROUND_STEPS`` name (``Laps.phase``) and guarded
+by ``Fallback``. Before the host reads the outcome, a round may queue the next one's block
+(``DraftBatch.draft_ahead``) and its verify (verify_ahead.py) from the outcome still on the device:
+draft_ahead.py; the next round takes them up only where everything is as they assumed.
 
 Every row of the batch takes part: rows with drafts get their accepted drafts plus the bonus, rows
 without (speculation off for the request, fallen back, paused by the adaptive controller, nothing
@@ -16,22 +18,24 @@ cache as it was before the round, and its rows go on with plain decoding.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from ..drafters.base import DraftBatch, Proposal, Unread
+from ..drafters.base import DraftBatch, Proposal
 from ..hooks.api import CacheTransaction, DecodeBatch, DecodeState, GeneratedToken, StepOutput, UnsupportedCache, replay
 from . import commit
-from .accept import RoundOutcome, plan_rows, read_plans, unread_outcome
+from .accept import RoundOutcome, plan_rows, read_plans
 from .adaptive import BlockSizeController
 from .costs import expected_tokens
 from .draft import DraftError, as_ints, draft
+from .draft_ahead import DraftAhead
 from .metrics import METRICS, PHASES, Laps, SpecStats
 from .settings import SpeculativeSettings
 from .verify import row_logprobs, verify
-from .verify_ahead import Queued, adopt, queue, settle
+from .verify_ahead import Queued, adopt
 
 log = logging.getLogger("mlx_speculative")
 NAME = "speculative"
@@ -214,114 +218,108 @@ def _fall_back(reqs: Sequence[RowRounds], where: str, error: BaseException) -> N
     return None
 
 
+class Fallback:
+    """A round's guard: ``with fallback(where)`` turns a drafter failure in its block into plain decoding for
+    the round's rows (``RowRounds.fall_back``; ``failed`` then says so), after ``undo`` (what the block opened).
+    ``where``: what was going on, or a function of the error that says it; ``catch``: the failures it takes
+    (anything else is raised)."""
+
+    def __init__(self, reqs: Sequence[RowRounds]) -> None:
+        self.reqs = reqs
+        self.failed = False
+
+    @contextmanager
+    def __call__(self, where: Union[str, Callable[[BaseException], str]], catch: Tuple[type, ...] = (Exception,),
+                 undo: Callable[[], None] = lambda: None) -> Iterator[None]:
+        try:
+            yield
+        except catch as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
+            undo()
+            self.failed = True
+            _fall_back(self.reqs, where if isinstance(where, str) else where(e), e)
+
+
+def _verify_failure(error: BaseException) -> str:
+    # A target cache that cannot be rolled back exactly for this forward, or drafts outside the vocabulary.
+    return "verifying (target cache)" if isinstance(error, UnsupportedCache) else "drafting"
+
+
 def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState], on: List[int],
            plans: List[Optional[int]]) -> Optional[List[StepOutput]]:
+    """One round for every row: propose -> verify -> accept -> commit, each step lapped (``Laps``, the names of
+    ``metrics.ROUND_STEPS``). Up to the target's commit every cache is in a transaction: a failure rolls them all
+    back and the rows decode plainly; the drafter failing after it leaves the target's tokens standing."""
     reqs: List[RowRounds] = [rows[b].extras[NAME] for b in on]
     on_rows = [rows[b] for b in on]
     vocab = int(rows[0].pending_logprobs.shape[-1]) if rows[0].pending_logprobs is not None else 0
-    lap = Laps()
+    lap, fallback = Laps(), Fallback(reqs)
     lazy = att.lazy_drafts and not any(r.logits_processors for r in rows)
-    try:
+    with fallback("drafting"), lap.phase("draft"):  # propose (draft.py: the drafter's own transactions open)
         drafted = draft(br.draft, on_rows, [k or 0 for k in plans], vocab, lazy)
-    except Exception as e:  # noqa: BLE001
-        return _fall_back(reqs, "drafting", e)
-    lap("draft")
-    proposals: List[Proposal] = [Proposal([]) for _ in rows]
-    for b, p in zip(on, drafted.proposals):
-        proposals[b] = p
+    if fallback.failed:
+        return None
+    proposals = _per_row(len(rows), on, drafted.proposals)
     width_for = getattr(batch.target.cache_policy, "verify_width", lambda n: n)
-    target: Optional[CacheTransaction] = None
-    ahead_error: Optional[BaseException] = None
-    waiting, br.queued = br.queued, None
-    queued: Optional[Queued] = None
-    try:
-        fed: List[Any] = []
-        target = CacheTransaction(batch.cache, replay=lambda n: replay(batch.target.model, batch.cache, fed[0], n))
-        target.begin()
-        got = adopt(waiting, batch, proposals, vocab)
-        waiting = None  # its buffers held no longer (MLX writes a buffer in place only where nothing else holds it)
-        lap("adopt")
-        if got is None:
-            logits, captured, inputs = verify(batch, [p.tokens for p in proposals], vocab, width_for)  # [B, W, V]
-        else:
-            logits, captured, inputs = got  # queued by the round before
-            reqs[0].stats.verified_ahead += 1
-        lap("verify")
-        fed.append(inputs)
-        drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]  # [k_b] as fed
-        logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
-        accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
-        ahead = att.ahead and lazy and br.draft.drafts_ahead(on_rows)
-        unread = [unread_outcome(plan, x) for plan, x in zip(accepting, drafts)] if ahead else []
-        # Queued before any drafting ahead, so that reading them waits for the verify alone.
-        mx.async_eval([x for _, x in accepting], [u for u in unread if u is not None])
-        lap("plan")
-        if ahead:
-            ahead_error = draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
-            lap("draft_ahead")
-            if ahead_error is None and att.verify_ahead and next_round_alike(rows, on, reqs, proposals):
-                try:
-                    queued = queue(batch, br.draft, unread[0], inputs.shape[1], vocab, width_for)
-                except Exception as e:  # noqa: BLE001 - like a failing ahead: falls back after the commit
-                    ahead_error = e
-                lap("queue")
-        proposals = as_ints(proposals, vocab)
-        outcomes: List[RoundOutcome] = read_plans(accepting, proposals)
-        lap("read")
-        outcomes = commit.fit(target, outcomes, inputs.shape[1])
-        commit.commit_target(target, outcomes, inputs.shape[1])
-        lap("commit")
-    except (UnsupportedCache, DraftError) as e:
-        # A target cache that cannot be rolled back exactly for this forward, or drafts outside the
-        # vocabulary: everything is restored, the rows go on with plain decoding, nothing lost.
-        commit.abort(target, drafted)
-        where = "verifying (target cache)" if isinstance(e, UnsupportedCache) else "drafting"
-        return _fall_back(reqs, where, e)
-    except BaseException:
-        commit.abort(target, drafted)
-        raise
-    try:
-        if ahead_error is not None:
-            raise ahead_error
-        commit.commit_drafter(br.draft, drafted, on_rows,
-                              commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
-    except Exception as e:  # noqa: BLE001 - the target's tokens stand; the drafter is done for
-        drafted.abort()
-        _fall_back(reqs, "drafting ahead" if e is ahead_error else "committing", e)
-    lap("commit_drafter")
+    with fallback(_verify_failure, (UnsupportedCache, DraftError)), commit.Open(drafted) as txns:
+        with lap.phase("adopt"):  # the target's transaction begun; the verify the round before queued, if it fits
+            target, got = _begin(batch, br, txns, proposals, vocab)
+        with lap.phase("verify"):  # verify: one forward of the target, [B, W, V]
+            logits, captured, inputs = _verify(batch, got, proposals, vocab, width_for, reqs[0].stats)
+        with lap.phase("plan"):  # accept: each row's rule, on the device (accept.py)
+            txns.fed = inputs
+            drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]  # [k_b] as fed
+            logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
+            accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
+            ahead = DraftAhead(att, br.draft, on_rows, lazy, accepting, drafts)
+            # Queued before any drafting ahead, so that reading them waits for the verify alone.
+            mx.async_eval([x for _, x in accepting], ahead.arrays)
+        ahead.queue_next(lap, batch, rows, on, reqs, proposals, captured, inputs.shape[1], vocab, width_for)
+        with lap.phase("read"):  # the host reads the outcome: one synchronisation for the batch
+            proposals = as_ints(proposals, vocab)
+            outcomes: List[RoundOutcome] = read_plans(accepting, proposals)
+        with lap.phase("commit"):  # commit the target's caches (commit.py)
+            outcomes = commit.fit(target, outcomes, inputs.shape[1])
+            commit.commit_target(target, outcomes, inputs.shape[1])
+    if fallback.failed:
+        return None
+    with lap.phase("commit_drafter"), fallback(ahead.where, undo=drafted.abort):  # the target's tokens stand
+        ahead.check()
+        commit.commit_drafter(br.draft, drafted, on_rows, commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
     record(rows, on, reqs, plans, outcomes, lap, int(inputs.shape[1]))
-    if queued is not None and ahead_error is None and reqs[0].failed is None:
-        br.queued = settle(queued, reqs[0].expected)
-        lap("settle")
-        reqs[0].stats.record_steps(lap, "settle")
+    ahead.settle(br, reqs[0], lap)
     return [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
             for b, o in enumerate(outcomes)]
 
 
-def next_round_alike(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRounds],
-                     proposals: Sequence[Proposal]) -> bool:
-    """Whether the next round of this one-row batch will want no more drafts than this one, whatever this
-    round accepts (so that a verify queued over as many is likely to serve it): a pinned block or one at its
-    cap (the controller only grows below it), and tokens left for a round after this one's."""
-    if len(rows) != 1 or list(on) != [0]:
-        return False
-    c, k = reqs[0].controller, len(proposals[0].tokens)
-    return (not c.adaptive or c.size >= c.cap) and rows[0].remaining - (k + 1) >= 2
+def _per_row(n: int, on: Sequence[int], drafted: Sequence[Proposal]) -> List[Proposal]:
+    """The proposals of the drafting rows (``on``) spread over the batch's ``n`` rows; the others propose none."""
+    proposals: List[Proposal] = [Proposal([]) for _ in range(n)]
+    for b, p in zip(on, drafted):
+        proposals[b] = p
+    return proposals
 
 
-def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[int], max_drafts: Sequence[int],
-                unread: Sequence[Optional[Any]], captured: Dict[int, mx.array]) -> Optional[BaseException]:
-    """The drafter's next block queued from this round's unread outcome (``DraftBatch.draft_ahead``);
-    an exception is returned, for the round to fall back after committing the target's tokens."""
-    outcomes: List[Optional[Unread]] = []
-    for b in on:
-        u = unread[b]
-        outcomes.append(None if u is None else Unread(u[0], u[1], {i: h[b : b + 1] for i, h in captured.items()}))
-    try:
-        drafter.draft_ahead([rows[b] for b in on], outcomes, max_drafts)
-    except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
-        return e
-    return None
+def _begin(batch: DecodeBatch, br: BatchRounds, txns: commit.Open, proposals: Sequence[Proposal],
+           vocab: int) -> Tuple[CacheTransaction, Optional[Tuple[mx.array, Dict[int, mx.array], mx.array]]]:
+    """The target's transaction over the verify forward, begun (a cache that keeps part of a forward by replaying
+    it replays the verify's inputs), and the verify the round before queued where it is this round's (``adopt``,
+    verify_ahead.py); the batch holds that one no longer, and neither does this frame once it returns (MLX
+    writes a buffer in place only where nothing else holds it)."""
+    waiting, br.queued = br.queued, None
+    txns.target = CacheTransaction(batch.cache, replay=lambda n: replay(batch.target.model, batch.cache, txns.fed, n))
+    txns.target.begin()
+    return txns.target, adopt(waiting, batch, proposals, vocab)
+
+
+def _verify(batch: DecodeBatch, adopted: Optional[Tuple[mx.array, Dict[int, mx.array], mx.array]],
+            proposals: Sequence[Proposal], vocab: int, width_for: Callable[[int], int],
+            stats: SpecStats) -> Tuple[mx.array, Dict[int, mx.array], mx.array]:
+    """(logits [B, W, V], captured, inputs [B, W]): the verify the round before queued, where the round
+    ``adopted`` it, else the target's forward over every row's block (verify.py)."""
+    if adopted is None:
+        return verify(batch, [p.tokens for p in proposals], vocab, width_for)
+    stats.verified_ahead += 1
+    return adopted
 
 
 def record(rows: Sequence[DecodeState], on: Sequence[int], reqs: Sequence[RowRounds], plans: Sequence[Optional[int]],

@@ -23,8 +23,8 @@ PATH = re.compile(r"`((?:hooks|plugin|drafters|demo|bench|tests|examples)/[A-Za-
 # Every module one speculative round passes through (propose, verify, accept, commit): the architecture page
 # must name each, so that a reader can follow a round file by file.
 ROUND_FILES = ("hooks/batch.py", "hooks/scheduler.py", "hooks/specs.py", "hooks/state.py", "hooks/transaction.py",
-               "plugin/hookimpls.py", "plugin/round.py", "plugin/draft.py", "plugin/verify.py", "plugin/accept.py",
-               "plugin/commit.py", "plugin/adaptive.py", "plugin/metrics.py", "drafters/base.py")
+               "plugin/hookimpls.py", "plugin/round.py", "plugin/draft.py", "plugin/draft_ahead.py", "plugin/verify.py",
+               "plugin/accept.py", "plugin/commit.py", "plugin/adaptive.py", "plugin/metrics.py", "drafters/base.py")
 
 
 def doc_files() -> List[Path]:

@@ -1,4 +1,4 @@
-"""Drafting ahead (plugin/round.py; ``DraftBatch.draft_ahead``, DFlash over the policy's compiled calls):
+"""Drafting ahead (plugin/draft_ahead.py; ``DraftBatch.draft_ahead``, DFlash over the policy's compiled calls):
 a round queues the next round's block from its outcome still on the device, before the host reads it.
 
 The block must be used only where the rows are what it assumed, and the output must stay plain decoding's:
@@ -23,7 +23,7 @@ from mlx_speculative.drafters.dflash import DFlashBatch, DFlashDrafter
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import SamplingParams
 from mlx_speculative.plugin import accept, cache_policy, compiled, draft
-from mlx_speculative.plugin import round as round_mod
+from mlx_speculative.plugin import draft_ahead as draft_ahead_mod
 from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
 
 CASES = ("zero", "full", "partial")
@@ -200,7 +200,7 @@ def test_an_outcome_other_than_assumed_is_not_used(wrong: str, models: Dict[str,
             return None
         return (u[0] + 1, u[1]) if wrong == "accepted" else (u[0], (u[1] + 1) % VOCAB)
 
-    monkeypatch.setattr(round_mod, "unread_outcome", skewed)
+    monkeypatch.setattr(draft_ahead_mod, "unread_outcome", skewed)
     seen = {"ahead_used": 0, "rounds": 0}
     force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
     tokens, states = run(host, target, PROMPTS, batch=False)

@@ -20,6 +20,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import no_stop
+from mlx_speculative.plugin import draft_ahead as draft_ahead_mod
 from mlx_speculative.plugin import round as round_mod
 from mlx_speculative.plugin import verify_ahead
 from mlx_speculative.plugin.bench import oracle as orc
@@ -149,7 +150,7 @@ def test_an_outcome_other_than_assumed_is_not_adopted(wrong: str, models: Dict[s
         a, bonus = unread
         return real(batch, drafter, (a + 1, bonus) if wrong == "accepted" else (a, (bonus + 1) % VOCAB), *args)
 
-    monkeypatch.setattr(round_mod, "queue", skewed)
+    monkeypatch.setattr(draft_ahead_mod, "queue", skewed)
     seen = adoptions(monkeypatch)
     tokens, _ = run(host, target, PROMPTS, batch=False)
     assert tokens == refs(models, PROMPTS)
@@ -192,7 +193,7 @@ def test_a_failing_queue_falls_back_without_losing_a_token(models: Dict[str, Any
             raise RuntimeError("queue broke")
         return real(*args)
 
-    monkeypatch.setattr(round_mod, "queue", queue)
+    monkeypatch.setattr(draft_ahead_mod, "queue", queue)
     tokens, states = run(host, target, PROMPTS[:1], batch=False)
     assert tokens == refs(models, PROMPTS[:1])  # nothing lost or repeated
     stats = states[0].report["speculative"]
