@@ -220,15 +220,21 @@ class BlockSizeController:
         elif self.losing() and rate < self.good_rate:
             self._pause(f"acceptance below break-even: a round ({1000 * self.round_seconds:.1f} ms) costs more than "
                         f"the {1 + self.recent_accepted:.1f} plain steps it replaces ({1000 * self.plain_seconds:.1f} ms each)")
-        elif rate >= self.good_rate:
-            self.pause = 0
-            self._good += 1
-            if self._good >= self.grow_after and self.size < self.cap:
-                new = min(self.cap, self.size + max(1, self.size // 4))
-                if self.pays_to_grow(new):
-                    self.size = new
-                self._good = 0
         else:
+            self._after(rate)
+
+    def _after(self, rate: float) -> None:
+        """A round that neither paused nor shrank: a good one ends a pause's backoff and, after ``grow_after`` in a
+        row, grows the block one step where that pays."""
+        if rate < self.good_rate:
+            self._good = 0
+            return
+        self.pause = 0
+        self._good += 1
+        if self._good >= self.grow_after and self.size < self.cap:
+            new = min(self.cap, self.size + max(1, self.size // 4))
+            if self.pays_to_grow(new):
+                self.size = new
             self._good = 0
 
     def _by_costs(self, collapsed: bool, accepted: int, rate: float) -> None:
@@ -244,13 +250,5 @@ class BlockSizeController:
             if fit < self.size and self.pays_to_grow(fit, untried=False):
                 self.size = fit
             self._good = 0
-        elif rate >= self.good_rate:
-            self.pause = 0
-            self._good += 1
-            if self._good >= self.grow_after and self.size < self.cap:
-                new = min(self.cap, self.size + max(1, self.size // 4))
-                if self.pays_to_grow(new):
-                    self.size = new
-                self._good = 0
         else:
-            self._good = 0
+            self._after(rate)
