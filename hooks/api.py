@@ -66,8 +66,8 @@ from .prompt_cache import (
 # -- attention and model scoping (hooks/attention.py, hooks/recurrent.py)
 from .attention import (
     MaskSpec,  # what a mask means (offsets, lengths), for attention kernels
-    describe,  # record what a mask holds (a MaskSpec) and return the mask
-    described,  # the MaskSpec attached to a mask, or None
+    describe,  # record on the cache a mask is made for what the mask holds (a MaskSpec); returns the mask
+    described,  # the MaskSpec a cache recorded for this very mask, or None
     project_all,  # [layer(x) for layer in layers], routed projections at once
     route_policy,  # route a model's attention through a cache policy's dispatcher (CUDA), if any
     route_projections,  # route a model's projections through a dispatcher

@@ -15,9 +15,11 @@ array may ``describe`` it: a ``MaskSpec`` is a promise that the array is exactly
 
     mask[b, ..., i, j] = key_start[b] <= j < key_len[b]  and  j <= offset[b] + i
 
-over its last two axes (queries ``i`` < ``queries``, keys ``j`` < ``span``). The plugin's caches
-(plugin/cache_policy.py) and the DFlash drafter describe theirs; a dispatcher looks them up with
-``described`` and falls back to mlx-lm's function for any mask without a description.
+over its last two axes (queries ``i`` < ``queries``, keys ``j`` < ``span``). The description travels
+with the cache the mask is made for (mlx-lm passes that cache along with the mask): the cache keeps a
+weak reference to the last mask it described and that mask's spec, valid for that very array only. The
+plugin's caches (plugin/cache_policy.py) and the DFlash drafter describe theirs; a dispatcher reads them
+with ``described(mask, cache)`` and falls back to mlx-lm's function for any mask without a description.
 
 Projections: a policy may also hand a dispatcher ``(x, weight) -> x @ weight.T or None``
 (``CachePolicy.projections``). ``route_projections(model, dispatcher)`` gives every ``nn.Linear``
@@ -61,29 +63,25 @@ class MaskSpec:
     kind: str = "array"
 
 
-_described: Dict[int, Tuple["weakref.ref[mx.array]", MaskSpec]] = {}
+MASK_ATTR = "_spec_described_mask"  # on a cache: (weak reference to the last mask it described, its MaskSpec)
 
 
-def _forget(key: int, ref: "weakref.ref[mx.array]") -> None:
-    entry = _described.get(key)
-    if entry is not None and entry[0] is ref:
-        del _described[key]
-
-
-def describe(mask: mx.array, spec: MaskSpec) -> mx.array:
-    """Record what ``mask`` holds (until it is freed) and return it."""
+def describe(mask: mx.array, spec: MaskSpec, cache: Any) -> mx.array:
+    """Record on ``cache`` (the cache ``mask`` is made for and travels with) what ``mask`` holds; return it.
+    A cache keeps the record of its last described mask only; the record names that very array (a weak
+    reference: it does not keep the mask alive, nor count among the arrays the cache holds)."""
     if tuple(mask.shape[-2:]) != (spec.queries, spec.span):
         raise ValueError(f"describe: mask of shape {tuple(mask.shape)}; expected its last axes to be "
                          f"(queries, span) = ({spec.queries}, {spec.span})")
-    key = id(mask)
-    ref = weakref.ref(mask, lambda r, key=key: _forget(key, r))
-    _described[key] = (ref, spec)
+    if cache is None:
+        raise ValueError("describe: got no cache; expected the cache the mask is made for (it carries the description)")
+    setattr(cache, MASK_ATTR, (weakref.ref(mask), spec))
     return mask
 
 
-def described(mask: Any) -> Optional[MaskSpec]:
-    """The ``MaskSpec`` recorded for this very array, or None."""
-    entry = _described.get(id(mask))
+def described(mask: Any, cache: Any) -> Optional[MaskSpec]:
+    """The ``MaskSpec`` ``cache`` recorded for this very array, or None."""
+    entry = getattr(cache, MASK_ATTR, None)
     return entry[1] if entry is not None and entry[0]() is mask else None
 
 

@@ -12,7 +12,10 @@ arguments. ``Dispatcher`` sends a call to its kernel (plugin/cuda_attention.py o
 - the mask's meaning is known without reading it: None (every key), ``"causal"`` (query i sees keys
   j <= S - L + i, MLX's rule), or an array described by the code that built it (``hooks.attention.MaskSpec``:
   the plugin's padded caches, the DFlash drafter) whose shape matches the call; key length, offset and
-  left padding then come from the description, so the kernel computes the same function,
+  left padding then come from the description, so the kernel computes the same function. The description
+  travels with the cache that made the mask (``described(mask, cache)``); the later layers of a forward
+  pass the same mask object with their own caches, so the dispatcher remembers the last few described
+  masks it met (weak references, checked by identity: a spec holds for that very array only),
 - and there are at least ``min_keys`` keys for that kind of mask, the measured crossover (below).
 
 Everything else calls ``mlx_lm.models.base.scaled_dot_product_attention`` unchanged. ``counts`` tallies
@@ -33,7 +36,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import weakref
 
 import mlx.core as mx
 from mlx_lm.models import base
@@ -50,6 +55,7 @@ MIN_KEYS = {"mlx-mask": 4096, "array": 1024}  # by mask kind: None / "causal" (M
 # 0.37x mlx-lm fresh with MIN_KEYS, 2.22x with the kernel taking every such call.
 ROUTED_MIN_KEYS = {"mlx-mask": 0, "array": 0}
 _MLX = base.scaled_dot_product_attention  # mlx-lm's function, as imported here (never reassigned)
+RECENT_MASKS = 4  # described masks a dispatcher remembers (a forward's layers share one or two)
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ class Dispatcher:
         self.enabled = True  # False: every call takes MLX's path (the bench's on/off in one process)
         self.counts: Counter = Counter()
         self._params: Tuple[Any, ...] = (None, None, None)  # (spec, batch, params) of the last kernel call
+        # (weak reference to a mask, its spec), newest first: the masks a cache described to this dispatcher
+        self._recent: List[Tuple["weakref.ref[mx.array]", MaskSpec]] = []
 
     def __call__(self, queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
                  mask: Any, sinks: Optional[mx.array] = None) -> mx.array:
@@ -101,6 +109,9 @@ class Dispatcher:
         """(the bounds the kernel gets, "") or (None, why MLX's path runs). Reads no array's values."""
         if not self.enabled:
             return None, "off"
+        # Before any refusal: a mask described to the layer that makes it is remembered for the later layers
+        # that pass it, whatever that first call's fate (the same choices as a description on the array).
+        found = self.described(mask, cache)
         L = queries.shape[-2] if queries.ndim == 4 else 0
         if not self.min_queries <= L <= self.max_queries:
             return None, "queries"
@@ -117,12 +128,30 @@ class Dispatcher:
             return None, "dtype"
         if k.head_dims is not None and D not in k.head_dims:
             return None, "head dim"
-        spec = mask_bounds(mask, B, L, keys.shape[2])
+        spec = mask_bounds(mask, B, L, keys.shape[2], found)
         if spec is None:
             return None, "mask"
         if spec.keys < self.min_keys["array" if spec.kind == "array" else "mlx-mask"]:
             return None, "keys"
         return spec, ""
+
+    def described(self, mask: Any, cache: Any) -> Optional[MaskSpec]:
+        """The spec of this very mask array: recorded by ``cache`` (the layer whose cache made it), or by the
+        cache of an earlier call that passed it (a forward's later layers pass it with their own caches)."""
+        if not isinstance(mask, mx.array):
+            return None
+        spec = described(mask, cache)
+        recent = self._recent
+        for i, (ref, seen) in enumerate(recent):
+            if ref() is mask:
+                if spec is None or spec is seen:
+                    return seen
+                del recent[i]  # described anew (the same array, another spec): the cache's record holds
+                break
+        if spec is not None:
+            recent.insert(0, (weakref.ref(mask), spec))
+            del recent[RECENT_MASKS:]
+        return spec
 
     def report(self) -> Dict[str, Any]:
         total = sum(self.counts.values())
@@ -135,14 +164,15 @@ def _fits(x: Any, B: int) -> bool:
     return isinstance(x, int) or (isinstance(x, mx.array) and x.ndim <= 1 and (x.ndim == 0 or x.shape[0] in (1, B)))
 
 
-def mask_bounds(mask: Any, B: int, L: int, S: int) -> Optional[MaskSpec]:
-    """The bounds equal to ``mask`` for L queries over S keys, or None when not known without reading it."""
+def mask_bounds(mask: Any, B: int, L: int, S: int, spec: Optional[MaskSpec] = None) -> Optional[MaskSpec]:
+    """The bounds equal to ``mask`` for L queries over S keys, or None when not known without reading it.
+    ``spec``: an array mask's description (``Dispatcher.described``), None for an undescribed one."""
     if mask is None:
         return MaskSpec(L, S, 0, S, S, S, kind="none")
     if isinstance(mask, str):
         # MLX's "causal": queries at the end of the keys. Fewer keys than queries would leave rows empty.
         return MaskSpec(L, S, 0, S, S - L, S, kind="causal") if mask == "causal" and S >= L else None
-    spec = described(mask)  # its shape ends in (queries, span): checked when it was described
+    # an array: its description's shape ends in (queries, span), checked when it was described
     if spec is None or spec.span != S or (mask.ndim == 4 and mask.shape[0] not in (1, B)):
         return None
     # One row broadcast over the queries holds for every query only when nothing is cut causally.

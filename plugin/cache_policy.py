@@ -18,9 +18,9 @@ compare tokens with ``KVCache`` through plain decoding and the round loop). The 
 positions come after the real ones, so causal attention keeps them out of the real rows; the
 cache transaction trims them like rejected drafts.
 
-Masks describe themselves (``hooks.attention.describe``: key length, offset, left padding), so that
-the short-query attention kernel (``plugin/attention.py``) applies them from those bounds without
-reading them; the kernel reads only the real keys of the padded buffer. The policies carry that
+Masks are described to the cache that makes them (``hooks.attention.describe``: key length, offset,
+left padding), so that the short-query attention kernel (``plugin/attention.py``) applies them from those
+bounds without reading them; the kernel reads only the real keys of the padded buffer. The policies carry that
 dispatcher (``attention``) where ``MLX_SPEC_ATTENTION_KERNEL`` resolves on; ``RoutedPolicy`` is
 mlx-lm's caches with it (``MLX_SPEC_PADDED_CACHE=off`` on CUDA), the kernel then taking every 2..32-query
 call it can at any key length. Measured on the H200 (Llama-3-8B shape, DFlash at oracle tau 6.5, prompts
@@ -117,7 +117,7 @@ class PaddedKVCache(KVCache):
         cols = mx.arange(span)[None]
         # [N, span] bool; padding and stale tail are "future" positions. Described, so that an
         # attention kernel can apply it from the bounds without reading it (plugin/attention.py).
-        return describe(rows >= cols, MaskSpec(N, span, 0, end, self.offset, end))
+        return describe(rows >= cols, MaskSpec(N, span, 0, end, self.offset, end), self)
 
     def keys_and_values(self):
         span = self.span(self.offset)
@@ -236,7 +236,7 @@ class DescribedBatchKVCache(BatchKVCache):
         if kwargs.get("window_size") is not None or not isinstance(mask, mx.array):
             return mask
         start = self._idx  # rows are positions idx..idx+N-1 of the batch's index; left padding hidden
-        return describe(mask, MaskSpec(N, start + N, self.left_padding, start + N, start, start + N))
+        return describe(mask, MaskSpec(N, start + N, self.left_padding, start + N, start, start + N), self)
 
     @classmethod
     def merge(cls, caches: List[Any]) -> "DescribedBatchKVCache":

@@ -111,7 +111,7 @@ class TraceCache:
         else:
             rows = (self.offset + mx.arange(N))[:, None]
             mask = rows >= mx.arange(span)[None]  # [N, span]: the buffer's tail is "future" positions
-        return describe(mask, MaskSpec(N, span, 0, end, self.offset, span))
+        return describe(mask, MaskSpec(N, span, 0, end, self.offset, span), self)
 
 
 def grown(buffer: mx.array, end: int, step: int) -> mx.array:

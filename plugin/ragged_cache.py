@@ -23,7 +23,7 @@ alone, zero, partial and full acceptance).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -31,16 +31,15 @@ from mlx_lm.models.cache import KVCache
 from ..hooks.api import Lengths, MaskSpec, check_range, describe
 
 DEFAULT_BUCKET = 256
-_ARRAYS: "OrderedDict[Tuple[int, ...], mx.array]" = OrderedDict()
-_WRITES: "OrderedDict[Tuple[int, int], Tuple[mx.array, mx.array]]" = OrderedDict()
+# per distinct lengths tuple (keyed by value): its [B] device array, and the write slots made from it by width
+_ARRAYS: "OrderedDict[Tuple[int, ...], Tuple[mx.array, Dict[int, mx.array]]]" = OrderedDict()
 
 
-def lengths_array(lengths: Sequence[int]) -> mx.array:
-    """[B] int32 on the device for these host lengths, one array per distinct tuple (the last few kept)."""
+def _entry(lengths: Sequence[int]) -> Tuple[mx.array, Dict[int, mx.array]]:
     key = tuple(int(n) for n in lengths)
     got = _ARRAYS.get(key)
     if got is None:
-        got = mx.array(key, dtype=mx.int32)
+        got = (mx.array(key, dtype=mx.int32), {})
         _ARRAYS[key] = got
         while len(_ARRAYS) > 64:
             _ARRAYS.popitem(last=False)
@@ -49,23 +48,26 @@ def lengths_array(lengths: Sequence[int]) -> mx.array:
     return got
 
 
-def write_index(offset: mx.array, width: int) -> mx.array:
-    """[B, 1, W, 1] slots ``offset[b] + 0..W-1``: where row b's W new positions go (one per forward)."""
-    key = (id(offset), width)
-    got = _WRITES.get(key)
-    if got is None or got[0] is not offset:
-        got = (offset, (offset[:, None] + mx.arange(width, dtype=mx.int32)[None])[:, None, :, None])
-        _WRITES[key] = got
-        while len(_WRITES) > 64:
-            _WRITES.popitem(last=False)
-    return got[1]
+def lengths_array(lengths: Sequence[int]) -> mx.array:
+    """[B] int32 on the device for these host lengths, one array per distinct tuple (the last few kept)."""
+    return _entry(lengths)[0]
 
 
-def ragged_mask(offset: mx.array, queries: int, span: int, keys: int) -> mx.array:
-    """[B, 1, N, span] bool: query i of row b sees slots j <= offset[b] + i (described)."""
+def write_index(lengths: Sequence[int], width: int) -> mx.array:
+    """[B, 1, W, 1] slots ``lengths[b] + 0..W-1``: where row b's W new positions go (one per forward: every
+    layer's cache is at the same lengths, so they share it)."""
+    offset, writes = _entry(lengths)
+    got = writes.get(width)
+    if got is None:
+        got = writes[width] = (offset[:, None] + mx.arange(width, dtype=mx.int32)[None])[:, None, :, None]
+    return got
+
+
+def ragged_mask(offset: mx.array, queries: int, span: int, keys: int, cache: Any) -> mx.array:
+    """[B, 1, N, span] bool: query i of row b sees slots j <= offset[b] + i (described to ``cache``)."""
     rows = offset[:, None] + mx.arange(queries, dtype=mx.int32)[None]  # [B, N]
     mask = (mx.arange(span, dtype=mx.int32)[None, None] <= rows[:, :, None])[:, None]  # [B, 1, N, span]
-    return describe(mask, MaskSpec(queries, span, 0, offset + queries, offset, keys))
+    return describe(mask, MaskSpec(queries, span, 0, offset + queries, offset, keys), cache)
 
 
 class RaggedHandler:
@@ -128,7 +130,7 @@ class RaggedBatchKVCache:
         W = keys.shape[2]  # keys: [B, H, W, D]
         end = max(self.lengths) + W
         self._fit(end, keys, values)
-        idx = write_index(self.offset, W)  # [B, 1, W, 1]
+        idx = write_index(self.lengths, W)  # [B, 1, W, 1]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
         self.set_lengths([n + W for n in self.lengths])
@@ -145,7 +147,7 @@ class RaggedBatchKVCache:
             raise ValueError("RaggedBatchKVCache does not support sliding-window attention; use the model's own cache")
         # Called before update_and_fetch: row b's queries are positions lengths[b]..lengths[b]+N-1.
         end = max(self.lengths) + N
-        return ragged_mask(self.offset, N, self.span(end), end)
+        return ragged_mask(self.offset, N, self.span(end), end, self)
 
     # rows joining and leaving ----------------------------------------------------------------
     @classmethod

@@ -56,8 +56,8 @@ def materialize(spec: MaskSpec) -> mx.array:
     return (j >= per(spec.key_start)) & (j < per(spec.key_len)) & (j <= per(spec.offset) + i)
 
 
-def assert_described(mask: mx.array) -> MaskSpec:
-    spec = described(mask)
+def assert_described(mask: mx.array, cache: Any) -> MaskSpec:
+    spec = described(mask, cache)
     assert spec is not None
     B = mask.shape[0] if mask.ndim == 4 else 1
     got = mask.reshape(B, *mask.shape[-2:]) if mask.ndim == 4 else mask[None]
@@ -78,13 +78,13 @@ def test_padded_masks_are_what_they_describe(bucket: int, prefill: int, N: int) 
     cache = PaddedKVCache(bucket, pad_steps=True)
     if prefill:
         cache.update_and_fetch(*_kv(1, 2, prefill))
-    spec = assert_described(cache.make_mask(N))
+    spec = assert_described(cache.make_mask(N), cache)
     assert (spec.key_start, spec.key_len, spec.offset) == (0, prefill + N, prefill)
     rows = [PaddedKVCache(bucket) for _ in range(3)]
     for c, n in zip(rows, (prefill + 2, 1, prefill + 5)):
         c.update_and_fetch(*_kv(1, 2, n))
     batch = PaddedKVCache.merge(rows)
-    spec = assert_described(batch.make_mask(N))
+    spec = assert_described(batch.make_mask(N), batch)
     lengths = [prefill + 2, 1, prefill + 5]
     assert spec.key_start == 0 and spec.offset.tolist() == lengths and spec.key_len.tolist() == [n + N for n in lengths]
 
@@ -98,9 +98,10 @@ def test_dflash_blocks_are_one_range_of_keys_in_any_cache() -> None:
                                  "vocab_size": 64, "rms_norm_eps": 1e-6, "block_size": 4, "num_target_layers": 4,
                                  "mask_token_id": 63, "max_position_embeddings": 128})
     layer = DFlashAttention(args, 0)
-    spec = assert_described(layer.mask(4, 16, 6, 6, None, mx.array([3])))  # a padded cache: 16 slots
+    padded = PaddedKVCache(16)
+    spec = assert_described(layer.mask(4, 16, 6, 6, None, mx.array([3]), padded), padded)  # 16 slots
     assert (spec.queries, spec.key_start, spec.offset) == (1, 0, 16) and spec.key_len.tolist() == [9]
-    assert layer.mask(4, 10, 6, 6, None, None) is None  # plain cache, whole block: every key is real
+    assert layer.mask(4, 10, 6, 6, None, None, KVCache()) is None  # plain cache, whole block: every key is real
     disp, kernel = dispatcher()
     mx.random.seed(5)
     context, x = mx.random.normal((1, 6, 32)), mx.random.normal((2, 4, 32))
@@ -142,20 +143,20 @@ def test_every_mask_kind_taken_equals_mlx() -> None:
     cases = []
     q = mx.random.normal((1, 4, 5, 16))
     k, v = _kv(1, 2, 12)
-    cases += [(q, k, v, None), (q, k, v, "causal")]
+    cases += [(q, k, v, None, None), (q, k, v, None, "causal")]
     cache = PaddedKVCache(8)
     cache.update_and_fetch(*_kv(1, 2, 9, seed=1))
     mask = cache.make_mask(5)
-    cases.append((q, *cache.update_and_fetch(*_kv(1, 2, 5, seed=2)), mask))  # 14 real keys of 16 slots
+    cases.append((q, *cache.update_and_fetch(*_kv(1, 2, 5, seed=2)), cache, mask))  # 14 real keys of 16 slots
     rows = [PaddedKVCache(8) for _ in range(3)]
     for i, (c, n) in enumerate(zip(rows, (9, 2, 5))):
         c.update_and_fetch(*_kv(1, 2, n, seed=4 + i))
     batch = PaddedKVCache.merge(rows)
     qb = mx.random.normal((3, 4, 5, 16))
     mask = batch.make_mask(5)
-    cases.append((qb, *batch.update_and_fetch(*_kv(3, 2, 5, seed=7)), mask))
-    for q, k, v, mask in cases:
-        got = disp(q, k, v, cache=None, scale=0.25, mask=mask)
+    cases.append((qb, *batch.update_and_fetch(*_kv(3, 2, 5, seed=7)), batch, mask))
+    for q, k, v, c, mask in cases:  # c: the cache that made the mask (it carries the description)
+        got = disp(q, k, v, cache=c, scale=0.25, mask=mask)
         assert mx.abs(got - _mlx(q, k, v, None, mask)).max().item() < 1e-5, mask if isinstance(mask, str) else type(mask)
     assert disp.counts == {"kernel": 4} and len(kernel.calls) == 4
     assert kernel.calls[-1][1] == 0 and kernel.calls[-1][3].tolist() == [9, 2, 5]  # each row at its own offset

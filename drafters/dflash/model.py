@@ -130,17 +130,18 @@ class Attention(nn.Module):
         masks = {} if masks is None else masks
         key = (self.window, k.shape[2], end)  # every layer's cache holds the same positions: one mask a block
         if key not in masks:
-            masks[key] = self.mask(T, k.shape[2], end, start, lp, widths)
+            masks[key] = self.mask(T, k.shape[2], end, start, lp, widths, cache)
         # mlx-lm's function, by name: a host routing this model's attention (hooks/attention.py) sees it.
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=masks[key])
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
     def mask(self, T: int, S: int, end: int, start: Any, lp: Optional[mx.array],
-             widths: Optional[mx.array]) -> Optional[mx.array]:
+             widths: Optional[mx.array], cache: Any) -> Optional[mx.array]:
         """[B|1, 1, T|1, S] bool, or None when every key is real and in the window.
 
         Row b sees slots [lp_b, end + w_b): its context from its left padding (batched caches), then its
-        block up to its width; slots past them are a shape-stable cache's padding."""
+        block up to its width; slots past them are a shape-stable cache's padding. Described to ``cache``,
+        which this layer's attention call gets with it (later layers share it: the dispatcher remembers it)."""
         windowed = self.window is not None
         if lp is None and widths is None and isinstance(end, int) and S == end + T and not windowed:
             return None
@@ -155,7 +156,8 @@ class Attention(nn.Module):
             key_pos = cols - lp_b  # [B|1, S]: a slot's position in its row
             return mask & ((q_pos[:, :, None] - key_pos[:, None, :]) < self.window)[:, None]  # [B|1, 1, T, S]
         # One row for every query (not causal): an attention kernel applies it from these bounds.
-        return describe(mask, MaskSpec(1, S, 0 if lp is None else lp, end + (T if widths is None else widths), S, S))
+        return describe(mask, MaskSpec(1, S, 0 if lp is None else lp, end + (T if widths is None else widths), S, S),
+                        cache)
 
     def blocks(self, x: mx.array, context: mx.array, anchors: mx.array) -> mx.array:
         """``__call__`` for many blocks at once (training, offline evaluation).
