@@ -6,8 +6,9 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, TypeVar
 
 import mlx.core as mx
 import pytest
@@ -91,3 +92,23 @@ def encode(target: Any, text: str) -> List[int]:
 
 def no_stop(max_tokens: int, **kw: Any) -> GenerationParams:
     return GenerationParams(max_tokens=max_tokens, stop_token_ids=[], **kw)
+
+
+T = TypeVar("T")
+
+
+def wait_for(condition: Callable[[], T], timeout: float, what: Callable[[], str]) -> T:
+    """Wait until ``condition()`` is truthy and return its value; after ``timeout`` seconds fail with ``what()``.
+
+    For states of a server in another process (its readiness line, /metrics gauges), which a test cannot wait
+    on as a threading.Event: the condition is re-read every 20 ms, so a test waits as long as the state takes
+    and no longer, instead of sleeping a guessed time. A condition may raise AssertionError to fail at once
+    (a server process that exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not reached within {timeout} s: {what()}")
+        time.sleep(0.02)  # the poll interval, not a wait for the state

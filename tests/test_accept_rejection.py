@@ -16,6 +16,8 @@ import pytest
 from mlx_speculative.plugin import accept
 from test_sampling_stats import CAUGHT_P, PASS_P, chisquare, tv
 
+pytestmark = pytest.mark.statistical
+
 N = 40_000
 
 

@@ -17,6 +17,8 @@ import pytest
 from conftest import encode, greedy_reference, make_host, no_stop
 from mlx_speculative.hooks import tiny_models as tm
 
+pytestmark = pytest.mark.integration
+
 CONFIGS = {
     "llama": lambda: tm.llama_config(num_hidden_layers=3),
     "qwen3": lambda: tm.qwen3_config(num_hidden_layers=3, tie_word_embeddings=False),

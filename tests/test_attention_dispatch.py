@@ -29,6 +29,8 @@ from mlx_speculative.plugin import attention, cache_policy, projections
 from mlx_speculative.plugin import cuda_attention as ca
 from mlx_speculative.plugin.cache_policy import PaddedKVCache
 
+pytestmark = pytest.mark.unit
+
 
 class StandIn:
     """``cuda_attention.sdpa``'s contract computed by its float32 reference; records each call's bounds."""

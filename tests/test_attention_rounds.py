@@ -31,6 +31,8 @@ from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.plugin import attention, cache_policy, projections
 from test_attention_dispatch import StandIn
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 CONFIGS = {"llama": tm.llama_config(num_hidden_layers=4), "qwen3": tm.qwen3_config(num_hidden_layers=4),
            "qwen3_5": tm.qwen3_5_config(), "gemma3_text": tm.gemma3_text_config()}

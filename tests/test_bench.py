@@ -13,6 +13,8 @@ from mlx_speculative.hooks import blas
 from mlx_speculative.plugin.bench import oracle
 from mlx_speculative.plugin.bench.methods import allocate_lengths
 
+pytestmark = pytest.mark.integration
+
 
 def test_alpha_gives_tau() -> None:
     for tau, block in ((6.5, 16), (3.0, 16), (2.0, 4)):

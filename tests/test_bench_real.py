@@ -15,6 +15,8 @@ from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
 from mlx_speculative.hooks.cli import main
 from mlx_speculative.plugin.bench import real
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 
 

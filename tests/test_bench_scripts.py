@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+pytestmark = pytest.mark.integration
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 

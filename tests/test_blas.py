@@ -20,6 +20,8 @@ import pytest
 from mlx_speculative.hooks import blas
 from mlx_speculative.hooks import tiny_models as tm
 
+pytestmark = pytest.mark.integration
+
 LINUX_REFERENCE = sys.platform.startswith("linux") and blas.bundled_blas() is not None
 NOTE = "[mlx-spec] note: MLX's CPU matmuls use the reference BLAS"
 

@@ -14,6 +14,8 @@ import pytest
 
 from mlx_speculative.hooks import tiny_models as tm
 
+pytestmark = pytest.mark.integration
+
 
 def mlx_spec(*args: str, env: Dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))

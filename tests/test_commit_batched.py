@@ -21,6 +21,8 @@ from mlx_speculative.hooks import recurrent
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.transaction import CacheTransaction
 
+pytestmark = pytest.mark.unit
+
 K = 5  # draft tokens per round
 CONFIGS = {"llama": tm.llama_config(), "gemma3_text": tm.gemma3_text_config(), "qwen3_5": tm.qwen3_5_config(),
            "falcon_h1": tm.falcon_h1_config(), "mamba2": tm.mamba2_config()}

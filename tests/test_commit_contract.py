@@ -29,6 +29,8 @@ from mlx_speculative.hooks import recurrent
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.transaction import HANDLERS, CacheTransaction, UnsupportedCache, check_supported, handler_for
 
+pytestmark = pytest.mark.unit
+
 ARCHS = tm.ARCH_CONFIGS
 EXPECTED = {  # the cache types each architecture's make_cache creates
     "llama": {KVCache}, "qwen3": {KVCache}, "gemma3_text": {RotatingKVCache, KVCache},

@@ -23,6 +23,8 @@ from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.transaction import CacheTransaction, UnsupportedCache, leaves
 from test_commit_contract import ARCHS, K, exact_state, model_for, prefilled, replay_for, same, tokens, view
 
+pytestmark = pytest.mark.unit
+
 RECURRENT = ["qwen3_5", "falcon_h1", "mamba2", "nemotron_h"]
 # Nemotron-H (Mamba-2, attention and MLP blocks): only here, a test-local tiny config.
 NEMOTRON_H = {

@@ -25,6 +25,8 @@ from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.specs import hookimpl
 from test_commit_contract import exact_state, same
 
+pytestmark = pytest.mark.integration
+
 MAX_TOKENS = 30
 
 

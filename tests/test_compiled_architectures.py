@@ -20,6 +20,8 @@ from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.batch import forward
 from mlx_speculative.plugin import cache_policy, compiled
 
+pytestmark = pytest.mark.unit
+
 BASE = tm.llama_config(num_hidden_layers=2)
 # The keys the llama-like families below read besides llama's (unknown keys are dropped by their ModelArgs).
 EXTRA: Dict[str, Any] = dict(

@@ -35,6 +35,8 @@ from mlx_speculative.plugin.adaptive import BlockSizeController
 from test_attention_dispatch import dispatcher
 from test_attention_rounds import MAX_TOKENS, PROMPTS, decode, long_prompt, models  # noqa: F401 - models: the fixture
 
+pytestmark = pytest.mark.integration
+
 
 def prefilled(model: Any, n: int, bucket: int = 16) -> List[Any]:
     cache = cache_policy.make_padded_cache(model, bucket=bucket)

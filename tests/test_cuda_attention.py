@@ -11,6 +11,8 @@ import pytest
 
 from mlx_speculative.plugin import cuda_attention as ca
 
+pytestmark = pytest.mark.unit
+
 
 def _qkv(B: int, Hq: int, Hkv: int, L: int, S: int, D: int, seed: int = 0):
     mx.random.seed(seed)

@@ -10,6 +10,8 @@ import pytest
 
 from mlx_speculative.plugin import cuda_qmatmul
 
+pytestmark = pytest.mark.unit
+
 
 def _quantized(n: int, k: int, gs: int = 64, dtype: mx.Dtype = mx.bfloat16) -> Any:
     return mx.quantize((mx.random.normal((n, k)) * k ** -0.5).astype(dtype), group_size=gs, bits=4)

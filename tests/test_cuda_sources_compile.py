@@ -21,7 +21,7 @@ from mlx_speculative.plugin import cuda_matmul, cuda_qmatmul
 from mlx_speculative.plugin.cuda_attention_src import compact
 
 NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(NVCC is None, reason="nvcc not installed")]
 
 # what MLX's default header (mlx/backend/cuda/device/utils.cuh) gives a kernel: 16-bit float types, Shape
 PRELUDE = r"""

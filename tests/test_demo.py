@@ -18,6 +18,8 @@ from mlx_speculative.drafters.mtp.qwen3_5_mtp import ModelArgs as HeadArgs
 from mlx_speculative.hooks.cli import main
 from test_bench_scripts import script  # bench/ scripts, loaded by path
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

@@ -18,6 +18,8 @@ import mlx.core as mx
 
 from mlx_speculative.hooks import tiny_models as tm
 
+pytestmark = pytest.mark.integration
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "demo_acceptance.py"
 
 

@@ -16,6 +16,8 @@ from mlx.utils import tree_flatten
 
 from mlx_speculative.demo import build, corpus, pretrain
 
+pytestmark = pytest.mark.integration
+
 TINY = replace(build.TINY_TARGET, steps=12, checkpoint_every=5)
 
 

@@ -3,7 +3,11 @@ pauses for plain steps sized by the measured costs."""
 
 from __future__ import annotations
 
+import pytest
+
 from mlx_speculative.plugin.adaptive import BlockSizeController
+
+pytestmark = pytest.mark.unit
 
 
 def run(c: BlockSizeController, accepted_share: float, rounds: int) -> list[int]:

@@ -20,6 +20,8 @@ from mlx_speculative.drafters.dflash.model import ModelArgs
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 
 

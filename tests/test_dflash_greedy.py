@@ -18,6 +18,8 @@ from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 from test_dflash_rounds import qwen3_5_config
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 FORMATS = {  # fixture, target_layer_ids for a 4-layer target, tensor-name prefix
     "b16_flat": ("z-lab__Qwen3-4B-DFlash-b16", [0, 2], ""),

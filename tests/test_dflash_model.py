@@ -15,6 +15,8 @@ import pytest
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.drafters.dflash.model import Model, ModelArgs
 
+pytestmark = pytest.mark.unit
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 
 

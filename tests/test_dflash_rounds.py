@@ -24,6 +24,8 @@ from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.plugin.cache_policy import PaddedKVCache, ShapeStablePolicy
 from mlx_speculative.plugin.compiled import CompiledForward
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 PROMPT = "the cache layer block round target fast slow small large"
 BLOCK = 6  # pinned: 5 draft tokens per round

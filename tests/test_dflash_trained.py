@@ -16,6 +16,8 @@ from mlx_speculative.drafters.dflash import DFlashBatch, tiny
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.tiny_models import corpus
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 SEQUENCES = 16
 

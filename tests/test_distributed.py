@@ -26,6 +26,8 @@ from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.hooks import distributed
 from mlx_speculative.hooks.cli import main
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 WORKER = Path(__file__).parent / "distributed_worker.py"
 RANKS = 2
@@ -224,6 +226,7 @@ def _listening(procs: List[subprocess.Popen], deadline: float = 60) -> None:
     raise AssertionError(f"the server did not start: {seen[-2000:]}")
 
 
+@pytest.mark.server  # also in the server group: rank 0 serves HTTP
 def test_serve_over_two_ranks(tmp_path: Path, llama_pair: Dict[str, Path]) -> None:
     """Rank 0 serves HTTP, rank 1 follows: greedy completions are the whole target's; a seeded sampled one repeats;
     SIGTERM to rank 0 ends both cleanly. Then, idle, a killed rank 1 ends rank 0 within seconds (the heartbeat)."""

@@ -11,6 +11,8 @@ from typing import Iterator, List, Set, Tuple
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 LIBRARY = ("hooks", "plugin", "drafters")  # the packages whose environment reads must be documented

@@ -26,6 +26,8 @@ from mlx_speculative.plugin import accept, cache_policy, compiled, draft
 from mlx_speculative.plugin import draft_ahead as draft_ahead_mod
 from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
 
+pytestmark = pytest.mark.integration
+
 CASES = ("zero", "full", "partial")
 VOCAB = 384
 

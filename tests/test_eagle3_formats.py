@@ -25,6 +25,8 @@ from mlx_speculative.drafters.eagle3.model import Model, ModelArgs
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
 EAGLE = "SafeAILab__EAGLE__traineagle3"
 SPECFORGE = "sgl-project__SpecForge__llama3-8B-eagle3"

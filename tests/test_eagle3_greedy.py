@@ -19,6 +19,8 @@ from mlx_speculative.drafters.eagle3 import Eagle3Batch, tiny
 from mlx_speculative.hooks import tiny_models as tm
 from test_engine_batch import ROWS, WatchedDrafter, _requests, _run_batch
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
 LAYOUTS = {  # real config, layer ids for a 4-layer target (None: the default)
     "eagle": ("SafeAILab__EAGLE__traineagle3", None),

@@ -28,6 +28,8 @@ from test_sampling_distribution import (
 )
 from test_sampling_stats import CAUGHT_P, PASS_P
 
+pytestmark = pytest.mark.statistical
+
 __all__ = ["pair"]  # the 16-token target and draft LM (module fixture of test_sampling_distribution)
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
 HOST_SAMPLES = 800  # x 5 tokens; the slow run: 1,500 at another temperature

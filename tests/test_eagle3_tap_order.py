@@ -22,6 +22,8 @@ from mlx_speculative.drafters.eagle3.batch import Eagle3Batch
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
+pytestmark = pytest.mark.integration
+
 SPECFORGE = Path(__file__).parent / "fixtures" / "eagle3" / "sgl-project__SpecForge__llama3-8B-eagle3.config.json"
 ASCENDING, LISTED = [0, 2, 3], [3, 0, 2]
 PROPOSE = Eagle3Batch.propose  # unwrapped, whichever drafter a test wraps first

@@ -21,6 +21,8 @@ from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 from mlx_speculative.hooks.tiny_models import corpus
 
+pytestmark = pytest.mark.integration
+
 BLOCK = 8  # chain depth 7
 NEW_TOKENS = 64
 TRAIN_SEQUENCES = 64

@@ -24,6 +24,8 @@ from mlx_speculative.hooks.host import GenerationParams
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 ROWS = 8
 

@@ -25,6 +25,8 @@ from mlx_speculative.hooks.cli import main
 from mlx_speculative.plugin import settings as spec_settings
 from test_cli import mlx_spec
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH_FIXTURE = ROOT / "tests" / "fixtures" / "dflash" / "z-lab__Qwen3-4B-DFlash-b16.config.json"
 

@@ -19,6 +19,8 @@ from mlx_speculative.hooks import gguf as gg
 from mlx_speculative.hooks import loading
 from mlx_speculative.hooks.cli import main
 
+pytestmark = pytest.mark.integration
+
 IDS = [5, 17, 42, 99, 7, 3, 250, 64, 11]
 KINDS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"]
 TOKENIZER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}

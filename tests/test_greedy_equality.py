@@ -8,6 +8,8 @@ import pytest
 
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
 
+pytestmark = pytest.mark.integration
+
 LENGTHS = (1, 7, 40)
 
 

@@ -20,6 +20,8 @@ from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import CachePolicy, CaptureRequest, DecodeState, GeneratedToken, HostConfig, StepOutput
 from mlx_speculative.hooks.transaction import CacheTransaction
 
+pytestmark = pytest.mark.integration
+
 hookimpl = specs.hookimpl
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_NAMES = ["host_model_loaded", "host_cache_policy", "host_describe", "host_add_commands", "host_prefill_captures",
@@ -326,6 +328,7 @@ def test_the_target_is_called_only_by_the_hosts_forward() -> None:
     assert found == ["hooks/batch.py::forward"]
 
 
+@pytest.mark.server  # also in the server group: it serves HTTP in a thread
 def test_the_cli_and_the_server_run_the_same_step(llama_pair: Dict[str, Any]) -> None:
     """The CLI's request and the server's go through the scheduler's step and the batch decoder."""
     import json

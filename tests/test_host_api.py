@@ -19,6 +19,8 @@ import pytest
 
 import mlx_speculative.hooks.api as api
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("plugin", "drafters", "examples")
 HOST = "mlx_speculative.hooks"

@@ -20,6 +20,8 @@ from mlx_speculative.hooks.state import HostConfig
 from mlx_speculative.hooks.validate import HostConfigError
 from mlx_speculative.plugin import cache_policy, draft
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 # Variables the library reads that are not runtime knobs: where each is set instead.
 ELSEWHERE = {"MLX_VLM_DRAFT_MODEL": "speculative.draft_model", "MLX_VLM_DRAFT_KIND": "speculative.kind",

@@ -17,6 +17,8 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Qua
 
 from mlx_speculative.hooks.kv_view import committed_kv
 
+pytestmark = pytest.mark.unit
+
 
 def _kv(start: Sequence[int], n: int) -> Any:
     """[B, 1, n, 2] keys (and values = -keys) holding positions start[b] .. start[b] + n - 1."""

@@ -28,6 +28,8 @@ from mlx_speculative.hooks.kv_view import committed_kv
 from test_engine_batch import WatchedDrafter, _run_batch
 from test_mtp_qwen import ATOL, PLAN, forced, scratch
 
+pytestmark = pytest.mark.integration
+
 BLOCK = 3
 
 

@@ -32,6 +32,8 @@ from mlx_speculative.hooks.state import KeyStream, SamplingParams
 from test_engine_batch import WatchedDrafter, _run_batch
 from test_sampling_stats import CAUGHT_P, PASS_P, chisquare
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "mtp"
 REAL = json.loads((FIXTURES / "google__gemma-4-E2B-it-assistant.config.json").read_text())
 PROMPT = "the cache layer block round target fast slow small large one two three four"
@@ -213,6 +215,7 @@ class Row:
         return self.stream.next()
 
 
+@pytest.mark.statistical  # also in the statistical group: a chi-square test
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
 def test_sparse_q_is_what_the_drafter_samples_from(models: Dict[str, Path], sampling: SamplingParams) -> None:
     model = _sparse(models)

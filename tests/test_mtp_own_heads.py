@@ -24,6 +24,8 @@ from mlx_speculative.drafters.mtp.batch import HeadBatch
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
+pytestmark = pytest.mark.integration
+
 PLAN = ["zero", "full", "partial", "full", "zero", "partial", "full", "zero", "partial"]
 
 

@@ -33,6 +33,8 @@ from mlx_speculative.hooks.cli import main
 from test_mtp_qwen import batch_of_eight_is_exact, forced_rounds_are_exact
 from test_mtp_trained import prompts
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures"
 BLOCK = 4  # 3 draft tokens per round: the head applied recursively beyond its depth of 1
 ARCHS = ["llama", "qwen3"]

@@ -27,6 +27,8 @@ from mlx_speculative.hooks import taps
 from mlx_speculative.hooks.kv_view import committed_kv
 from test_engine_batch import WatchedDrafter, _run_batch
 
+pytestmark = pytest.mark.integration
+
 PROMPT = "the cache layer block round target fast slow small large"
 BLOCK = 4  # pinned: 3 draft tokens per round, the head applied recursively beyond its depth of 1
 PLAN = ["zero", "full", "partial", "full", "zero", "partial", "full", "zero", "partial"]

@@ -20,6 +20,8 @@ from mlx_speculative.hooks.state import SamplingParams
 from test_sampling_distribution import TOP_P, VOCAB, exact_distributions, fit, host_tokens, tally, word_tokenizer
 from test_sampling_stats import PASS_P
 
+pytestmark = pytest.mark.statistical
+
 REAL = json.loads((Path(__file__).parent / "fixtures" / "mtp" / "google__gemma-4-E2B-it-assistant.config.json").read_text())
 
 

@@ -26,6 +26,8 @@ from mlx_speculative.drafters.training import TrainOptions, train
 from mlx_speculative.hooks.cli import main
 from mlx_speculative.hooks.tiny_models import corpus
 
+pytestmark = pytest.mark.integration
+
 REAL = json.loads((Path(__file__).parent / "fixtures" / "mtp" / "google__gemma-4-E2B-it-assistant.config.json").read_text())
 HELD, TOKENS, BLOCK = 16, 64, 4
 

@@ -38,6 +38,8 @@ from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.transaction import CacheTransaction
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 20, 21, 22, 20, 21], [40, 41, 42, 43, 44]]
 MAX_TOKENS = 20

@@ -8,6 +8,8 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"hooks": "mlx_speculative.hooks", "plugin": "mlx_speculative.plugin", "drafters": "mlx_speculative.drafters",
        "demo": "mlx_speculative.demo"}

@@ -30,6 +30,8 @@ from mlx_speculative.plugin.cache_policy import (
 )
 from mlx_speculative.plugin.ragged_cache import RaggedBatchKVCache
 
+pytestmark = pytest.mark.integration
+
 BUCKET = 16  # small, so that every sequence of the cache-level tests crosses several buckets
 MAX_TOKENS = 40
 LONG = (242, 236, 251)  # prompt lengths whose requests cross the 256-key bucket while decoding

@@ -20,6 +20,8 @@ from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.plugin import cache_policy, cuda_matmul, projections
 
+pytestmark = pytest.mark.unit
+
 
 def linears(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]

@@ -32,6 +32,8 @@ from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import SamplingParams
 from test_dflash_rounds import qwen3_5_config
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures"
 BIG = 1 << 30
 DRAFTERS = {  # name: (target, drafter checkpoint (None: ngram), kind)

@@ -19,6 +19,8 @@ from mlx_speculative.hooks.specs import RowSnapshot, hookimpl
 from mlx_speculative.hooks.state import CaptureRequest
 from test_prompt_cache import BIG, _run
 
+pytestmark = pytest.mark.integration
+
 
 class Keeper:
     """A second host plugin: it captures layer 1 and keeps a note per row in the prompt cache."""

@@ -17,11 +17,14 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
+
+from conftest import wait_for
+
+pytestmark = pytest.mark.server
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -143,15 +146,22 @@ def _start(command: str, fresh: Dict[str, object], log: Path) -> subprocess.Pope
     with log.open("w") as f:
         proc = subprocess.Popen(["bash", "-c", command], cwd=fresh["repo"], env=fresh["env"], stdout=subprocess.DEVNULL,
                                 stderr=f, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def listening() -> bool:
+        # Printed once the engine has set `ready` and the socket is bound: the server's readiness event.
         if "listening on http://" in log.read_text():
-            return proc
+            return True
         if proc.poll() is not None:
             raise AssertionError(f"{command!r} exited with {proc.returncode}:\n{log.read_text()}")
-        time.sleep(0.1)
-    _stop(proc)
-    raise AssertionError(f"{command!r} did not start:\n{log.read_text()}")
+        return False
+
+    try:
+        wait_for(listening, 120, lambda: f"{command!r} did not start:\n{log.read_text()}")
+    except AssertionError:
+        if proc.poll() is None:
+            _stop(proc)
+        raise
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -31,6 +31,8 @@ from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.transaction import CacheTransaction
 
+pytestmark = pytest.mark.integration
+
 ARCHS = ["qwen3_5", "qwen3_next", "falcon_h1", "mamba2", "jamba", "lfm2"]
 REPLAYS = {"jamba"}  # recurrences the recording cannot re-run: partial commits replay the kept tokens
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"

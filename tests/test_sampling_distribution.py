@@ -33,6 +33,8 @@ from mlx_speculative.plugin import accept
 from mlx_speculative.plugin import round as round_mod
 from test_sampling_stats import CAUGHT_P, PASS_P, chisquare, tv
 
+pytestmark = pytest.mark.statistical
+
 VOCAB = 16
 PROMPT = [5]
 POSITIONS = 5  # tokens per continuation

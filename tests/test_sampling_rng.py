@@ -15,6 +15,8 @@ from mlx_speculative.hooks.host import GenerationParams, HostEvent
 from mlx_speculative.hooks.state import DecodeState, SamplingParams
 from test_sampling_stats import PASS_P, chisquare
 
+pytestmark = pytest.mark.integration
+
 PROMPT_TEXT = "the model token draft verify accept commit"
 
 
@@ -142,6 +144,7 @@ def test_seeded_greedy_is_the_greedy_walk(llama_pair: Dict[str, Any], speculativ
     assert result.report["speculative"].accepted_tokens > 0
 
 
+@pytest.mark.statistical  # also in the statistical group: a chi-square test
 @pytest.mark.parametrize(
     "params",
     [

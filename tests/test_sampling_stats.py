@@ -11,6 +11,9 @@ import math
 from typing import Tuple
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.statistical
 
 PASS_P = 1e-4  # a correct sampler passes unless its counts are a 1-in-10,000 fluke
 CAUGHT_P = 1e-8  # a wrong sampler must be rejected far beyond any fluke

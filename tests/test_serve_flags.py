@@ -10,8 +10,12 @@ import urllib.parse
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import pytest
+
 from conftest import greedy_reference
 from test_server import PROMPTS, _completion, _ids, start_server
+
+pytestmark = pytest.mark.server
 
 
 def _options(url: str, origin: str) -> Optional[str]:

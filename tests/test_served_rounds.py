@@ -24,6 +24,8 @@ from mlx_speculative.plugin import cache_policy, compiled
 from mlx_speculative.plugin.costs import CostTable, expected_tokens
 from mlx_speculative.plugin.metrics import METRICS
 
+pytestmark = pytest.mark.integration
+
 ACCEPTS = ["zero", "zero", "partial", "partial", "partial", "partial", "full", "full"]
 MAX_TOKENS = 48
 

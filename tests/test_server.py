@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -21,7 +20,11 @@ import urllib.parse
 import pytest
 import yaml
 
+from conftest import wait_for
+
 openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.server
 
 PROMPTS = [
     "the model token draft verify",
@@ -101,16 +104,21 @@ def start_server(tmp: Path, config: Dict[str, Any], env: Optional[Dict[str, str]
     with log_path.open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mlx_speculative.hooks.cli", "serve", "--config", str(cfg),
                                  "--port", "0", *args], stdout=subprocess.DEVNULL, stderr=log, env=environ)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
+
+    def listening() -> Optional[re.Match]:
+        # The server prints this line once its engine has set `ready` (model loaded, warm-up done) and the
+        # socket is bound: the readiness event, as another process can see it.
         found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text())
-        if found:
-            return ServerProc(proc, found.group(1), log_path)
-        if proc.poll() is not None:
+        if not found and proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"server did not start:\n{log_path.read_text()}")
+        return found
+
+    try:
+        found = wait_for(listening, 90, lambda: f"server did not start:\n{log_path.read_text()}")
+    except AssertionError:
+        proc.kill()
+        raise
+    return ServerProc(proc, found.group(1), log_path)
 
 
 @pytest.fixture(scope="module")
@@ -349,17 +357,15 @@ def test_client_disconnect_stops_generation(servers: Dict[str, ServerProc], stre
         got = [r.readline() for _ in range(6)]
         assert any(line.startswith(b"data: ") for line in got)
         r.close()  # the client goes away mid-stream
-    else:
-        time.sleep(0.5)  # generating, nothing sent yet
+    else:  # nothing sent yet: the client leaves once the engine runs the request (admitted, generating)
+        wait_for(lambda: spec.metrics()["mlx_spec_requests_running"] >= 1, 30, lambda: f"never running: {spec.metrics()}")
     conn.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def stopped() -> Optional[Dict[str, float]]:
         m = spec.metrics()
-        if m.get(cancelled, 0) > before.get(cancelled, 0) and m["mlx_spec_requests_running"] == 0:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the request was not cancelled: {m}")
+        return m if m.get(cancelled, 0) > before.get(cancelled, 0) and m["mlx_spec_requests_running"] == 0 else None
+
+    m = wait_for(stopped, 10, lambda: f"the request was not cancelled: {spec.metrics()}")
     # Stopped early: far fewer than 3000 tokens were generated.
     assert m["mlx_spec_generation_tokens_total"] - before["mlx_spec_generation_tokens_total"] < 2000
     assert _completion(spec, PROMPTS[0])["choices"][0]["finish_reason"] in ("length", "stop")
@@ -432,9 +438,14 @@ def test_bad_drafter_warns_and_serves_plain_with_api_key_and_queue(llama_pair: D
                                    headers=auth).status_code)
 
         threads = [threading.Thread(target=long_request) for _ in range(4)]
-        for t in threads:
+        threads[0].start()  # admitted: running
+        wait_for(lambda: s.metrics(headers=auth)["mlx_spec_requests_running"] == 1, 30,
+                 lambda: f"the first request never ran: {s.metrics(headers=auth)}")
+        threads[1].start()  # queued behind it (max_active 1)
+        wait_for(lambda: s.metrics(headers=auth)["mlx_spec_requests_waiting"] == 1, 30,
+                 lambda: f"the second request never queued: {s.metrics(headers=auth)}")
+        for t in threads[2:]:  # the queue is full (max_queue 1): 503
             t.start()
-            time.sleep(0.05)
         for t in threads:
             t.join(60)
         assert sorted(statuses)[:2] == [200, 200] and 503 in statuses, statuses

@@ -10,7 +10,11 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+import pytest
+
 from test_server import PROMPTS, start_server
+
+pytestmark = pytest.mark.server
 
 CLIENTS = 64
 MAX_TOKENS = 48

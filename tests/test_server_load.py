@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("openai")
 
+pytestmark = pytest.mark.server
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "server_load.py"
 
 

@@ -25,6 +25,8 @@ from mlx_speculative.hooks import tiny_models as tm
 from test_server import ServerProc, start_server
 
 openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.server
 FIXTURES = Path(__file__).parent / "fixtures"
 BOUND = 3 << 20
 USER = [["the model token draft", "accept commit cache layer", "river stone light night"],

@@ -18,6 +18,8 @@ from mlx_speculative.hooks.server_settings import ServerSettings, server_value
 from mlx_speculative.hooks.validate import SettingError
 from mlx_speculative.plugin.metrics import METRICS
 
+pytestmark = pytest.mark.integration
+
 
 def test_warm_up_decodes_every_row_count_and_leaves_outputs_alone(llama_pair: Dict[str, Path]) -> None:
     host = make_host({"draft_model": str(llama_pair["drafter"])})

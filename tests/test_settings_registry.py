@@ -13,6 +13,8 @@ from mlx_speculative.drafters.base import DrafterError, DraftTarget
 from mlx_speculative.drafters.ngram import lookup
 from mlx_speculative.plugin.settings import ConfigError, resolve
 
+pytestmark = pytest.mark.unit
+
 KINDS = ["draft_model", "ngram"]
 
 

@@ -22,6 +22,8 @@ import pytest
 from conftest import make_host
 from test_cli import mlx_spec
 
+pytestmark = pytest.mark.integration
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "third_party_drafter"
 
 

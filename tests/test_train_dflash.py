@@ -18,6 +18,8 @@ from mlx_speculative.drafters.dflash.model import Model, ModelArgs
 from mlx_speculative.hooks import taps
 from mlx_speculative.hooks import tiny_models as tm
 
+pytestmark = pytest.mark.unit
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 
 

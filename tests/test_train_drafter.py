@@ -21,6 +21,8 @@ from mlx_speculative.drafters.training import TrainOptions, loop, train
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
+pytestmark = pytest.mark.integration
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 COMMON = ["--seq-len", "40", "--prompt-tokens", "8", "--batch-size", "8", "--heldout-sequences", "8",
           "--log-every", "1", "--cpu"]

@@ -15,6 +15,8 @@ from mlx_speculative.hooks.server_settings import ServerSettings, request_defaul
 from mlx_speculative.hooks.state import HostConfig
 from test_first_hour import error_line, run
 
+pytestmark = pytest.mark.unit
+
 
 CLI_CASES = [
     (["--temp", "-1"], "--temp: got -1; allowed: a number >= 0 (0: greedy)"),

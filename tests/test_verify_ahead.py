@@ -27,6 +27,8 @@ from mlx_speculative.plugin.bench import oracle as orc
 from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
 from test_draft_ahead import CASES, VOCAB, by_acceptance, dflash_host, run
 
+pytestmark = pytest.mark.integration
+
 
 class Scripted(orc.Oracle):
     """The bench's oracle, its draws scripted per round: right before position 0 (zero), 2 (partial), k (full)."""
