@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
 import mlx.core as mx
+import pytest
 
 from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks.attention import MaskSpec, describe, described
@@ -35,6 +36,8 @@ NOT_ARRAYS = {
     ("hooks/openai_output.py", "_STOP_CACHE", "tokenizer"): "a tokenizer (with the stop words)",
 }
 DICT_CALLS = {"dict", "OrderedDict", "defaultdict", "WeakValueDictionary"}
+
+pytestmark = pytest.mark.unit
 
 
 def _is_dict(value: ast.AST, annotation: ast.AST = None) -> bool:
