@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, List, Optional
@@ -214,6 +215,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         distributed.failed(cluster, e)
     if cluster is not None and not cluster.primary:
         return 0
+    launched = f"mlx.launch (backend {cluster.config.backend}, {cluster.size} ranks) -- " if cluster is not None else ""
+    report["command"] = launched + shlex.join(["mlx-spec", *sys.argv[1:]])
     print(report["target"])
     for kind, desc in report["drafters"].items():
         print(f"drafter {kind}: {desc}")
