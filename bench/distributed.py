@@ -80,23 +80,9 @@ def measure(cluster: Optional[distributed.Cluster], models: Dict[str, Path], arg
 
 
 def exchanged(args: argparse.Namespace, tau: float) -> Dict[str, Any]:
-    """Bytes and collectives of one plain step and one round (batch of 1), from the sharded layers' shapes."""
-    layers, hidden, itemsize, W = CONFIG["num_hidden_layers"], CONFIG["hidden_size"], 4, args.block  # float32
-    per_position = 2 * layers * hidden * itemsize  # 2 all_sums of [1, L, hidden] per layer, per position
-    engine = 4  # Cluster.agree: rank 0's round cost, one float32
-    rank0 = 4 * (2 + 2 + (W - 1))  # the proposals' message: header + k + q flag + W - 1 int32 tokens (greedy: no q)
-    plain = {"bytes": per_position, "collectives": 2 * layers}
-    round_ = {"bytes": W * per_position + engine, "collectives": 2 * layers + 1}
-    return {
-        "plain_step": plain, "round": round_, "round_drafter_rank0": {"bytes": round_["bytes"] + rank0,
-                                                                     "collectives": round_["collectives"] + 1},
-        "round_over_plain_step_bytes": round(round_["bytes"] / plain["bytes"], 3),
-        "per_token": {"plain_bytes": plain["bytes"], "plain_collectives": plain["collectives"],
-                      "speculative_bytes": round(round_["bytes"] / tau, 1),
-                      "speculative_collectives": round(round_["collectives"] / tau, 2)},
-        "how": "all_sum tensor bytes per rank from the shapes: 2 per layer of [1, L, hidden] float32 (L = 1 plain, "
-               "L = block in a round), plus the engine's float32 cost agreement per round (and rank 0's proposals)",
-    }
+    """Bytes and collectives of one plain step and one round (batch of 1), from the sharded layers' shapes
+    (hooks/distributed.py, as ``mlx-spec bench --distributed`` reports them)."""
+    return distributed.exchanged(*distributed.dense_all_sums(CONFIG, itemsize=4), args.block, tau)  # float32
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import os
 import secrets
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -183,3 +183,49 @@ def start(args: Any, config_path: Optional[str]) -> Optional[Cluster]:
     cli = {"backend": getattr(args, "distributed", None), "drafter": getattr(args, "distributed_drafter", None)}
     chosen = settings(section, cli, where=config.where if config is not None else (lambda key: ""))
     return init(chosen) if chosen is not None else None
+
+
+# -- what the ranks exchange (the bench's figures) ------------------------------------------------
+
+AGREE_BYTES = 4  # Cluster.agree: rank 0's round cost, one float32 per round
+
+
+def all_sums(model: Any) -> Tuple[int, int]:
+    """(all_sums per forward, their bytes per position and row) of a model sharded by mlx-lm's ``shard()``: one
+    all_sum of [rows, L, out] per sharded-to-all layer (dense llama / qwen / mistral: o_proj and down_proj, 2 per
+    layer). Activations have the layer's dtype (a quantized layer's: its scales')."""
+    import mlx.nn as nn
+
+    kinds = (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)
+    layers = [m for _, m in model.named_modules() if isinstance(m, kinds)]
+    return len(layers), sum(int(m.weight.shape[0]) * getattr(m, "scales", m.weight).dtype.size for m in layers)
+
+
+def dense_all_sums(config: Mapping[str, Any], itemsize: int = 4) -> Tuple[int, int]:
+    """``all_sums`` from a dense llama-family config alone (no sharded model at hand): 2 per layer of [., hidden]."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    return 2 * layers, 2 * layers * hidden * itemsize
+
+
+def exchanged(collectives: int, position_bytes: int, block: int, tau: Optional[float]) -> Dict[str, Any]:
+    """Bytes and collectives each rank sends per plain step and per round (one row, verify width ``block``):
+    ``collectives`` all_sums of ``position_bytes`` per position (``all_sums``), a round over ``block`` positions,
+    plus the engine's own messages (rank 0's round cost; with ``drafter: rank0`` its proposals). ``tau``: tokens
+    per round, for the per-token figures (None: not given)."""
+    rank0 = 4 * (2 + 2 + (block - 1))  # the proposals' int32 message: header, k, has-q, block - 1 tokens (greedy: no q)
+    plain = {"bytes": position_bytes, "collectives": collectives}
+    round_ = {"bytes": block * position_bytes + AGREE_BYTES, "collectives": collectives + 1}
+    out: Dict[str, Any] = {
+        "plain_step": plain, "round": round_,
+        "round_drafter_rank0": {"bytes": round_["bytes"] + rank0, "collectives": round_["collectives"] + 1},
+        "round_over_plain_step_bytes": round(round_["bytes"] / plain["bytes"], 3),
+        "how": "all_sum tensor bytes per rank from the sharded layers' shapes: one [1, L, out] per sharded-to-all "
+               "layer (L = 1 plain, L = block in a round), plus the engine's float32 cost agreement per round (and "
+               "rank 0's proposals)",
+    }
+    if tau:
+        out["per_token"] = {"tau": tau, "plain_bytes": plain["bytes"], "plain_collectives": plain["collectives"],
+                            "speculative_bytes": round(round_["bytes"] / tau, 1),
+                            "speculative_collectives": round(round_["collectives"] / tau, 2)}
+    return out

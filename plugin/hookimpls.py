@@ -65,11 +65,9 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     drafter = registry.load(resolution, draft_target(target, policy), options)
     costs = CostTable()
     if target.cluster is not None:  # a sharded target: the ranks decide from rank 0's costs, draft where configured
-        costs.agree = target.cluster.agree
-        if target.cluster.config.drafter == "rank0":
-            from .rank0_drafts import Rank0Drafter
+        from .rank0_drafts import for_ranks
 
-            drafter = Rank0Drafter(drafter, target.cluster)
+        drafter = for_ranks(drafter, costs, target.cluster)
     block = settings.block_size or drafter.default_block_size
     most = block if settings.block_size or not settings.adaptive else max(block, drafter.max_block_size or block)
     if policy is not None:

@@ -120,3 +120,10 @@ class Rank0Drafter(Drafter):
 
     def new_batch(self) -> DraftBatch:
         return Rank0Drafts(self.inner.new_batch() if self.cluster.primary else None, self.cluster)
+
+
+def for_ranks(drafter: Drafter, costs: Any, cluster: Any) -> Drafter:
+    """A drafter and its cost table on a target sharded over ``cluster``'s ranks: every rank decides from rank 0's
+    costs (``CostTable.agree``), and with ``drafter: rank0`` the drafter runs on rank 0 alone (``Rank0Drafter``)."""
+    costs.agree = cluster.agree
+    return Rank0Drafter(drafter, cluster) if cluster.config.drafter == "rank0" else drafter

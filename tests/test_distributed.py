@@ -187,6 +187,35 @@ def test_generate_under_mlx_launch(tmp_path: Path, llama_pair: Dict[str, Path], 
     assert out["distributed"] == {"ranks": 2, "rank": 0, "backend": "ring", "drafter": "rank0"}
 
 
+def test_bench_under_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`mlx-spec bench --distributed` on 2 ranks: rank 0 alone reports; the sharded fields; every speculative run
+    equals its (sharded) plain reference and every run's tokens equal the unsharded run's (--compare-unsharded)."""
+    common = ["bench", "--synthetic-target", "tiny", "--cpu", "--kind", "draft_model", "--block-sizes", "4",
+              "--oracle-acceptance", "3", "--prompt-lengths", "64", "--max-tokens", "16"]
+    whole, out = tmp_path / "whole.json", tmp_path / "sharded.json"
+    assert main(common + ["--json", str(whole)]) == 0
+    capsys.readouterr()
+    cli = Path(sys.executable).with_name("mlx-spec")
+    procs = launch(tmp_path, [str(cli), *common, "--json", str(out), "--distributed", "ring", "--distributed-drafter",
+                              "rank0", "--compare-unsharded", str(whole)])
+    ended = finish(procs, timeout=90)
+    assert [e["rc"] for e in ended] == [0, 0], [e["stderr"][-2000:] for e in ended]
+    assert "distributed: 2 ranks" in ended[0]["stdout"] and ended[1]["stdout"] == ""  # rank 0 alone prints
+    report = json.loads(out.read_text())
+    d = report["distributed"]
+    assert (d["ranks"], d["backend"], d["drafter"], d["same_tokens_on_every_rank"]) == (2, "ring", "rank0", True)
+    assert (d["all_sums_per_forward"], d["all_sum_bytes_per_position"]) == (8, 8 * 64 * 4)  # 4 layers, hidden 64, f32
+    x = d["exchanged"]["plugin draft_model b4 tau3"]
+    assert x["plain_step"]["bytes"] == 2048 and x["round"]["bytes"] == 4 * 2048 + 4 and x["per_token"]["tau"] > 1
+    for regime, rows in report["results"].items():
+        assert {r["identical_share"] for r in rows.values() if r["family"] == "spec"} == {1.0}, (regime, rows)
+    compared = d["compared"]
+    assert compared["outputs_match_unsharded"] is True
+    assert set(compared["sharded_over_unsharded_tok_s"]["warm"]) == set(report["results"]["warm"])
+    assert main(common + ["--compare-unsharded", str(whole)]) == 2
+    assert "--compare-unsharded: given without --distributed" in capsys.readouterr().err
+
+
 def test_a_killed_rank_ends_the_others(tmp_path: Path, llama_pair: Dict[str, Path]) -> None:
     cli = Path(sys.executable).with_name("mlx-spec")
     procs = launch(tmp_path, [str(cli), "generate", "--distributed", "ring", "--model", str(llama_pair["target"]),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from pathlib import Path
 from typing import Any, List, Optional
 
 
@@ -121,6 +123,14 @@ def add_command(subparsers: Any) -> None:
     run.add_argument("--no-mlx-lm-spec", action="store_true", help="skip mlx-lm's speculative_generate_step")
     run.add_argument("--cpu", action="store_true", help="run on the CPU")
     run.add_argument("--seed", type=int, default=0)
+    dist = p.add_argument_group("a target sharded over several ranks (under mlx.launch; docs/distributed.md)")
+    dist.add_argument("--distributed", metavar="BACKEND", help="shard the target over the ranks mlx.launch started "
+                      "(ring, mpi, nccl, jaccl, any), as mlx-spec generate does; every rank runs the bench in "
+                      "lockstep and rank 0 alone prints and writes the report")
+    dist.add_argument("--distributed-drafter", metavar="WHERE", help="replicated (default: every rank drafts) or "
+                      "rank0 (rank 0 drafts and broadcasts its proposals)")
+    dist.add_argument("--compare-unsharded", metavar="JSON", help="the JSON of the same bench run without mlx.launch "
+                      "and --distributed: the report gains the ratios sharded / unsharded and whether the outputs match")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     out.add_argument("--plot", metavar="PATH", help="write a PNG (speed-up vs block size and vs tau; needs matplotlib)")
@@ -184,7 +194,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_prompts=args.max_prompts, cost_keys=extra_keys, paired=args.paired, draft_ahead=args.draft_ahead,
     )
     check(settings)  # refused combinations, before anything loads
-    report = run_bench(settings)
+    from ...hooks import distributed
+
+    if args.compare_unsharded and not args.distributed:
+        raise ValueError("--compare-unsharded: given without --distributed; expected it on the sharded run "
+                         "(mlx.launch ... mlx-spec bench --distributed ring ... --compare-unsharded whole.json)")
+    cluster = distributed.start(args, None)
+    try:
+        if args.compare_unsharded and cluster.primary and not Path(args.compare_unsharded).is_file():
+            raise ValueError(f"--compare-unsharded: no file {args.compare_unsharded!r}; expected the JSON of the "
+                             "same bench run without --distributed")
+        report = run_bench(settings, cluster=cluster)
+        if cluster is not None and cluster.primary and args.compare_unsharded:
+            from .sharded import compare
+
+            report["distributed"]["compared"] = compare(report, args.compare_unsharded)
+    except Exception as e:  # noqa: BLE001 - on several ranks: one clear line, and every rank ends
+        if cluster is None:
+            raise
+        distributed.failed(cluster, e)
+    if cluster is not None and not cluster.primary:
+        return 0
+    launched = f"mlx.launch (backend {cluster.config.backend}, {cluster.size} ranks) -- " if cluster is not None else ""
+    report["command"] = launched + shlex.join(["mlx-spec", *sys.argv[1:]])
     print(report["target"])
     for kind, desc in report["drafters"].items():
         print(f"drafter {kind}: {desc}")
@@ -194,6 +226,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for regime, text in report["regimes"].items():
             print(f"{regime}: {text}")
     print(format_table(report))
+    if "distributed" in report:
+        from .sharded import summary
+
+        print(summary(report["distributed"]))
     if args.json:
         write_json(report, args.json)
         print(f"[bench] wrote {args.json}", file=sys.stderr)

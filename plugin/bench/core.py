@@ -25,7 +25,7 @@ from .. import attention, cache_policy, compiled, projections
 from ..draft import ahead_modes
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import paired_medians, summarize
-from . import kernels, real, synthetic
+from . import kernels, real, sharded, synthetic
 
 
 # -- the bench ------------------------------------------------------------------------------------
@@ -193,10 +193,13 @@ def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
 def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
               dispatcher: Optional[attention.Dispatcher] = None,
               projection_dispatcher: Optional[projections.Projections] = None,
-              spec_plugin: Any = None) -> Dict[str, Any]:
+              spec_plugin: Any = None, cluster: Any = None) -> Dict[str, Any]:
     """``dispatcher`` / ``projection_dispatcher``: the attention and projection dispatchers to route with
     (tests: stand-ins); default: ``--kernel``'s and ``--projection-kernel``'s. ``spec_plugin``: the
-    speculative methods' host plugin (default: this project's; bench/round_trace.py: a traced one)."""
+    speculative methods' host plugin (default: this project's; bench/round_trace.py: a traced one).
+    ``cluster``: the ranks the target is sharded over (sharded.py): every rank runs this in lockstep."""
+    quiet = cluster is not None and not cluster.primary  # rank 0 alone tells the progress
+    on_progress = (lambda msg: None) if quiet else on_progress
     if s.cpu:
         mx.set_default_device(mx.cpu)
     padded = cache_policy.resolve_mode(s.padded)
@@ -218,6 +221,9 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
     t_start = time.perf_counter()
     on_progress("loading the target")
     target, config, note = load_target(s)
+    if cluster is not None:
+        target = sharded.shard_target(target, config, cluster)
+        note += f"; sharded over {cluster.size} ranks (mlx-lm's shard(), backend {cluster.config.backend})"
     info: Optional[Dict[str, Dict[str, Any]]] = None
     if s.drafters:  # real checkpoints: the families route their own models (as under mlx-spec generate)
         drafters, info = real.load_drafters(s, target, policy)
@@ -363,7 +369,8 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
                 r.divergence = divergence(r.tokens, ref) if ref is not None else None
                 runs.append(r)
                 tau = f" tau {1 + r.spec['accepted_tokens'] / r.spec['rounds']:.2f}" if r.spec and r.spec["rounds"] else ""
-                print(f"[run] {regime} L={L} {m.name}: {r.tok_s:.1f} tok/s{tau}", file=sys.stderr, flush=True)
+                if not quiet:
+                    print(f"[run] {regime} L={L} {m.name}: {r.tok_s:.1f} tok/s{tau}", file=sys.stderr, flush=True)
     if repeats > 1:
         runs += paired_medians(runs)
     run_keys = kernels.prompt_key_lengths(lengths, s.max_tokens)
@@ -391,6 +398,9 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
             "calls_by_method": {name: dict(c) for name, c in calls.items()} if disp is not None else None}
     report = summarize(s, methods, runs, lengths, note, drafters, padded, prewarm_s, time.perf_counter() - t_start,
                        costs, info_att)
+    report["output_digests"] = sharded.output_digests(runs)
+    if cluster is not None:
+        report["distributed"] = sharded.section(cluster, target.model, report, runs)
     if s.paired:
         report["prompt_lengths"]["paired"] = [lengths[p][first[p]] for p in range(len(lengths))]
     if info is not None:

@@ -16,6 +16,8 @@ import mlx.core as mx
 
 from ...hooks.api import CachePolicy, GenerationParams, Host, HostConfig, LoadedTarget, Scheduler, make_plugin_manager
 from .. import hookimpls
+from ..costs import CostTable
+from ..rank0_drafts import for_ranks
 from ..settings import SpeculativeSettings
 from . import oracle as orc
 
@@ -146,8 +148,11 @@ class HostMethod(Method):
             self.wrapped = orc.WrappedDrafter(drafter, self.oracle)
             settings = SpeculativeSettings(enabled=True, kind=drafter.kind, block_size=None if adaptive else block,
                                            adaptive=adaptive)
-            attachments[hookimpls.NAME] = hookimpls.Attachment(settings=settings, drafter=self.wrapped, block_size=block,
-                                                               policy=policy, ahead_mode=ahead)
+            costs, drafting = CostTable(), self.wrapped
+            if target.cluster is not None:  # a sharded target: the ranks' lockstep, as under mlx-spec generate
+                drafting = for_ranks(self.wrapped, costs, target.cluster)
+            attachments[hookimpls.NAME] = hookimpls.Attachment(settings=settings, drafter=drafting, block_size=block,
+                                                               policy=policy, ahead_mode=ahead, costs=costs)
             self.host = Host(HostConfig(), pm=make_plugin_manager(load_entry_points=False,
                                                                   plugins=[plugin if plugin is not None else hookimpls]))
         self.target = dataclasses.replace(target, attachments=attachments, cache_policy=policy or CachePolicy())
