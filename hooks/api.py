@@ -98,6 +98,8 @@ _LAZY: Dict[str, Tuple[str, Any]] = {
     "server_settings": ("server_settings", "server_settings"),  # the resolved server section
     "DISTRIBUTED_KEYS": ("distributed", "KEYS"),  # keys of the distributed section
     "distributed_settings": ("distributed", "settings"),  # the resolved distributed section
+    # a target sharded over ranks (namespace; members used: start, shard, failed, Cluster, all_sums, exchanged)
+    "distributed": ("distributed", None),
     "encode_prompt": ("generate_cmd", "encode_prompt"),  # a prompt (the chat template applied when asked) -> token ids
     # the host itself, for benchmarks that drive it (plugin/bench)
     "GenerationParams": ("host", "GenerationParams"),

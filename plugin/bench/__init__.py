@@ -194,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_prompts=args.max_prompts, cost_keys=extra_keys, paired=args.paired, draft_ahead=args.draft_ahead,
     )
     check(settings)  # refused combinations, before anything loads
-    from ...hooks import distributed
+    from ...hooks.api import distributed
 
     if args.compare_unsharded and not args.distributed:
         raise ValueError("--compare-unsharded: given without --distributed; expected it on the sharded run "
