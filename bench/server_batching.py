@@ -28,6 +28,7 @@ import argparse
 import json
 import platform
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -101,7 +102,7 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
     stats: Dict[str, Any] = {"requests": 0, "errors": 0, "mismatches": 0, "tokens": 0}
     steps: Dict[str, float] = {}
     rounds = [0]
-    paused = {"plain_steps": 0, "reasons": {}}
+    paused: Dict[str, Any] = {"plain_steps": 0, "reasons": {}, "examples": {}}
     stop_at = time.monotonic() + duration
 
     def loop(i: int) -> None:
@@ -122,10 +123,10 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
                 rounds[0] += int(timing.get("draft_rounds") or 0)
                 paused["plain_steps"] += int(timing.get("draft_plain_steps") or 0)
                 full = timing.get("draft_pause_reason") or ""
-                why = full.split(" (")[0][:90]  # the rule, without its numbers
+                why = re.sub(r"\d+(\.\d+)?", "#", full.split(" (")[0])[:90]  # the rule, without its numbers
                 if why:
                     paused["reasons"][why] = paused["reasons"].get(why, 0) + 1
-                    paused.setdefault("examples", {}).setdefault(why, full)  # the first one, numbers included
+                    paused["examples"].setdefault(why, full)  # the first one, numbers included
                 for name, ms in (timing.get("round_steps_ms") or {}).items():
                     steps[name] = steps.get(name, 0.0) + ms
 
@@ -147,7 +148,7 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
             # a batched round's steps are recorded by each of its rows: per row-round
             "ms_per_row_round": {k: round(v / rounds[0], 3) for k, v in sorted(steps.items())} if rounds[0] else None,
             "paused_plain_steps": paused["plain_steps"], "pause_reasons": paused["reasons"],
-            "pause_examples": paused.get("examples", {})}
+            "pause_examples": paused["examples"]}
 
 
 def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: Any, name: str, block: int, tau: float,
@@ -192,8 +193,8 @@ def plugin_counts(target: LoadedTarget) -> Dict[str, Any]:
     return out
 
 
-def write_report(args: argparse.Namespace, argv: Optional[List[str]], results: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
-    """The ratios over plain of the modes so far; the JSON (``--json``) with them."""
+def ratios_of(results: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
+    """Each mode's tok/s over plain's by client count, and plain's over plain at one client."""
     ratios: Dict[str, Dict[str, float]] = {}
     if "plain" in results:
         base = results["plain"]["by_clients"]
@@ -203,15 +204,19 @@ def write_report(args: argparse.Namespace, argv: Optional[List[str]], results: D
         one_client = base.get("1", {}).get("tokens_per_s")
         if one_client:
             ratios["plain_over_plain_x1"] = {n: round(r["tokens_per_s"] / one_client, 3) for n, r in base.items()}
+    return ratios
+
+
+def write_report(args: argparse.Namespace, argv: Optional[List[str]], results: Dict[str, Any]) -> None:
+    """The JSON (``--json``) of the modes so far, with their ratios."""
     report = {"command": "python bench/server_batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "target": args.synthetic_target, "quantized_bits": args.quantize_target, "max_tokens": args.max_tokens,
               "prompt_words": args.prompt_words, "tau": args.tau, "block": args.block,
               "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
-              "results": results, "tokens_per_s_over_plain": ratios}
+              "results": results, "tokens_per_s_over_plain": ratios_of(results)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
-    return ratios
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -270,8 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             server.engine.stop()
             server.engine.thread.join(timeout=120)  # no MLX work left in flight when the process exits
             server.server_close()
-    ratios = write_report(args, argv, results)
-    print(json.dumps(ratios, indent=1))
+    print(json.dumps(ratios_of(results), indent=1))
     ok = all(r["errors"] == 0 and r["requests"] > 0 for m in results.values() for r in m["by_clients"].values())
     return 0 if ok else 1
 

@@ -177,9 +177,7 @@ class Engine:
         rows = warmup.default_rows(self.settings.max_active) if rows is None else rows
         if rows:
             log.info("warming up: batches of 1..%d rows (server.warmup_rows)", rows)
-            tokens = self.settings.warmup_tokens
-            warmup.warm_up(self.host, self.target, rows, self.settings.batching,
-                           warmup.DEFAULT_TOKENS if tokens is None else tokens,
+            warmup.warm_up(self.host, self.target, rows, self.settings.batching, self.settings.warmup_tokens,
                            prefill_step_size=self.settings.prefill_step_size)
 
     def _serve(self) -> None:

@@ -47,8 +47,8 @@ def default_rows(max_active: int) -> int:
     return max_active if on_cuda else 0
 
 
-def prompt(target: LoadedTarget, length: int) -> List[int]:
-    """``length`` tokens of TEXT (ids spread over the vocabulary where the target has no tokenizer)."""
+def text_ids(target: LoadedTarget) -> List[int]:
+    """TEXT's tokens (ids spread over the vocabulary where the target has no tokenizer); prompts repeat them."""
     if target.tokenizer is not None:
         ids = list(target.tokenizer.encode(TEXT))
     else:
@@ -56,7 +56,7 @@ def prompt(target: LoadedTarget, length: int) -> List[int]:
         ids = [(3 + 7919 * i) % vocab for i in range(97)]
     if not ids:
         raise ValueError("the tokenizer encodes the warm-up text to no tokens")
-    return (ids * (length // len(ids) + 1))[:length]
+    return ids
 
 
 def first_rows(target: LoadedTarget, tokens: int) -> List[Tuple[int, int]]:
@@ -71,19 +71,22 @@ def first_rows(target: LoadedTarget, tokens: int) -> List[Tuple[int, int]]:
     return cases
 
 
-def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True, tokens: int = DEFAULT_TOKENS,
+def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True, tokens: Optional[int] = None,
             prefill_step_size: Optional[int] = None) -> float:
-    """Decode batches of 1 .. ``rows`` rows (greedy) at each of ``first_rows``; returns the seconds it took."""
+    """Decode batches of 1 .. ``rows`` rows (greedy) at each of ``first_rows`` (``tokens`` None: DEFAULT_TOKENS);
+    returns the seconds it took."""
     t0 = time.perf_counter()
     scheduler = Scheduler(host, target, batching=batching, raise_errors=True, prompt_cache=None)
-    cases = first_rows(target, tokens)
+    cases = first_rows(target, DEFAULT_TOKENS if tokens is None else tokens)
+    ids = text_ids(target)
     for n in range(1, rows + 1):
         for first, new_tokens in cases:
             params = GenerationParams(max_tokens=new_tokens, stop_token_ids=[])
             if prefill_step_size:
                 params.prefill_step_size = prefill_step_size
             lengths = [first] + [PROMPT_TOKENS + 5 * i for i in range(1, n)]
-            batch: List[Request] = [scheduler.submit(prompt(target, length), params) for length in lengths]
+            prompts = [(ids * (length // len(ids) + 1))[:length] for length in lengths]
+            batch: List[Request] = [scheduler.submit(p, params) for p in prompts]
             while not all(r.done for r in batch):
                 scheduler.step()
     mx.clear_cache()

@@ -31,7 +31,8 @@ Growth may pass the drafter's own block size up to ``cap`` (a drafter's ``max_bl
 accepting everything at its default 4 does better at 8 and more), but only while the costs measured say the
 bigger block returns more tokens per second (``pays_to_grow``); a size whose round was never measured is tried.
 ``alpha`` is the per-position acceptance estimate (accepted drafts over drafts tried until the first
-rejection, over the latest ``window_size`` rounds, or the request's before there are as many) that prices a block: 1 + alpha + ... + alpha**k tokens a round.
+rejection, over the latest ``window_size`` rounds, or the request's before there are as many) that prices a
+block: 1 + alpha + ... + alpha**k tokens a round.
 
 On shape-stable targets (the CUDA policy: a verify costs about the same for 2 or 16 positions, and a shape met
 for the first time compiles for seconds) the acceptance-rate rules above hold only until both costs of the

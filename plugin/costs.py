@@ -5,14 +5,15 @@ load (the same tokens gave tau 3.47 and 4.45 on a busy and an idle CPU), and one
 compiling, a garbage collection) shifts every later decision. Here each shape has its own entry: a round
 of ``rows`` x ``width`` (the verify width; the drafter's work for the same rows included) and a plain step of
 ``rows``; an entry's price is the least of its observations after the first (which pays for compiling the
-shape), once ``trust`` of them were seen: a shape priced by one stalled round (4.4 s for 2 rows x 16 on an H200)
-lost to plain steps and so never ran again to correct it. A price only falls: a stall (a key length's first compile on MLX-CUDA, a busy machine) never raises
-it, and it settles at what the shape costs on an idle machine (a median of the first few observations was
-fixed too early on the GPU, where a server's warm-up sees a compile in most of them). Rows of a batch share
-their rounds, so the table belongs to the loaded target (``Attachment.costs``), not to a request.
+shape), once ``trust`` of them were seen: a shape priced by one stalled round (4.4 s for 2 rows x 16 on an
+H200) lost to plain steps and so never ran again to correct it. A price only falls: a stall (a key length's
+first compile on MLX-CUDA, a busy machine) never raises it, and it settles at what the shape costs on an idle
+machine (a median of the first few observations was fixed too early on the GPU, where a server's warm-up sees
+a compile in most of them). Rows of a batch share their rounds, so the table belongs to the loaded target
+(``Attachment.costs``), not to a request.
 
-``tokens_per_second`` prices a choice: a round whose rows expect ``expected`` tokens in all, against
-``rows`` tokens per plain step.
+``round_loses`` prices a choice: a round whose rows expect ``expected`` tokens in all, against ``rows`` tokens
+per plain step.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ Key = Tuple[str, int, int]  # ("round" | "plain", rows, width)
 class CostTable:
     seen: Dict[Key, int] = field(default_factory=dict)  # observations by shape
     least: Dict[Key, float] = field(default_factory=dict)  # the least observation after the first
-    prices: Dict[Key, float] = field(default_factory=dict)  # ``least`` once ``trust`` observations follow the first
-    trust: int = 2
+    trust: int = 2  # observations after the first before ``least`` prices the shape
     # A target sharded over ranks (hooks/distributed.py): every rank takes rank 0's measurement, so that all decide
     # the same block sizes and pauses. Called at the same observations on every rank.
     agree: Optional[Callable[[float], float]] = None
@@ -42,12 +42,11 @@ class CostTable:
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] > 1 and seconds < self.least.get(key, float("inf")):  # the first paid for the compile
             self.least[key] = seconds
-        if self.seen[key] > self.trust:
-            self.prices[key] = self.least[key]
 
     def get(self, kind: str, rows: int, width: int) -> Optional[float]:
         """The shape's price (None: fewer than ``trust`` observations past its first)."""
-        return self.prices.get((kind, rows, width))
+        key = (kind, rows, width)
+        return self.least[key] if self.seen.get(key, 0) > self.trust else None
 
     def round_loses(self, rows: int, width: int, expected: float) -> bool:
         """A round of ``rows`` x ``width`` expecting ``expected`` tokens in all yields fewer tokens per second
@@ -58,7 +57,8 @@ class CostTable:
         return expected / r < rows / p
 
     def report(self) -> Dict[str, float]:
-        return {f"{k}:{b}x{w}": round(v * 1e3, 3) for (k, b, w), v in sorted(self.prices.items())}
+        return {f"{k}:{b}x{w}": round(self.get(k, b, w) * 1e3, 3) for (k, b, w) in sorted(self.least)
+                if self.get(k, b, w) is not None}
 
 
 def expected_tokens(alpha: float, drafts: int) -> float:

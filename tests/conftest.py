@@ -112,3 +112,10 @@ def wait_for(condition: Callable[[], T], timeout: float, what: Callable[[], str]
         if time.monotonic() >= deadline:
             raise AssertionError(f"not reached within {timeout} s: {what()}")
         time.sleep(0.02)  # the poll interval, not a wait for the state
+
+
+def price(costs: Any, kind: str, rows: int, width: int, seconds: float) -> None:
+    """Price a shape of ``costs`` (plugin/costs.py ``CostTable``) at ``seconds`` as measurements would: the first
+    observation (the compile) and ``trust`` more."""
+    for _ in range(costs.trust + 1):
+        costs.observe(kind, rows, width, seconds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import price
 from mlx_speculative.plugin.adaptive import BlockSizeController
 
 pytestmark = pytest.mark.unit
@@ -145,11 +146,13 @@ def test_growth_past_the_drafters_block_while_it_pays() -> None:
     assert sizes[0] == 4 and max(sizes) == 16 and sizes == sorted(sizes)
     # Measured: a block of 5 costs 3x a block of 4; at full acceptance 5 tokens for 3x the cost of 4 do not pay.
     c = BlockSizeController(cap=16, start=4)
-    c.costs.prices[("round", 1, 4)], c.costs.prices[("round", 1, 5)] = 0.010, 0.030
+    price(c.costs, "round", 1, 4, 0.010)
+    price(c.costs, "round", 1, 5, 0.030)
     assert max(run(c, 1.0, 30)) == 4
     # Where the policy pads blocks to powers of two, 5..8 positions cost what 8 do: priced as such.
     c = BlockSizeController(cap=16, start=4, width_for=lambda n: 1 << (n - 1).bit_length())
-    c.costs.prices[("round", 1, 4)], c.costs.prices[("round", 1, 8)] = 0.010, 0.011
+    price(c.costs, "round", 1, 4, 0.010)
+    price(c.costs, "round", 1, 8, 0.011)
     assert max(run(c, 1.0, 30)) == 16  # 16 was never measured: tried
 
 

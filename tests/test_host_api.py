@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 

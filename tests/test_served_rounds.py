@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
-from conftest import PROMPTS, encode, greedy_reference, make_host
+from conftest import PROMPTS, encode, greedy_reference, make_host, price
 from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.host import GenerationParams
@@ -163,8 +163,8 @@ def test_a_round_priced_below_plain_steps_is_not_run(pair: Dict[str, Path]) -> N
     costs = CostTable()
     for width in range(1, 17):
         for rows in range(1, 5):
-            costs.prices[("round", rows, width)] = 0.010 * rows
-            costs.prices[("plain", rows, 1)] = 0.001 * rows
+            price(costs, "round", rows, width, 0.010 * rows)
+            price(costs, "plain", rows, 1, 0.001 * rows)
     log: List[Any] = []
     host, target, refs = _forced_host(pair, requests, ["partial"] * 4, log, costs)
     tokens, reports = _decode(host, target, requests)
