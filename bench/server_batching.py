@@ -253,6 +253,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = synthetic.build(config)
     if args.quantize_target:
         nn.quantize(model, group_size=64, bits=args.quantize_target)
+        mx.eval(model.parameters())  # here: lazy weights evaluated on the generation thread meet no stream there
     vocab = config["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = word_tokenizer(vocab, Path(tmp) / "tokenizer")

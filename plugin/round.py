@@ -151,6 +151,10 @@ def _batch_loses(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds], plans:
     "" where it would not."""
     if not all(q.controller.adaptive for q, k in zip(reqs, plans) if k):
         return ""  # a pinned block is the user's choice
+    if any(q.controller.probing for q, k in zip(reqs, plans) if k):
+        # A pause's probe is what renews the acceptance estimate; vetoed on the estimate that paused it, the row
+        # paused again, doubling, and stayed plain to its end (254 of 256 tokens at tau 5.9, one client, H100).
+        return ""
     width_for = getattr(batch.target.cache_policy, "verify_width", None) or (lambda n: n)
     rows = len(batch.rows)
     width = width_for(1 + max(k or 0 for k in plans))

@@ -229,3 +229,32 @@ def test_the_cli_exits_cleanly_with_every_cache_policy(policy: str) -> None:
     proc = mlx_spec("generate", "--max-tokens", "24", "--json", env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr and "Abort" not in proc.stderr
+
+
+def test_the_batch_veto_lets_a_pause_end_with_its_probe() -> None:
+    """A row vetoed on a dip in its acceptance estimate pauses; when the pause ends its probe round runs (the one
+    way the estimate is renewed). Vetoed on the same stale estimate, it paused again, doubling, to its end."""
+    from types import SimpleNamespace
+
+    from mlx_speculative.plugin.adaptive import BlockSizeController
+    from mlx_speculative.plugin.round import _batch_loses
+
+    costs = CostTable()
+    price(costs, "round", 1, 16, 0.0110)
+    price(costs, "plain", 1, 1, 0.0062)
+    c = BlockSizeController(cap=16, costs=costs, shape_stable=True, shape=(1, 16))
+    for _ in range(40):
+        c.update(5, 15)  # tau 6 ...
+    for _ in range(32):
+        c.update(0, 15)  # ... then a dip: nothing accepted over 32 drafts tried
+    batch = SimpleNamespace(rows=[object()], target=SimpleNamespace(cache_policy=SimpleNamespace(verify_width=lambda n: n)))
+    att, req = SimpleNamespace(costs=costs), SimpleNamespace(controller=c)
+    c.paused_left = c.pause = 0
+    why = _batch_loses(batch, att, [req], [15])
+    assert "1x16 round 11.0 ms" in why
+    c.pause_now(why)
+    assert c.paused_left > 0 and not c.probing
+    c.take_plain_steps()
+    assert c.probing and _batch_loses(batch, att, [req], [15]) == ""
+    c.update(6, 15)  # the probe pays (7 tokens for 11 ms against 6.2 ms plain steps): rounds go on
+    assert not c.paused_left and c.window == [(6, 7)]
