@@ -84,7 +84,7 @@ def _from_yaml(config: Optional[str]) -> Dict[str, Any]:
 
     try:
         sections = yaml.safe_load(Path(config).read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return {}
     runtime = sections.get(knobs.SECTION) if isinstance(sections, dict) else None
     if not isinstance(runtime, dict) or runtime.get("blas") is None:

@@ -158,6 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         blas_hint(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
+        print("mlx-spec: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`mlx-spec drafters | head -1`): no error message; stdout is closed

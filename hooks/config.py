@@ -38,6 +38,17 @@ def _key_lines(node: Any, path: str, source: str, out: Dict[str, int]) -> None:
         _key_lines(v, name, source, out)
 
 
+def _utf8_text(raw: bytes, path: str) -> str:
+    """The file's text; YAML files are UTF-8, so other bytes are refused with their line and column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise HostConfigError(f"{path}:{line}:{column}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); expected a UTF-8 "
+                              "text file (re-save it as UTF-8)") from None
+
+
 def _check_sections(sections: Dict[str, Any]) -> None:
     """Every value with a rule, before anything loads (the plugin checks its own keys again)."""
     from .server_settings import server_value
@@ -66,7 +77,7 @@ def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str
         p = Path(path)
         if not p.is_file():
             raise HostConfigError(f"config file {path!r} not found")
-        text = p.read_text()
+        text = _utf8_text(p.read_bytes(), path)
         try:
             _key_lines(yaml.compose(text, Loader=yaml.SafeLoader), "", path, lines)
             sections = yaml.safe_load(text) or {}

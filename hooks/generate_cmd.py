@@ -168,6 +168,20 @@ def fit_context(prompt: List[int], max_tokens: int, context: Optional[int], max_
     return context - len(prompt)
 
 
+def speculative_off_reason(args: argparse.Namespace, config: Any, flags: Dict[str, Any]) -> str:
+    """Why a run had no speculative decoding at all (its tokens all came from plain steps)."""
+    if args.no_speculative:
+        return "--no-speculative"
+    if flags.get("enabled") is False:
+        return "--num-draft-tokens 0"
+    enabled = config.section("speculative").get("enabled")
+    if enabled is not None and not validate.flag(enabled, "speculative.enabled"):
+        return f"{config.where('speculative.enabled')}speculative.enabled: false"
+    if not flags and not config.section("speculative"):
+        return "no --draft-model or --draft-kind given"
+    return "the plugins drafted nothing for this request"
+
+
 class Interrupt:
     """Ctrl-C during generation: the first ends the request after its current step (the output so far
     is reported), a second raises KeyboardInterrupt at once."""
@@ -249,6 +263,7 @@ def generate(args: argparse.Namespace, cluster: Any) -> int:
     )
     mx.reset_peak_memory()
     run = Run(len(prompt))
+    run.off_reason = speculative_off_reason(args, config, overrides["speculative"])
     # Sharded, Ctrl-C ends the rank at once (a step left out on one rank only would set the ranks apart).
     with (Interrupt() if cluster is None else contextlib.nullcontext()) as interrupt:
         stop = (lambda: interrupt.hit) if interrupt is not None else (lambda: False)
@@ -288,6 +303,7 @@ class Run:
         self.stop = self.start
         self.peak_memory = 0.0
         self.distributed: Optional[Dict[str, Any]] = None  # ranks, backend, drafter: a target sharded over ranks
+        self.off_reason = ""  # why there was no speculative decoding, should the plugin report none
 
     def event(self, event: Any) -> None:
         if self.first is None:
@@ -321,6 +337,7 @@ class Run:
                 "prompt_tps": round(prompt_tps, 3), "generation_tokens": len(self.tokens),
                 "generation_tps": round(generation_tps, 3), "peak_memory": round(self.peak_memory, 3),
                 "finish_reason": self.finish_reason, "speculative": spec.to_dict() if spec is not None else None,
+                **({"speculative_off": self.off_reason} if spec is None else {}),
                 **({"distributed": self.distributed} if self.distributed else {})}
 
     def stats_line(self) -> str:
@@ -333,7 +350,7 @@ class Run:
             line += "; interrupted"
         spec = self.speculative
         if spec is None:
-            return line + "; speculative off: every token from a plain step"
+            return line + f"; speculative off ({self.off_reason}): every token from a plain step"
         line += (f"; speculative {spec.kind}: {spec.rounds} rounds, tau {spec.mean_acceptance_length:.2f}, "
                  f"acceptance {spec.acceptance_rate:.0%}")
         plain = spec.plain_tokens

@@ -182,7 +182,10 @@ def _unsupported(name: str, value: Any, allowed: str) -> APIError:
 def parse_body(raw: bytes) -> Dict[str, Any]:
     try:
         body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                       "expected JSON in UTF-8", None, "invalid_unicode") from None
+    except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_described(body)}", None, "invalid_json")

@@ -28,6 +28,7 @@ FLAG_KEYS = ("host", "port", "api_key", "max_tokens", "context_length", "max_act
              "allowed_origins", "log_level", "warmup_rows", "warmup_tokens")
 # `serve`'s flags that set generation: keys, the defaults of requests (mlx-lm's server flags)
 GENERATION_FLAG_KEYS = ("temp", "top_p", "top_k", "min_p")
+CHAT_TEMPLATE = "a chat template: Jinja text, or a file holding it"
 CHAT_TEMPLATE_ARGS = 'a JSON object of apply_chat_template arguments, e.g. \'{"enable_thinking": false}\''
 
 
@@ -69,8 +70,8 @@ def server_value(key: str, value: Any, field_name: str) -> Any:
         return value.strip()
     if key == "chat_template":
         if not isinstance(value, str) or not value.strip():
-            raise SettingError(field_name, value, "a chat template: Jinja text, or a file holding it")
-        return _file_text(value) or value
+            raise SettingError(field_name, value, CHAT_TEMPLATE)
+        return _template_text(value, field_name)
     if key == "allowed_origins":
         return validate.origins(value, field_name)
     if key == "log_level":
@@ -86,15 +87,21 @@ def server_value(key: str, value: Any, field_name: str) -> Any:
     return validate.check(key, value, field_name)
 
 
-def _file_text(value: str) -> Optional[str]:
-    """The text of the file ``value`` names, or None when it names none (then it is the text itself)."""
+def _template_text(value: str, field_name: str) -> str:
+    """A chat template given as Jinja text (it has ``{`` or a newline), or the UTF-8 text of the file it names."""
     if "\n" in value or "{" in value:
-        return None
+        return value
+    path = Path(value).expanduser()
     try:
-        path = Path(value).expanduser()
-        return path.read_text() if path.is_file() else None
-    except (OSError, UnicodeDecodeError):
-        return None
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SettingError(field_name, value, f"{CHAT_TEMPLATE} (no Jinja '{{' in it, and {path} cannot be read: "
+                           f"{e.strerror or e})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SettingError(field_name, value, f"{CHAT_TEMPLATE} in UTF-8 ({path} has byte 0x{raw[e.start]:02x} at offset "
+                           f"{e.start})") from None
 
 
 def server_settings(config: HostConfig, environ: Optional[Dict[str, str]] = None) -> ServerSettings:

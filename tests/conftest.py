@@ -14,9 +14,10 @@ import mlx.core as mx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+TEST_CACHE = None  # the cache folder made for this run (None: the caller's $MLX_SPEC_CACHE is used)
 if not os.environ.get("MLX_SPEC_CACHE"):  # what the tests make is theirs: not ~/.cache/mlx-speculative
-    os.environ["MLX_SPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx-spec-test-cache-")
-    atexit.register(shutil.rmtree, os.environ["MLX_SPEC_CACHE"], True)
+    TEST_CACHE = os.environ["MLX_SPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx-spec-test-cache-")
+    atexit.register(shutil.rmtree, TEST_CACHE, True)
 mx.set_default_device(mx.cpu)
 
 from mlx_speculative.hooks import tiny_models as tm  # noqa: E402

@@ -1,7 +1,8 @@
 """A new user's first hour (issue 14): the demo pair by name, YAML-relative paths, the ngram
-override, flags reaching the logits processors, `check` reading every header, --version, and the
-bench's argument checks. Settings validation: test_validate.py; the README's commands:
-test_readme_commands.py; a burst of clients: test_server_burst.py."""
+override, flags reaching the logits processors, `check` reading every header, --version, the
+bench's argument checks, and the documented train-drafter commands naming what exists. Settings
+validation: test_validate.py; the README's commands: test_readme_commands.py; a burst of clients:
+test_server_burst.py."""
 
 from __future__ import annotations
 
@@ -263,3 +264,21 @@ def test_config_only_drafter_is_checked_by_config_and_refused_at_load(llama_pair
     assert "ok target safetensors: 39 tensor headers in 1 file(s)" in out
     rc, _, err = run(capsys, "generate", "--model", str(llama_pair["target"]), "--draft-model", str(only))
     assert rc == 2 and "has no *.safetensors weights" in error_line(err)
+
+
+def test_the_documented_commands_name_a_target_and_data_that_exist() -> None:
+    """The train-drafter commands of README.md and docs/training.md parse with today's flags and, run from the
+    repository root, name a target and data that exist (not a `--target ./target` no reader has)."""
+    import shlex
+
+    from mlx_speculative.hooks.cli import build_parser
+    from mlx_speculative.hooks.manager import make_plugin_manager
+    from test_readme_commands import commands
+
+    documented = [c for doc in (ROOT / "README.md", ROOT / "docs" / "training.md")
+                  for c in commands(doc.read_text())[0] if c.startswith("mlx-spec train-drafter")]
+    assert len(documented) >= 3, documented
+    parser = build_parser(make_plugin_manager())
+    for command in documented:
+        args = parser.parse_args(shlex.split(command)[1:])
+        assert loading.resolve_path(args.target).is_dir() and all((ROOT / d).exists() for d in args.data), command

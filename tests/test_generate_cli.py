@@ -3,8 +3,8 @@ plain-step share and why), the context rule, non-UTF-8 input, Ctrl-C, and mlx-lm
 
 from __future__ import annotations
 
-import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -48,29 +48,32 @@ def test_stats_on_a_run_with_an_adaptive_pause(llama_pair: Dict[str, Path], caps
     rc, _, err = run(capsys, "generate", "--ignore-chat-template", *args)
     line = err.strip().splitlines()[-1]
     assert rc == 0 and line.startswith(f"[mlx-spec] prompt {out['prompt_tokens']} tokens, ")
-    assert " tok/s; generation " in line and " GB; speculative draft_model: " in line
+    assert " tok/s; generation " in line and (f" GB; speculative draft_model: {spec['rounds']} rounds, tau "
+                                              f"{spec['mean_acceptance_length']:.2f}, acceptance ") in line
     assert (f"; {sum(plain.values())} of {out['generation_tokens'] + ended_on_eos} tokens from plain steps: adaptive "
             f"decoding paused speculation for {plain['paused']} (acceptance below break-even") in line
 
 
-def test_context_rule_and_non_utf8_input(llama_pair: Dict[str, Path], capsys: pytest.CaptureFixture,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_context_rule_and_non_utf8_input(llama_pair: Dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     target = str(llama_pair["target"])
     rc, _, err = run(capsys, "generate", "--model", target, "--ignore-chat-template", "--prompt", "word " * 5000)
     assert rc == 2 and re.search(r"--prompt: the prompt has \d+ tokens; this model's context length is 4096 tokens "
                                  r"\(prompt plus completion\)$", error_line(err))
-    # Argument bytes that are not UTF-8 reach Python as surrogate escapes; stdin as bytes.
     expected = generate(capsys, "--model", target, "--prompt", "caf\ufffd = 1", "--max-tokens", "4", "--no-speculative")
     assert expected["stderr"].count("warning") == 0
-    argv = generate(capsys, "--model", target, "--prompt", "caf\udce9 = 1", "--max-tokens", "4", "--no-speculative")
-    warnings = [line for line in argv["stderr"].splitlines() if "warning" in line]
-    assert warnings == ["[mlx-spec] warning: --prompt: not valid UTF-8 (byte 0xe9 at offset 3); such bytes were "
-                        "replaced by U+FFFD"]
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 = 1")))
-    stdin = generate(capsys, "--model", target, "--prompt", "-", "--max-tokens", "4", "--no-speculative")
-    assert "--prompt - (stdin): not valid UTF-8 (byte 0xe9 at offset 3)" in stdin["stderr"]
-    assert argv["tokens"] == stdin["tokens"] == expected["tokens"]
-    assert argv["prompt_tokens"] == stdin["prompt_tokens"] == expected["prompt_tokens"]
+    # As a shell hands them over: argument bytes and stdin bytes that are not UTF-8 (0xe9: latin-1's é)
+    command = [sys.executable, "-m", "mlx_speculative.hooks.cli", "generate", "--model", target, "--max-tokens", "4",
+               "--no-speculative", "--json", "--ignore-chat-template", "--prompt"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_VLM_")}
+    for prompt, stdin, field in ((b"caf\xe9 = 1", b"", "--prompt"), (b"-", b"caf\xe9 = 1", "--prompt - (stdin)")):
+        done = subprocess.run([*command, prompt], input=stdin, capture_output=True, env=env, timeout=300)
+        err = done.stderr.decode()
+        assert done.returncode == 0 and "Traceback" not in err, err
+        warnings = [line for line in err.splitlines() if "warning" in line]
+        assert warnings == [f"[mlx-spec] warning: {field}: not valid UTF-8 (byte 0xe9 at offset 3); such bytes were "
+                            "replaced by U+FFFD"]
+        out = json.loads(done.stdout)
+        assert (out["tokens"], out["prompt_tokens"]) == (expected["tokens"], expected["prompt_tokens"])
 
 
 def test_ctrl_c_prints_the_partial_object_and_max_tokens_is_cut_to_the_context() -> None:
@@ -111,7 +114,11 @@ def test_mlx_lm_generate_flags(llama_pair: Dict[str, Path], capsys: pytest.Captu
     # --num-draft-tokens N is mlx-lm's count: a block of N + 1; 0 turns speculation off
     spec = generate(capsys, *base, "--num-draft-tokens", "2")["speculative"]
     assert set(spec["block_sizes"]) == {3}
-    assert generate(capsys, *base, "--num-draft-tokens", "0")["speculative"] is None
+    off = generate(capsys, *base, "--num-draft-tokens", "0")
+    assert off["speculative"] is None and off["speculative_off"] == "--num-draft-tokens 0"
+    rc, _, err = run(capsys, "generate", *base, "--ignore-chat-template", "--num-draft-tokens", "0")
+    assert rc == 0 and err.strip().splitlines()[-1].endswith("; speculative off (--num-draft-tokens 0): every token "
+                                                              "from a plain step")
     rc, _, err = run(capsys, "generate", *base, "--num-draft-tokens", "3", "--draft-block-size", "5")
     assert rc == 2 and "--num-draft-tokens: got 3; allowed: 4 (--draft-block-size 5" in error_line(err)
     # --prefill-step-size: the prompt fed in chunks of 2, the same tokens

@@ -1,6 +1,7 @@
 """Every test module belongs to exactly one group: a module-level ``pytestmark`` naming ``pytest.mark.unit``,
 ``integration``, ``server`` or ``statistical`` (alone or in a list beside other marks such as ``skipif``), and
-each group is registered in pyproject.toml. A new module without a group fails here. Reads files only."""
+each group is registered in pyproject.toml. A new module without a group fails here. Reads files only; and
+the tests' cache folder is their own (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,18 @@ def test_groups_are_registered() -> None:
     missing = [g for g in (*GROUPS, "slow") if g not in registered]
     assert not missing, f"pyproject.toml's pytest markers lack: {', '.join(missing)}; registered: {sorted(registered)}"
     assert "-m" not in config.get("addopts", ""), "a plain `pytest` runs every group: no -m in addopts"
+
+
+def test_the_tests_cache_is_their_own_and_announced() -> None:
+    """The tests write mlx-spec's cache (GGUF conversions, ...) into a temporary folder of their own, never into
+    ~/.cache/mlx-speculative unless the caller's $MLX_SPEC_CACHE says so, and docs/testing.md says it."""
+    import os
+
+    from conftest import TEST_CACHE
+    from mlx_speculative.hooks import knobs
+
+    assert "`MLX_SPEC_CACHE`" in (TESTS.parent / "docs" / "testing.md").read_text()
+    if TEST_CACHE is None:
+        pytest.skip("$MLX_SPEC_CACHE was set by the caller: the tests use it")
+    home = os.path.join(os.path.expanduser("~"), ".cache", "mlx-speculative")
+    assert knobs.cache_root() == TEST_CACHE != home and os.path.isdir(TEST_CACHE)

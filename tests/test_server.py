@@ -517,6 +517,12 @@ def test_lone_surrogate_gets_400_and_is_counted(servers: Dict[str, ServerProc]) 
                    "\\ud800-\\udfff escape only as half of a pair)",
         "type": "invalid_request_error", "param": "prompt", "code": "invalid_unicode"}}
     assert spec.metrics()[invalid] == before + 1
+    # A body that is not UTF-8 at all (JSON is UTF-8): refused the same way, counted
+    r = spec.post("/v1/completions", None, raw=b'{"prompt": "caf\xe9"}')
+    assert r.status_code == 400 and r.json() == {"error": {
+        "message": "the request body is not valid UTF-8 (byte 0xe9 at offset 15); expected JSON in UTF-8",
+        "type": "invalid_request_error", "param": None, "code": "invalid_unicode"}}
+    assert spec.metrics()[invalid] == before + 2
     assert _completion(spec, "caf\u00e9")["usage"]["completion_tokens"] > 0  # a real pair, or any valid text: served
 
 

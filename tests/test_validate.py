@@ -128,6 +128,32 @@ def test_yaml_unknown_and_duplicate_keys_carry_file_and_line(tmp_path: Path, cap
         assert rc == 2 and error_line(err).startswith(f"mlx-spec: error: {cfg}:{expected}"), (text, err)
 
 
+def test_yaml_that_is_not_utf8_is_refused_with_its_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "host.yaml"
+    cfg.write_bytes(b"model: demo\n# caf\xe9 (latin-1)\n")
+    for command in ("generate", "serve"):
+        rc, _, err = run(capsys, command, "--config", str(cfg))
+        assert rc == 2 and error_line(err) == (f"mlx-spec: error: {cfg}:2:6: not valid UTF-8 (byte 0xe9); expected a "
+                                               "UTF-8 text file (re-save it as UTF-8)"), err
+
+
+def test_chat_template_is_jinja_text_or_a_utf8_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A value without Jinja is a file name: one that does not read is refused, never served as the template."""
+    latin1 = tmp_path / "latin1.jinja"
+    latin1.write_bytes(b"{% for m in messages %}caf\xe9 {{ m.content }}{% endfor %}")
+    absent = tmp_path / "absent.jinja"
+    for value, expected in ((str(absent), f"(no Jinja '{{' in it, and {absent} cannot be read: No such file"),
+                            (str(latin1), f"a file holding it in UTF-8 ({latin1} has byte 0xe9 at offset 26)")):
+        rc, _, err = run(capsys, "serve", "--model", str(tmp_path / "absent"), "--chat-template", value)
+        assert rc == 2 and error_line(err).startswith(f"mlx-spec: error: --chat-template: got {value!r}; allowed: a "
+                                                      "chat template: Jinja text, or a file holding it")
+        assert expected in error_line(err), err
+    good = tmp_path / "good.jinja"
+    good.write_text("{{ messages[0]['content'] }}")
+    assert server_settings(HostConfig(overrides={"server": {"chat_template": str(good)}})).chat_template == \
+        good.read_text()
+
+
 def test_utf8_text_and_lone_surrogates() -> None:
     assert validate.utf8_text("café", "--prompt") == ("café", None)
     assert validate.utf8_text("caf\udce9", "--prompt") == (
