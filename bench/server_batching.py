@@ -100,6 +100,7 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     lock = threading.Lock()
     stats: Dict[str, Any] = {"requests": 0, "errors": 0, "mismatches": 0, "tokens": 0}
+    request_ms = {"prompt": 0.0, "predicted": 0.0}  # per request: first token (prefill), and the rest
     steps: Dict[str, float] = {}
     rounds = [0]
     paused: Dict[str, Any] = {"plain_steps": 0, "reasons": {}, "examples": {}}
@@ -121,6 +122,8 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
                 stats["tokens"] += max(got[1], 0)
                 stats["mismatches"] += int(got != refs[j])
                 rounds[0] += int(timing.get("draft_rounds") or 0)
+                for part in request_ms:
+                    request_ms[part] += float(timing.get(f"{part}_ms") or 0.0)
                 paused["plain_steps"] += int(timing.get("draft_plain_steps") or 0)
                 full = timing.get("draft_pause_reason") or ""
                 why = re.sub(r"\d+(\.\d+)?", "#", full.split(" (")[0])[:90]  # the rule, without its numbers
@@ -147,6 +150,9 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
             "tau": round(1 + d.get("spec_decode_num_accepted_tokens_total", 0) / drafts, 3) if drafts else None,
             # a batched round's steps are recorded by each of its rows: per row-round
             "ms_per_row_round": {k: round(v / rounds[0], 3) for k, v in sorted(steps.items())} if rounds[0] else None,
+            # where the generation thread's time went, as shares of the load's wall clock
+            "thread_share": {k: round(d.get(f"mlx_spec_{k}_seconds_total", 0.0) / wall, 3) for k in ("prefill", "decode")},
+            "mean_request_ms": {k: round(v / stats["requests"], 1) for k, v in request_ms.items()} if stats["requests"] else None,
             "paused_plain_steps": paused["plain_steps"], "pause_reasons": paused["reasons"],
             "pause_examples": paused["examples"]}
 

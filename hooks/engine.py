@@ -217,6 +217,7 @@ class Engine:
                     self._emit(job, event)
             for rows in self.scheduler.decoded:
                 self.counters.stepped(rows)
+            self.counters.spent(**self.scheduler.seconds)
             for job in [j for j in self.jobs.values() if j.scheduled is not None and j.scheduled.done]:
                 self._done(job)
 

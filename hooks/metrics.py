@@ -30,6 +30,8 @@ class HostCounters:
         self.decode_steps = 0  # decode steps (one target forward each)
         self.decode_rows = 0  # rows over all decode steps: / decode_steps = mean rows per forward
         self.ignored_fields: Dict[str, int] = collections.Counter()  # request fields ignored, by name
+        self.prefill_seconds = 0.0  # the generation thread's wall clock in prompt chunks ...
+        self.decode_seconds = 0.0  # ... and in decode steps (the rest: waiting for requests, emitting)
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self._lock:
@@ -53,6 +55,11 @@ class HostCounters:
         with self._lock:
             self.decode_steps += 1
             self.decode_rows += rows
+
+    def spent(self, prefill: float, decode: float) -> None:
+        with self._lock:
+            self.prefill_seconds += prefill
+            self.decode_seconds += decode
 
     def metrics(self) -> List[Metric]:
         with self._lock:
@@ -82,6 +89,10 @@ class HostCounters:
                    [("", v["decode_steps"])]),
             Metric("mlx_spec_decode_rows_total", "counter",
                    "Request rows over all decode steps (divided by the steps: mean rows per forward).", [("", v["decode_rows"])]),
+            Metric("mlx_spec_prefill_seconds_total", "counter", "Seconds the generation thread spent feeding prompts.",
+                   [("", round(v["prefill_seconds"], 6))]),
+            Metric("mlx_spec_decode_seconds_total", "counter", "Seconds the generation thread spent in decode steps.",
+                   [("", round(v["decode_seconds"], 6))]),
             Metric("mlx_spec_requests_running", "gauge", "Requests being prefilled or generated.", [("", v["running"])]),
             Metric("mlx_spec_requests_waiting", "gauge", "Requests queued.", [("", v["waiting"])]),
         ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -116,6 +117,7 @@ class Scheduler:
         self._ids = itertools.count()
         self.steps = 0
         self.decoded: List[int] = []  # rows of each batch the last step decoded (one target forward each)
+        self.seconds = {"prefill": 0.0, "decode": 0.0}  # the last step's wall clock in prompt chunks and in decoding
 
     # requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: GenerationParams) -> Request:
@@ -187,11 +189,14 @@ class Scheduler:
         self._drop_cancelled()
         self._join_ready()
         budget = self.prefilling[0].params.prefill_step_size if self.prefilling else 0
+        t0 = time.perf_counter()
         while self.prefilling and budget > 0:
             budget -= self._prefill_chunk(self.prefilling[0], out)
+        t1 = time.perf_counter()
         for decoder in list(self.decoders):
             if decoder.batch.rows:
                 self._decode(decoder, out)
+        self.seconds = {"prefill": t1 - t0, "decode": time.perf_counter() - t1}
         self.decoders = [d for d in self.decoders if d.batch.rows or d is self._main(create=False)]
         self.steps += 1
         if self.steps % 256 == 0:

@@ -16,8 +16,8 @@ average over rounds, so that one bad round after good ones does not shrink the b
   collapse round that accepted nothing (shrinking cannot help, and on GPUs, where a verify costs
   about the same for 2 or 16 positions, a smaller block only meets new shapes); and rounds that
   lose against plain decoding at the measured costs: (1 + accepted) * plain step < round. A probe
-  that collapses again doubles the pause (up to ``max_pause``); a round that accepts most of its
-  drafts resets it. Once both costs are measured a pause is at least long enough that its probe
+  that collapses again doubles the pause (up to ``max_pause``); a round that paid for itself (``paid``)
+  resets it. Once both costs are measured a pause is at least long enough that its probe
   round costs no more than ``probe_budget`` of it: (round / plain step - 1) / probe_budget steps.
   No probe when fewer tokens are left than the pause before it (``skip_probe``).
 
@@ -67,7 +67,7 @@ class BlockSizeController:
     recent_rate: float = -1.0  # exponential average of accepted / drafted (starts at good_rate)
     recent_accepted: float = 0.0  # exponential average of accepted per round
     min_pause: int = 8
-    max_pause: int = 256
+    max_pause: int = 64  # the backoff's cap: longer, a stream whose acceptance recovers stays plain to its end
     probe_budget: float = 0.05  # a probe round costs at most this share of the pause before it
     start: int = 0  # the first rounds' size (0: the cap); the drafter's own block where the cap is above it
     costs: CostTable = field(default_factory=CostTable)  # the target's, shared by its requests (round.py)
@@ -83,7 +83,8 @@ class BlockSizeController:
     pause_reason: str = ""  # why the latest pause began, for the stats
     shape_stable: bool = False  # the target's cache policy keeps shapes (CUDA): measured costs decide (above)
     window: List[Tuple[int, int]] = field(default_factory=list)  # (accepted, tried) of the latest rounds
-    window_size: int = 8
+    window_size: int = 64  # rounds kept
+    window_tried: int = 32  # drafts tried over the latest rounds that ``alpha`` reads
     _good: int = 0
 
     def __post_init__(self) -> None:
@@ -124,14 +125,17 @@ class BlockSizeController:
 
     @property
     def alpha(self) -> float:
-        """Per-position acceptance estimate: over the latest ``window_size`` rounds once there are as many, else
-        over the request's rounds with ``prior`` drafts tried at ``good_rate`` added. Not a fast average: with a
-        weight of 1/2 on the newest round, two rejected rounds between good ones halved it, and a round priced with
-        it lost (one served row at tau 5.9 paused 12 times in 30 s on such dips, H100). Over 8 rounds at tau 6 a
-        dip that low comes about once in 700 rounds."""
-        if len(self.window) >= self.window_size:
-            tried = sum(t for _, t in self.window)
-            return sum(a for a, _ in self.window) / tried if tried else self.good_rate
+        """Per-position acceptance estimate: over the latest rounds that tried ``window_tried`` drafts, else over
+        the request's rounds with ``prior`` drafts tried at ``good_rate`` added. Not a fast average: with a weight
+        of 1/2 on the newest round, two rejected rounds between good ones halved it and one served row at tau 5.9
+        paused 12 times in 30 s (H100). Nor a window of a fixed number of rounds: 8 rounds at tau 3 try ~24 drafts,
+        and their estimate fell below break-even often enough that a round worth 1.41x plain ran at 1.17x (the
+        controller simulated, block 16, round 2.1 plain steps); over 32 drafts tried it runs at 1.29x."""
+        accepted = tried = 0
+        for a, t in reversed(self.window):
+            accepted, tried = accepted + a, tried + t
+            if tried >= self.window_tried:
+                return accepted / tried
         return (self.accepted_total + self.good_rate * self.prior) / (self.tried_total + self.prior)
 
     @property
@@ -159,6 +163,16 @@ class BlockSizeController:
         """Rounds yield fewer tokens per second than plain steps, at the measured costs (this row's share)."""
         r, p = self.round_seconds, self.plain_seconds
         return r > 0 and p > 0 and (1 + self.recent_accepted) * p < r
+
+    def paid(self, accepted: int, rate: float) -> bool:
+        """A round that paid for itself: at the measured costs, its tokens took less time than as many plain steps;
+        before both are measured, it accepted at least ``good_rate`` of its drafts. (``good_rate`` alone asks 12 of
+        15 drafts at block 16, which a round of a tau-6 stream rarely meets, so that a pause's probes kept the dip
+        that paused it in the window and each doubled the pause: 169 of 256 tokens plain at tau 3 in simulation.)"""
+        r, p = self.round_seconds, self.plain_seconds
+        if r > 0 and p > 0:
+            return (1 + accepted) * p >= r
+        return rate >= self.good_rate
 
     def pays_to_grow(self, new: int, untried: bool = True) -> bool:
         """Whether blocks of ``new`` positions return more tokens per second than blocks of ``size`` at this
@@ -189,7 +203,7 @@ class BlockSizeController:
         r, p = self.round_seconds, self.plain_seconds
         if r > 0 and p > 0:
             extra = max(0.0, r / p - 1.0)
-            probe_paid = min(self.max_pause, math.ceil(extra / self.probe_budget))
+            probe_paid = min(4 * self.max_pause, math.ceil(extra / self.probe_budget))
         self.pause = max(backoff, probe_paid)
         self.paused_left = self.pause
         self._good = 0
@@ -200,14 +214,17 @@ class BlockSizeController:
             return
         rate = accepted / draft_tokens
         tried = accepted + (accepted < draft_tokens)
-        # A probe that accepts most of its drafts starts the window afresh: the rounds that paused are history.
-        start = [] if probe and rate >= self.good_rate else self.window
+        paid = self.paid(accepted, rate)
+        # A probe that paid for itself starts the window afresh: the rounds that paused are history.
+        start = [] if probe and paid else self.window
         self.window = (start + [(accepted, tried)])[-self.window_size:]
         self.accepted_total += accepted
         self.tried_total += tried
         self.recent_rate = self.decay * rate + (1 - self.decay) * self.recent_rate
         self.recent_accepted = self.decay * accepted + (1 - self.decay) * self.recent_accepted
         collapsed = self.recent_rate < self.collapse_rate
+        if paid:
+            self.pause = 0  # the next pause starts short again
         if self.decide_by_costs:
             self._by_costs(collapsed, accepted, rate)
         elif collapsed and rate < self.collapse_rate and (self.size == self.floor or accepted == 0):
@@ -230,7 +247,6 @@ class BlockSizeController:
         if rate < self.good_rate:
             self._good = 0
             return
-        self.pause = 0
         self._good += 1
         if self._good >= self.grow_after and self.size < self.cap:
             new = min(self.cap, self.size + max(1, self.size // 4))

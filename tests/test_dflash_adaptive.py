@@ -7,6 +7,7 @@ import pytest
 
 from conftest import price
 from mlx_speculative.plugin.adaptive import BlockSizeController
+from mlx_speculative.plugin.costs import expected_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -50,10 +51,20 @@ def test_measured_costs_size_the_pause() -> None:
         c.record_plain(8, 0.040)  # 5 ms a plain step: a probe round costs 4 plain steps more
     run(c, 0.0, 2)
     assert c.paused_left == 80  # 4 extra steps are 5 % of 80
-    c.record_plain(4, 0.080)  # slower plain steps now: the median of those after the first, 12.5 ms
     c.take_plain_steps()
     c.update(0, 15)
-    assert c.paused_left == 160  # backoff (twice the last pause) beats the cost rule (ceil(1 / .05) = 20)
+    assert c.paused_left == 80  # the backoff's cap (64) stays below what the probe's price asks
+    d = BlockSizeController(cap=16)
+    for _ in range(3):
+        d.record_round(0.010)
+        d.record_plain(1, 0.005)  # a probe round costs 1 plain step more: 5 % of 20
+    run(d, 0.0, 2)
+    pauses = [d.paused_left]
+    for _ in range(3):
+        d.take_plain_steps()
+        d.update(0, 15)
+        pauses.append(d.paused_left)
+    assert pauses == [20, 40, 64, 64]  # backoff past the cost rule, up to max_pause
 
 
 def test_rounds_losing_to_plain_steps_pause() -> None:
@@ -117,11 +128,11 @@ def test_collapse_at_the_floor_pauses_with_backoff_and_probes() -> None:
     assert c.paused_left == 8 and [c.take_plain_steps(1) for _ in range(9)] == [1] * 8 + [0]
     c.update(0, 1)  # the probe collapses again: twice as long, handed out at once
     assert c.paused_left == 16 and c.take_plain_steps() == 16 and c.take_plain_steps() == 0
-    for expect in (32, 64, 128, 256, 256):  # doubling up to max_pause
+    for expect in (32, 64, 64):  # doubling up to max_pause
         c.update(0, 1)
         assert c.take_plain_steps() == expect
     c.update(1, 1)  # a good probe ends the backoff
-    assert c.pause == 0 and c.plain_steps == 8 + 16 + 32 + 64 + 128 + 256 + 256
+    assert c.pause == 0 and c.plain_steps == 8 + 16 + 32 + 64 + 64
     c.update(0, 1)
     c.update(0, 1)
     assert c.paused_left == 8
@@ -226,14 +237,61 @@ def test_dips_in_acceptance_do_not_pause_a_row_that_pays() -> None:
         assert c.paused_left == 0, (a, c.window, c.alpha)
         c.next()
         c.update(a, 15)
-    assert 0.6 < c.alpha < 0.9 and len(c.window) == c.window_size
+    assert 0.6 < c.alpha < 0.9 and len(c.window) == len(accepted)
     for _ in range(c.window_size):
         if not c.paused_left:
             c.next()
             c.update(0, 15)
-    assert c.paused_left > 0 and c.alpha < 0.5
+    assert c.paused_left > 0 and "costs more than" in c.pause_reason
+    assert expected_tokens(c.alpha, 15) * 0.0047 < 0.0097
     c.take_plain_steps()
     assert c.probing
     c.next()
     c.update(14, 15)  # the probe accepts 14 of 15: the window holds it alone
     assert c.window == [(14, 15)] and not c.paused_left
+
+
+def test_a_probe_that_pays_for_itself_ends_the_pause_and_its_backoff() -> None:
+    # 1x16 rounds 10 ms, plain steps 4.7 ms: a round pays from 2.13 tokens on. A tau-6 stream (5 of 15 drafts a
+    # round) dips for 16 rounds and pauses; its probe accepts 3 drafts, 4 tokens for 10 ms where plain steps take
+    # 18.8: the probe paid, so the dip leaves the estimate and rounds go on. (A probe judged by the share of its
+    # drafts accepted, 3 of 15 below good_rate's 75 %, kept the dip and doubled the pause.)
+    c = _priced(True, round_s=0.010, plain_s=0.0047)
+    for _ in range(20):
+        c.next()
+        c.update(5, 15)
+    for _ in range(16):
+        if not c.paused_left:
+            c.next()
+            c.update(0, 15)
+    assert c.paused_left > 0
+    c.take_plain_steps()
+    c.next()
+    c.update(3, 15)
+    assert c.paused_left == 0 and c.pause == 0 and c.window == [(3, 4)]
+    c.next()
+    c.update(5, 15)
+    assert c.paused_left == 0
+
+
+def test_a_stream_whose_rounds_pay_keeps_most_of_their_gain() -> None:
+    # The controller over 200 simulated 256-token requests (seeded), per-position acceptance for tau 3 at block
+    # 16; rounds 10 ms, plain steps 4.7 ms: rounds alone run at 1.41x plain. An estimate over too few drafts
+    # tried dips below break-even and pauses (1.17x over windows of 8 rounds); over 32 drafts 1.29x.
+    import random
+    from mlx_speculative.plugin.bench.oracle import alpha_for_tau
+    r, p, alpha, seconds, tokens = 0.010, 0.0047, alpha_for_tau(3.0, 16), 0.0, 0
+    for seed in range(200):
+        rng, c, left = random.Random(seed), _priced(True, round_s=r, plain_s=p), 256
+        while left > 0:
+            n = min(c.take_plain_steps(), left)
+            if n:
+                left, seconds = left - n, seconds + n * p
+                continue
+            k, accepted = c.next() - 1, 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            c.update(accepted, k)
+            left, seconds = left - 1 - accepted, seconds + r
+        tokens += 256
+    assert tokens / seconds * p > 1.25

@@ -154,6 +154,8 @@ def test_batched_rows_equal_solo_and_generate_step(batched: Dict[str, ServerProc
     steps = after["mlx_spec_decode_steps_total"] - before["mlx_spec_decode_steps_total"]
     rows = after["mlx_spec_decode_rows_total"] - before["mlx_spec_decode_rows_total"]
     assert steps > 0 and rows / steps > 2, (rows, steps)  # the rows really shared forwards
+    for part in ("prefill", "decode"):  # the generation thread's time, by what it did
+        assert after[f"mlx_spec_{part}_seconds_total"] > before[f"mlx_spec_{part}_seconds_total"], part
     # The disconnected client's request ends at its next step: wait for the engine's gauge, not a guess.
     wait_for(lambda: server.metrics()["mlx_spec_requests_running"] == 0, 10, lambda: f"still running: {server.metrics()}")
     after = server.metrics()
