@@ -7,7 +7,7 @@ Warm shapes, synchronous, median of ``--iters`` (plugin/bench/kernels.py: the fo
 log-softmax rows after ``keys`` cached positions, trimmed back after each call), with the cache the
 plugin uses on CUDA (``--cache padded``: bucket 256, described masks) or mlx-lm's (``--cache kvcache``:
 "causal"). The target and the DFlash-shape drafter (``--dflash-layers`` layers of the target's width,
-block ``--block``) are routed through the dispatcher (plugin/attention.py) once; ``off`` disables it
+block ``--block``) are routed through the dispatcher (plugin/cuda/attention.py) once; ``off`` disables it
 (MLX's attention), ``on`` enables it with its thresholds (``--min-keys`` overrides them). The drafter's
 block is timed with a padded context cache (the plugin's on CUDA) and with mlx-lm's KVCache. Every
 entry records the dispatcher's calls by path, so the JSON shows which path ran. Without MLX-CUDA only
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculative.drafters.dflash import DFlashDrafter  # noqa: E402
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
-from mlx_speculative.plugin import attention, cache_policy, cuda_attention  # noqa: E402
+from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, cuda_attention  # noqa: E402
 from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
 
@@ -74,8 +74,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     s = BenchSettings(synthetic_target=None if a.model else a.synthetic_target, model=a.model,
                       quantize_bits=a.quantize_target)
     target, config, note = load_target(s)
-    bucket = cache_policy.DEFAULT_BUCKET if a.cache == "padded" else None
-    policy = cache_policy.ShapeStablePolicy(prewarm_tokens=0, attention=disp)
+    bucket = cuda_backend.DEFAULT_BUCKET if a.cache == "padded" else None
+    policy = cuda_backend.ShapeStablePolicy(prewarm_tokens=0, attention=disp)
     host_attention.route(target.model, disp)
     drafters: Dict[str, Any] = {}
     if a.block:

@@ -37,7 +37,7 @@ from mlx_speculative.hooks.host import GenerationParams, Host  # noqa: E402
 from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
 from mlx_speculative.hooks.scheduler import Scheduler  # noqa: E402
 from mlx_speculative.hooks.state import HostConfig, LoadedTarget  # noqa: E402
-from mlx_speculative.plugin import cache_policy, hookimpls  # noqa: E402
+from mlx_speculative.plugin import cuda, hookimpls  # noqa: E402
 from mlx_speculative.plugin.bench import oracle as orc  # noqa: E402
 from mlx_speculative.plugin.bench import synthetic  # noqa: E402
 from mlx_speculative.plugin.settings import SpeculativeSettings  # noqa: E402
@@ -96,7 +96,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         row = plain_steps(plain_host, stock, reqs[:b], args.max_tokens)
         report["plain"].append({"caches": "mlx-lm", **row})
         print(f"plain mlx-lm {row}", flush=True)
-    policy = cache_policy.policy_for()
+    policy = cuda.backend_for()
     drafter, _ = synthetic.dflash_drafter(model, config, args.block, 5, 2, policy)
     ora = orc.Oracle(orc.alpha_for_tau(args.tau, args.block), vocab)
     for p in reqs:

@@ -1,4 +1,4 @@
-"""Writing a verify's keys/values into a cache buffer at a device-scalar offset on MLX-CUDA (plugin/compiled.py).
+"""Writing a verify's keys/values into a cache buffer at a device-scalar offset on MLX-CUDA (plugin/cuda/compiled.py).
 
     python bench/cache_write_cost.py      # on the GPU machine; prints one line per (buffer length, way)
 

@@ -6,7 +6,7 @@ A round's first ``prepare`` (drafters/dflash/batch.py) turns the prompt's captur
 the drafter's context K/V: the features (the taps concatenated, the last one normed) padded to the
 append counts, then chunks of ``CONTEXT_CHUNK`` through the fc and each layer's K/V: at 17,275 prompt
 positions on the H200 the first round's ``prepare`` cost 52.9 ms fresh against 30.5 warm
-(bench/round_trace.py, bench/results/profiles/h200-round-trace-reserved.json). This times, with the plugin's cache policy (plugin/cache_policy.py policy_for) and the DFlash-shape
+(bench/round_trace.py, bench/results/profiles/h200-round-trace-reserved.json). This times, with the plugin's backend (plugin/cuda/__init__.py backend_for) and the DFlash-shape
 drafter of ``mlx-spec bench``, each length twice in a row after ``mx.clear_cache()`` as the bench does
 (fresh: a length never run before; warm: the same again), synchronised:
 
@@ -42,7 +42,7 @@ from mlx_speculative.drafters.dflash.features import target_features  # noqa: E4
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
 from mlx_speculative.hooks.prompt_cache import arrays  # noqa: E402
 from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
-from mlx_speculative.plugin import cache_policy  # noqa: E402
+from mlx_speculative.plugin import cuda  # noqa: E402
 from mlx_speculative.plugin.bench import synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
 
@@ -136,9 +136,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cpu:
         mx.set_default_device(mx.cpu)
     target, config, note = load_target(BenchSettings(synthetic_target=a.synthetic_target))
-    policy = cache_policy.policy_for()
+    policy = cuda.backend_for()
     drafter, desc = synthetic.dflash_drafter(target.model, config, a.block, a.dflash_layers, 2, policy)
-    if getattr(policy, "shape_stable", False):
+    if policy is not None and policy.shape_stable:
         from mlx_speculative.drafters.dflash import prewarm
 
         host_attention.route_policy(drafter.model, policy)

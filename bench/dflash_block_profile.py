@@ -36,7 +36,8 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
-from mlx_speculative.plugin import attention, cache_policy, cuda_attention  # noqa: E402
+from mlx_speculative.plugin import cuda  # noqa: E402
+from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, cuda_attention  # noqa: E402
 from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
 
@@ -121,10 +122,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dflash-layers", type=int, default=5)
     p.add_argument("--padded", action="store_true", help="the padded context cache the plugin uses on CUDA")
     p.add_argument("--kernel", choices=["on", "off"], default="off",
-                   help="route the drafter's attention through the project's kernel (plugin/attention.py; CUDA only)")
+                   help="route the drafter's attention through the project's kernel (plugin/cuda/attention.py; CUDA only)")
     p.add_argument("--plugin", action="store_true",
-                   help="the drafter as the plugin runs it (the environment's cache policy, plugin/cache_policy.py "
-                        "policy_for: on CUDA the padded context cache, the attention and projection kernels and "
+                   help="the drafter as the plugin runs it (the environment's backend, plugin/cuda/__init__.py "
+                        "backend_for: on CUDA the padded context cache, the attention and projection kernels and "
                         "compiled calls); --padded and --kernel are then ignored")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's array")
@@ -136,13 +137,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         mx.set_default_device(mx.cpu)
     target, config, note = load_target(BenchSettings(synthetic_target=a.synthetic_target))
     if a.plugin:
-        policy = cache_policy.policy_for()
-        disp = getattr(policy, "attention", None)
+        policy = cuda.backend_for()
+        disp = policy.attention if policy is not None else None
     else:
         if a.kernel == "on" and not cuda_attention.available():
             raise SystemExit("--kernel on: the attention kernel needs MLX built with CUDA and the GPU as the default device")
         disp = attention.Dispatcher(attention.cuda_kernel()) if a.kernel == "on" else None
-        policy = cache_policy.ShapeStablePolicy(prewarm_tokens=0, attention=disp) if a.padded else None
+        policy = cuda_backend.ShapeStablePolicy(prewarm_tokens=0, attention=disp) if a.padded else None
     drafter, desc = synthetic.dflash_drafter(target.model, config, a.block, a.dflash_layers, 2, policy)
     if a.plugin:
         host_attention.route_policy(drafter.model, policy)

@@ -91,7 +91,7 @@ def _factories(bucket: int) -> Dict[str, Callable[[], Any]]:
 
     out: Dict[str, Callable[[], Any]] = {"KVCache": KVCache}
     if bucket:
-        from mlx_speculative.plugin.cache_policy import PaddedKVCache
+        from mlx_speculative.plugin.cuda.backend import PaddedKVCache
 
         out[f"PaddedKVCache({bucket})"] = lambda: PaddedKVCache(bucket)
     return out

@@ -30,7 +30,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_speculative.hooks.state import LoadedTarget
-from mlx_speculative.plugin import cache_policy
+from mlx_speculative.plugin import cuda
+from mlx_speculative.plugin.cuda import backend as cuda_backend
 from mlx_speculative.plugin.bench import methods as new_methods
 from mlx_speculative.plugin.bench import synthetic
 
@@ -43,7 +44,7 @@ class Version:
         vocab = int(config["vocab_size"])
         if name == "new":
             target = LoadedTarget(model=model, tokenizer=None, path=Path("synthetic"), model_config=config, name="synthetic")
-            policy = cache_policy.ShapeStablePolicy(bucket, prewarm_tokens=0) if padded else None
+            policy = cuda_backend.ShapeStablePolicy(bucket, prewarm_tokens=0) if padded else None
             drafter, _ = synthetic.dflash_drafter(model, config, block, 5, 2, policy)
             self.methods = {"plain": new_methods.HostMethod(target, "plain", None),
                             "plain padded": new_methods.HostMethod(target, "plain padded", policy) if padded else None,
@@ -83,7 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.cpu:
         mx.set_default_device(mx.cpu)
     sys.path.insert(0, str(Path(args.old_root).resolve()))
-    padded = cache_policy.resolve_mode()
+    padded = cuda.padded_on()
     config = synthetic.config_for(args.synthetic_target)
     model = synthetic.build(config)
     # A second model object on the same weight arrays: each version taps its own layer instances
@@ -145,7 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "command": "python bench/engine_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "device": str(mx.default_device()), "backend": cache_policy.backend(), "mlx": mx.__version__,
+            "device": str(mx.default_device()), "backend": cuda.device(), "mlx": mx.__version__,
             "platform": platform.platform(), "padded": padded, "target": args.synthetic_target,
             "summary": summary, "pairs": results, "when": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return 0

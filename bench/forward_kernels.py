@@ -13,7 +13,7 @@ the device's own work, without what its launches and the host add; host_split.py
 give the rest. The second run sums the kernels by group (projections, attention, norms, rope, cache writes,
 the rest) and reports the projections' bytes per second: where 16 positions cost more than one.
 ``--shapes``: instead, each projection shape of the 8B llama (and a DFlash fc) alone, one launch per window for
-MLX's own matmul and each kernel shape of ``--variants`` (plugin/cuda_matmul.py's (G, S, U[, PIPE])), its weight
+MLX's own matmul and each kernel shape of ``--variants`` (plugin/cuda/cuda_matmul.py's (G, S, U[, PIPE])), its weight
 out of the L2, over ``--rows``; a window's bytes per second is its weight's over its one kernel.
 """
 
@@ -159,24 +159,24 @@ class Windows:
 def run(a: argparse.Namespace) -> List[Dict[str, Any]]:
     """The forwards' windows: the target over each width at each key length, the DFlash round."""
     from mlx_speculative.hooks import attention as host_attention
-    from mlx_speculative.plugin import attention, cache_policy, compiled, projections
+    from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, compiled, projections
     from mlx_speculative.plugin.bench import kernels, synthetic
     from mlx_speculative.plugin.bench.core import BenchSettings, load_target
 
     disp = attention.Dispatcher(attention.cuda_kernel())
     target, config, _ = load_target(BenchSettings(synthetic_target=a.synthetic_target))
-    policy = cache_policy.ShapeStablePolicy(prewarm_tokens=0, attention=disp)
+    policy = cuda_backend.ShapeStablePolicy(prewarm_tokens=0, attention=disp)
     drafter, desc = synthetic.dflash_drafter(target.model, config, a.block, a.dflash_layers, 2, policy)
     proj = projections.Projections()
     for model in (target.model, drafter.model):
         host_attention.route(model, disp)
         host_attention.route_projections(model, proj)
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache)
+    fwd = compiled.CompiledForward(cuda_backend.PaddedKVCache)
     drafter.compiler = fwd
     window = Windows()
     weights = _read_bytes(target.model)
     for keys in a.keys:
-        cache = kernels._filled_caches(target.model, keys, cache_policy.DEFAULT_BUCKET)
+        cache = kernels._filled_caches(target.model, keys, cuda_backend.DEFAULT_BUCKET)
         for n in a.widths:
             window(f"target {n} @ {keys}", *kernels.target_step(target.model, cache, n, fwd), keys=keys, weight_bytes=weights)
         del cache
@@ -194,7 +194,7 @@ SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "d
 def run_shapes(a: argparse.Namespace) -> List[Dict[str, Any]]:
     """One launch per (projection shape, kernel shape) over ``--rows`` rows, its weight not in the L2 (a 512 MB
     buffer read before the window), and MLX's own (one row: its gemv; more: cuBLAS) beside."""
-    from mlx_speculative.plugin import cuda_matmul
+    from mlx_speculative.plugin.cuda import cuda_matmul
 
     window = Windows()
     flush = mx.zeros((1 << 28,), mx.bfloat16)  # 512 MB: more than the L2 (50 MB)
@@ -223,7 +223,7 @@ def _read_bytes(model: Any) -> int:
 
 
 def _variants(text: str) -> List[Tuple[int, ...]]:
-    """"G,S,U[,P];..." -> kernel shapes (plugin/cuda_matmul.py's ``mm(x, w, shape)``)."""
+    """"G,S,U[,P];..." -> kernel shapes (plugin/cuda/cuda_matmul.py's ``mm(x, w, shape)``)."""
     try:
         out = [tuple(int(x) for x in v.split(",")) for v in text.split(";")]
     except ValueError:
@@ -250,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", help="with --summarise: write the summary here")
     a = p.parse_args(argv)
     if not a.summarise:
-        from mlx_speculative.plugin import cuda_attention
+        from mlx_speculative.plugin.cuda import cuda_attention
         if not cuda_attention.available():
             raise SystemExit(f"forward_kernels: needs MLX built with CUDA and the GPU as the default device; this "
                              f"process runs on {mx.default_device()}")

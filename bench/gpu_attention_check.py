@@ -1,4 +1,4 @@
-"""Checks plugin/cuda_attention.py against MLX's SDPA on the GPU and times both (run on the device).
+"""Checks plugin/cuda/cuda_attention.py against MLX's SDPA on the GPU and times both (run on the device).
 
     python bench/gpu_attention_check.py --out bench/results/kernels/h200-attention-kernel-check.json
 
@@ -32,8 +32,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-# Standalone: plugin/cuda_attention.py and its sources load as a package of their own (no other imports).
-_PLUGIN = Path(__file__).resolve().parents[1] / "plugin"
+# Standalone: plugin/cuda/cuda_attention.py, its sources and plugin/cuda/probe.py load as a package of their own
+# (no other imports).
+_PLUGIN = Path(__file__).resolve().parents[1] / "plugin" / "cuda"
 _pkg = types.ModuleType("_spec_kernels")
 _pkg.__path__ = [str(_PLUGIN)]
 sys.modules["_spec_kernels"] = _pkg

@@ -1,4 +1,4 @@
-"""The verify-width projection kernel (plugin/cuda_matmul.py) against MLX's matmul, on MLX-CUDA.
+"""The verify-width projection kernel (plugin/cuda/cuda_matmul.py) against MLX's matmul, on MLX-CUDA.
 
     python bench/gpu_matmul_check.py --out bench/results/kernels/h200-matmul-check.json
 
@@ -32,7 +32,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from host_split import split  # noqa: E402 - bench/host_split.py: build / encode / wait of one graph
-from mlx_speculative.plugin import cuda_matmul  # noqa: E402
+from mlx_speculative.plugin.cuda import cuda_matmul  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096), "odd": (1000, 520), "small": (24, 64)}

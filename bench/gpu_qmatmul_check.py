@@ -1,4 +1,4 @@
-"""The verify-width 4-bit projection kernel (plugin/cuda_qmatmul.py) against MLX's quantized matmul, on MLX-CUDA.
+"""The verify-width 4-bit projection kernel (plugin/cuda/cuda_qmatmul.py) against MLX's quantized matmul, on MLX-CUDA.
 
     python bench/gpu_qmatmul_check.py --out bench/results/kernels/h200-qmatmul-check.json
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_matmul_check import error, inputs  # noqa: E402 - the same error measure and input layouts
 from quantized_matmul_cost import skeleton  # noqa: E402
-from mlx_speculative.plugin import cuda_qmatmul  # noqa: E402
+from mlx_speculative.plugin.cuda import cuda_qmatmul  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096), "odd": (1000, 512), "small": (24, 64)}

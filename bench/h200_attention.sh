@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The H200 runs behind issue 19's acceptance: the short-query attention kernel (plugin/cuda_attention.py)
-# wired into decoding through the dispatcher (plugin/attention.py), on and off (results: docs/benchmarks.md).
+# The H200 runs behind issue 19's acceptance: the short-query attention kernel (plugin/cuda/cuda_attention.py)
+# wired into decoding through the dispatcher (plugin/cuda/attention.py), on and off (results: docs/benchmarks.md).
 #
 # Run from the repo root on the GPU machine with MLX-CUDA staged (../shared/gpu/prepare-mlx-cuda.sh puts it
 # in $SITE, default /tmp/site). Each line below is meant as one device call (<= 10 minutes; not timed yet:
@@ -31,7 +31,7 @@
 #   bash bench/h200_attention.sh matmul              # the projection kernel against MLX's matmul (bench/gpu_matmul_check.py)
 #   bash bench/h200_attention.sh host-split          # build / encode / device per forward, MLX's matmuls and the
 #                                                    #   projection kernel in one process (bench/host_split.py)
-#   bash bench/h200_attention.sh host-split-compiled # the target's forwards plain and compiled (plugin/compiled.py)
+#   bash bench/h200_attention.sh host-split-compiled # the target's forwards plain and compiled (plugin/cuda/compiled.py)
 #   bash bench/h200_attention.sh host-split-dflash   # the DFlash round alone, plain and compiled (TAG=-x: ...-x.json;
 #                                                    #   MOST=10,4,1: a row per bound on the weights of one launch;
 #                                                    #   compiled staged and as one graph: STAGED=on|off|both)
@@ -45,7 +45,7 @@
 #                                                    #   those of gpu_matmul_check.py's CHAINS, default q/o, gate/up+down, k/v+back)
 #   bash bench/h200_attention.sh qcheck              # the 4-bit projection kernel against MLX (bench/gpu_qmatmul_check.py)
 #   (TAG=-x names the 4-bit, matmul and qcheck runs' JSONs ...-x.json; SWEEP=1 runs matmul / qcheck with --sweep)
-#   (the 4-bit target's verify-width projections go through plugin/cuda_qmatmul.py; MLX_SPEC_QUANTIZED_KERNEL=off: MLX's)
+#   (the 4-bit target's verify-width projections go through plugin/cuda/cuda_qmatmul.py; MLX_SPEC_QUANTIZED_KERNEL=off: MLX's)
 #   (qcheck takes gpu_qmatmul_check.py's flags after it: --shapes, --rows, --dtypes, --no-skeleton; WATCHDOG=S dumps and exits)
 #   (e2e runs use compiled verify forwards where MLX runs on CUDA: --compiled-forward auto; COMPILED=off turns them off;
 #   WIDTHS=1,2,4,8,16,32 compiles the one-token plain steps too; PAIRED=5 repeats the paired regime 5 times, with

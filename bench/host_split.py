@@ -45,7 +45,7 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
-from mlx_speculative.plugin import attention, cache_policy, compiled, cuda_attention, cuda_matmul, projections  # noqa: E402
+from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, compiled, cuda_attention, cuda_matmul, projections  # noqa: E402
 from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
 
@@ -186,9 +186,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--kernel", choices=["on", "off"], default="on")
     p.add_argument("--linear", type=lambda t: t.split(","), default=["mlx"],
                    help="comma list of mlx, gather (2-32-row projections through mx.gather_mm), kernel "
-                        "(routed through plugin/projections.py), each timed in turn in this process")
+                        "(routed through plugin/cuda/projections.py), each timed in turn in this process")
     p.add_argument("--compiled", choices=["off", "on", "both"], default="off",
-                   help="the target's multi-position forwards through plugin/compiled.py (mx.compile of its own "
+                   help="the target's multi-position forwards through plugin/cuda/compiled.py (mx.compile of its own "
                         "forward; both: plain and compiled in turn, rows '<linear>+compiled')")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--max-weights", type=_ints, default=[],
@@ -206,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     on = a.kernel == "on" and cuda_attention.available()
     disp = attention.Dispatcher(attention.cuda_kernel()) if on else None
     target, config, note = load_target(BenchSettings(synthetic_target=a.synthetic_target))
-    policy = cache_policy.ShapeStablePolicy(prewarm_tokens=0, attention=disp)
+    policy = cuda_backend.ShapeStablePolicy(prewarm_tokens=0, attention=disp)
     drafter, desc = synthetic.dflash_drafter(target.model, config, a.block, a.dflash_layers, 2, policy)
     if disp is not None:
         host_attention.route(target.model, disp)
@@ -221,7 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"--max-weights: bounds the projection kernel's launches; got --linear {','.join(a.linear)} "
                          "(allowed with: --linear kernel)")
     proj = projections.Projections() if "kernel" in a.linear else None
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS))  # 1: a plain step compiled
+    fwd = compiled.CompiledForward(cuda_backend.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS))  # 1: a plain step compiled
 
     def use(how: str) -> None:
         for model in (target.model, drafter.model):
@@ -251,10 +251,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for most in a.max_weights if how == "kernel" and a.max_weights else [None]:
                     if most is not None:  # weights a launch of project_all takes; traced afresh (a new CompiledForward)
                         proj.max_weights = most
-                        f = f if f is None else compiled.CompiledForward(cache_policy.PaddedKVCache, f.widths)
+                        f = f if f is None else compiled.CompiledForward(cuda_backend.PaddedKVCache, f.widths)
                     drafter.compiler = f  # the drafter's block and context append compiled with the target's forwards
                     base = {} if a.drafter_only else {
-                        "target": target_split(target.model, keys, a.widths, a.iters, cache_policy.DEFAULT_BUCKET, f)}
+                        "target": target_split(target.model, keys, a.widths, a.iters, cuda_backend.DEFAULT_BUCKET, f)}
                     for staged in [True] if f is None else {"on": [True], "off": [False], "both": [True, False]}[a.staged]:
                         drafter.staged = staged
                         row = {**base, "dflash_round": drafter_split(drafter, keys, a.block, a.iters)}

@@ -1,9 +1,9 @@
-"""Writing K/V into cache buffers that a queued forward still reads (verifying ahead, plugin/verify_ahead.py).
+"""Writing K/V into cache buffers that a queued forward still reads (verifying ahead, plugin/cuda/verify_ahead.py).
 
     python bench/queued_write_cost.py      # on the GPU machine; one line per (buffer length, regime)
 
 64 buffers [1, 8, S, 128] bf16 (the Llama-3-8B shape's K and V over 32 layers) each take 16 positions per call
-through ``mx.put_along_axis`` at a device-scalar offset (plugin/compiled.py's write, compiled), and a reader
+through ``mx.put_along_axis`` at a device-scalar offset (plugin/cuda/compiled.py's write, compiled), and a reader
 then reads each whole buffer (as attention does). 20 calls per regime, each call's buffers the last call's:
 "serial" reads each call's result before building the next (the round as it is); "queued" builds the next call
 while the last one's reader is still queued and held (a verify queued ahead); "queued, released" drops the

@@ -119,7 +119,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     proposals: List[Proposal] = [Proposal([]) for _ in rows]
     for b, p in zip(on, drafted.proposals):
         proposals[b] = p
-    width_for = getattr(batch.target.cache_policy, "verify_width", lambda n: n)
+    width_for = batch.target.cache_policy.verify_width
     fed: List[Any] = []
     target = CacheTransaction(batch.cache, replay=lambda n: replay(batch.target.model, batch.cache, fed[0], n))
     target.begin()

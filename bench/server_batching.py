@@ -45,7 +45,7 @@ from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.server import Server, build_server
 from mlx_speculative.hooks.server_settings import server_settings
 from mlx_speculative.hooks.state import HostConfig, LoadedTarget
-from mlx_speculative.plugin import cache_policy, hookimpls
+from mlx_speculative.plugin import cuda, hookimpls
 from mlx_speculative.plugin.bench import oracle as orc
 from mlx_speculative.plugin.bench import synthetic
 from mlx_speculative.plugin.settings import SpeculativeSettings
@@ -163,7 +163,7 @@ def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: A
     target = LoadedTarget(model=model, tokenizer=tokenizer, path=Path("synthetic"), model_config=config, name=name)
     if mode == "mlx-lm":
         return target, []
-    policy = cache_policy.policy_for()
+    policy = cuda.backend_for()
     if mode in ("plain", "plain-backend"):
         if mode == "plain-backend" and policy is not None:
             policy.block_size, policy.capture_layers = 1, ()  # plain steps only: prewarm warms widths 1 and 2
@@ -188,9 +188,8 @@ def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: A
 
 def plugin_counts(target: LoadedTarget) -> Dict[str, Any]:
     policy = target.cache_policy
-    out: Dict[str, Any] = {"cache_policy": getattr(policy, "name", "mlx-lm")}
-    for name in ("forward", "attention", "projections"):
-        part = getattr(policy, name, None)
+    out: Dict[str, Any] = {"cache_policy": policy.name}
+    for name, part in {"forward": policy.forward, "attention": policy.attention, "projections": policy.projections}.items():
         if part is not None and hasattr(part, "report"):
             out[name] = part.report()
     att = target.attachments.get("speculative")

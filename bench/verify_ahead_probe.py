@@ -1,4 +1,4 @@
-"""Where a round's host time goes with the verify queued ahead (plugin/verify_ahead.py) and without.
+"""Where a round's host time goes with the verify queued ahead (plugin/cuda/verify_ahead.py) and without.
 
     python bench/verify_ahead_probe.py [--prompt-lengths 2048] [--json PATH]
 

@@ -24,7 +24,8 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculative.drafters.dflash import DFlashDrafter  # noqa: E402
-from mlx_speculative.plugin import cache_policy  # noqa: E402
+from mlx_speculative.hooks.api import draft_backend  # noqa: E402
+from mlx_speculative.plugin.cuda import backend as cuda_backend  # noqa: E402
 from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
 from mlx_speculative.plugin.bench.kernels import timed  # noqa: E402
 
@@ -76,7 +77,7 @@ def attention(config: Dict[str, Any], key_length: int, iters: int, dtype: mx.Dty
 
 def forwards(model: Any, key_length: int, widths: List[int], iters: int) -> List[Dict[str, Any]]:
     rows = []
-    for cache_name, bucket in (("KVCache", None), ("padded", cache_policy.DEFAULT_BUCKET)):
+    for cache_name, bucket in (("KVCache", None), ("padded", cuda_backend.DEFAULT_BUCKET)):
         for n, r in kernels.target_forward_ms(model, key_length, widths, iters, bucket).items():
             rows.append({"cache": cache_name, "positions": n, "keys": key_length, **r})
             print(f"forward {cache_name:7s} positions {n:2d} after {key_length}: {r['ms']:7.3f} ms "
@@ -88,8 +89,8 @@ def drafter_forward(model: Any, config: Dict[str, Any], key_length: int, iters: 
     """A DFlash round's draft: 7 new context positions (tau ~6.5) + a block through the drafter + the head."""
     plain, desc = synthetic.dflash_drafter(model, config)
     # The same drafter weights with the shape-stable policy: padded context caches, as on CUDA.
-    policy = cache_policy.ShapeStablePolicy(cache_policy.DEFAULT_BUCKET, prewarm_tokens=0)
-    padded = DFlashDrafter(plain.model, plain.embed, plain.head, policy)
+    policy = cuda_backend.ShapeStablePolicy(cuda_backend.DEFAULT_BUCKET, prewarm_tokens=0)
+    padded = DFlashDrafter(plain.model, plain.embed, plain.head, draft_backend(policy))
     rows = []
     for cache_name, drafter in (("KVCache", plain), ("padded", padded)):
         for block in (2, 4, 8, 16):

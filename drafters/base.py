@@ -33,6 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from ..hooks.api import DraftBackend
+
 
 class DrafterError(ValueError):
     """A drafter that cannot be used; the message names the field, the value and what was expected."""
@@ -83,9 +85,10 @@ class DraftTarget:
     model: Any = None  # the loaded mlx-lm model, when loading (None for config-only checks)
     tokenizer: Any = None
     num_layers: Optional[int] = None
-    # The host's cache policy (hooks.state.CachePolicy): a drafter makes its own attention caches
-    # with ``cache_policy.kv_cache()`` where it has one, so they are shape-stable like the target's.
-    cache_policy: Any = None
+    # What a drafter may use of the target's backend (hooks/backend.py): its own models' caches
+    # (``backend.kv_cache``, shape-stable like the target's where the backend's are), prewarm bounds,
+    # compiled calls, and ``backend.route(model)`` for its models' attention and projections.
+    backend: DraftBackend = field(default_factory=DraftBackend)
 
 
 @dataclass
@@ -193,7 +196,7 @@ class DraftBatch(abc.ABC):
     def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
         """After ``draft_ahead``: per row, the draft tokens [k] (on the device, unevaluated) that the next
         ``propose`` will serve if the outcome is ``unread``'s, so that the round can queue the next verify
-        over them (plugin/verify_ahead.py; the next round checks them against what ``propose`` serves).
+        over them (plugin/cuda/verify_ahead.py; the next round checks them against what ``propose`` serves).
         None (the default): nothing drafted ahead."""
         return None
 

@@ -19,13 +19,21 @@ from typing import Any, Dict, Tuple
 # -- types: what the host hands to plugins and what they hand back (hooks/state.py, hooks/specs.py)
 from .specs import Description, Metric, RowSnapshot, hookimpl
 from .state import (
-    CachePolicy,  # how the host makes a target's caches (host_cache_policy)
     CaptureRequest,  # decoder layers whose outputs the ordinary forward must expose
     DecodeState,  # one request's row: tokens, caches, sampler
     GeneratedToken,  # one token of a StepOutput
     HostConfig,  # YAML sections + CLI overrides
     LoadedTarget,  # the loaded target model, tokenizer and config
     StepOutput,  # a row's tokens from one decode step
+)
+
+# -- the backend seam: how a target's caches are made and its forwards run, per device (hooks/backend.py)
+from .backend import (
+    Backend,  # the typed contract (host_cache_policy's answer): caches, dispatchers, decode forward, widths, prepare
+    CachePolicy,  # the host's default backend (mlx-lm's caches, neutral values); plugins subclass it
+    CompiledCalls,  # a backend's compiled calls of drafters' own functions over its caches
+    DraftBackend,  # what a drafter may use of its target's backend (DraftTarget.backend)
+    draft_backend,  # the DraftBackend of a backend
 )
 
 # -- batches: a decode step's rows and the forwards over them (hooks/batch.py)
@@ -69,7 +77,7 @@ from .attention import (
     describe,  # record on the cache a mask is made for what the mask holds (a MaskSpec); returns the mask
     described,  # the MaskSpec a cache recorded for this very mask, or None
     project_all,  # [layer(x) for layer in layers], routed projections at once
-    route_policy,  # route a model's attention through a cache policy's dispatcher (CUDA), if any
+    route_policy,  # route a model's attention and projections through a backend's dispatchers (CUDA), if any
     route_projections,  # route a model's projections through a dispatcher
     unroute_projections,  # undo route_projections
 )
@@ -124,8 +132,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     # types
-    "CachePolicy", "CaptureRequest", "DecodeState", "Description", "GeneratedToken", "HostConfig",
+    "CaptureRequest", "DecodeState", "Description", "GeneratedToken", "HostConfig",
     "LoadedTarget", "Metric", "RowSnapshot", "StepOutput", "hookimpl",
+    # the backend seam
+    "Backend", "CachePolicy", "CompiledCalls", "DraftBackend", "draft_backend",
     # batches
     "DecodeBatch", "add_row", "extract_row", "forward", "keep_rows", "mergeable", "replay",
     # cache transactions

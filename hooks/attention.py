@@ -2,7 +2,7 @@
 
 mlx-lm's attention layers call ``scaled_dot_product_attention(queries, keys, values, cache=, scale=,
 mask=)``, imported by name from ``mlx_lm.models.base``. A plugin may hand the host a dispatcher with
-that signature (``CachePolicy.attention``); the host then calls ``route(model, dispatcher)`` when it
+that signature (``Backend.attention``, hooks/backend.py); the host then calls ``route(model, dispatcher)`` when it
 loads the target (and a drafter family for its own models, through ``route_policy``). ``route``
 scopes the loaded model only (``hooks.scoping``): its attention instances get a subclass whose
 methods are mlx-lm's code run over a private globals mapping in which that name is the dispatcher.
@@ -18,11 +18,11 @@ array may ``describe`` it: a ``MaskSpec`` is a promise that the array is exactly
 over its last two axes (queries ``i`` < ``queries``, keys ``j`` < ``span``). The description travels
 with the cache the mask is made for (mlx-lm passes that cache along with the mask): the cache keeps a
 weak reference to the last mask it described and that mask's spec, valid for that very array only. The
-plugin's caches (plugin/cache_policy.py) and the DFlash drafter describe theirs; a dispatcher reads them
+plugin's caches (plugin/cuda/backend.py) and the DFlash drafter describe theirs; a dispatcher reads them
 with ``described(mask, cache)`` and falls back to mlx-lm's function for any mask without a description.
 
 Projections: a policy may also hand a dispatcher ``(x, weight) -> x @ weight.T or None``
-(``CachePolicy.projections``). ``route_projections(model, dispatcher)`` gives every ``nn.Linear``
+(``Backend.projections``). ``route_projections(model, dispatcher)`` gives every ``nn.Linear``
 instance of THAT model (exactly that class: quantized and other layers keep theirs) a subclass whose
 ``__call__`` asks the dispatcher first, for inputs of ``dispatcher.rows`` = (min, max) rows where it has
 that attribute, and runs ``nn.Linear.__call__`` when it answers None; the bias is added after the
@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import scoping
+
+if TYPE_CHECKING:
+    from .backend import Backend
 
 NAME = "scaled_dot_product_attention"
 IntOrArray = Union[int, mx.array]
@@ -127,11 +130,10 @@ def unroute(model: nn.Module) -> int:
     return sum(scoping.unscope(m, "attention") for m in list(model.modules()))
 
 
-def route_policy(model: nn.Module, policy: Any) -> int:
-    """``route`` with a cache policy's attention dispatcher (``CachePolicy.attention``) and
-    ``route_projections`` with its projection dispatcher (``CachePolicy.projections``), where it has them.
-    Returns how many modules run under either."""
-    return route(model, getattr(policy, "attention", None)) + route_projections(model, getattr(policy, "projections", None))
+def route_policy(model: nn.Module, policy: "Backend") -> int:
+    """``route`` with a backend's attention dispatcher (``Backend.attention``) and ``route_projections`` with its
+    projection dispatcher (``Backend.projections``); None routes nothing. Returns how many modules run under either."""
+    return route(model, policy.attention) + route_projections(model, policy.projections)
 
 
 def routed(model: nn.Module) -> int:

@@ -207,13 +207,13 @@ class DecodeBatch:
 
         Returns logits [B, W, V] and the tapped layers' outputs {layer: [B, W, H]} (the layers any
         row records). The caches take the W positions of every row; a caller that keeps fewer
-        wraps the forward in a ``CacheTransaction`` over ``self.cache``. A cache policy's ``forward``
-        (the same function, e.g. compiled) answers first where it has one and takes the call.
+        wraps the forward in a ``CacheTransaction`` over ``self.cache``. The backend's ``forward``
+        (the same function, e.g. compiled: hooks/backend.py) answers first where it has one and takes the call.
         """
         width = inputs.shape[0] if isinstance(inputs, mx.array) else len(inputs)
         if width != len(self.rows):
             raise ValueError(f"expected {len(self.rows)} rows of inputs; got {width}")
-        policy_forward = getattr(self.target.cache_policy, "forward", None)
+        policy_forward = self.target.cache_policy.forward
         if policy_forward is not None and isinstance(inputs, mx.array):
             got = policy_forward(self.target.model, inputs, self.cache, self.capture_layers)
             if got is not None:

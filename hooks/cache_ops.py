@@ -1,5 +1,5 @@
 """Small helpers shared by the cache-transaction handlers (``transaction``, ``rotating``, ``recurrent``), and
-``zeroed`` for the prewarms (plugin/cache_policy.py, drafters)."""
+``zeroed`` for the prewarms (plugin/cuda/backend.py, drafters)."""
 
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ from mlx_lm.sample_utils import make_sampler
 from . import attention, knobs, loading, recurrent, taps
 from .batch import DecodeBatch, forward
 from .manager import make_plugin_manager
+from .backend import Backend
 from .specs import Description
-from .state import (CachePolicy, DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams,
+from .state import (DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams,
                     keyed_sampler)
 from .step import BatchDecoder, PlainRun
 
@@ -100,19 +101,18 @@ class Host:
         return target
 
     @staticmethod
-    def apply_policy(target: LoadedTarget, policy: Optional[CachePolicy]) -> None:
-        """Make ``policy`` (``host_cache_policy``'s answer; None: keep mlx-lm's) the target's: its attention
+    def apply_policy(target: LoadedTarget, policy: Optional[Backend]) -> None:
+        """Make ``policy`` (``host_cache_policy``'s answer; None: keep mlx-lm's) the target's backend: its attention
         and projection dispatchers route this model's layers only (hooks/attention.py), the layers it will
         record are tapped, then it prepares."""
         if policy is not None:
             target.cache_policy = policy
-        attention.route_policy(target.model, target.cache_policy)
-        layers = sorted(getattr(target.cache_policy, "capture_layers", ()))
+        backend = target.cache_policy
+        attention.route_policy(target.model, backend)
+        layers = sorted(backend.capture_layers)
         if layers:  # the layers its rounds will record, as new_state taps them for a request
             taps.install_taps(target.model, layers)
-        prepare = getattr(target.cache_policy, "prepare", None)
-        if prepare is not None:
-            prepare(target.model)
+        backend.prepare(target.model)
 
     # requests ---------------------------------------------------------------------------------
     def new_state(self, target: LoadedTarget, prompt: Sequence[int], params: GenerationParams) -> DecodeState:

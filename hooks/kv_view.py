@@ -52,7 +52,7 @@ def committed_kv(cache: Any) -> Optional[KVView]:
     if isinstance(cache, RotatingKVCache):
         return _rotating(cache)
     lengths = getattr(cache, "lengths", None)
-    if isinstance(lengths, tuple) and hasattr(cache, "set_lengths"):  # rows at their own lengths (plugin/ragged_cache.py)
+    if isinstance(lengths, tuple) and hasattr(cache, "set_lengths"):  # rows at their own lengths (plugin/cuda/ragged_cache.py)
         if cache.keys is None or max(lengths) == 0:
             return None
         n = max(lengths)

@@ -15,7 +15,7 @@ Users in this project:
   keep part of a forward. Its scope is *gated*: ``__call__`` runs the recording code only while a
   transaction records the cache it receives, and the original method otherwise.
 - ``hooks.attention``: routes the attention of a loaded model through a plugin's dispatcher
-  (``CachePolicy.attention``), e.g. a short-query kernel on MLX-CUDA.
+  (``Backend.attention``), e.g. a short-query kernel on MLX-CUDA.
 
 Scopes compose: an instance scoped by both gets one subclass of its mlx-lm class whose methods see
 both sets of replacements (a gated scope's only while its gate is open). Nested functions defined

@@ -52,7 +52,8 @@ import pluggy
 
 if TYPE_CHECKING:
     from .batch import DecodeBatch
-    from .state import CachePolicy, CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
+    from .backend import Backend
+    from .state import CaptureRequest, DecodeState, HostConfig, LoadedTarget, StepOutput
 
 PROJECT = "mlx_speculative"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -115,15 +116,16 @@ def host_model_loaded(target: "LoadedTarget", config: "HostConfig") -> None:
 
 
 @hookspec(firstresult=True)
-def host_cache_policy(target: "LoadedTarget") -> Optional["CachePolicy"]:
-    """Called once per target after ``host_model_loaded``: how the host makes its caches.
+def host_cache_policy(target: "LoadedTarget") -> Optional["Backend"]:
+    """Called once per target after ``host_model_loaded``: how the host makes its caches and runs its forwards.
 
-    Return a ``hooks.state.CachePolicy`` (e.g. shape-stable caches for a backend that compiles
-    attention per shape), or None for mlx-lm's own ``make_prompt_cache``. The first non-None wins.
-    The policy's cache classes must merge into batches (``merge``/``extend``/``extract``) or the
-    host decodes each request of the target alone. A policy whose ``attention`` is set gets the
-    target's attention routed through that dispatcher (``hooks.attention.route``: this model's
-    layers only); the host then calls ``policy.prepare(model)`` once.
+    Return a ``hooks.backend.Backend`` (every member typed there; subclass ``CachePolicy``, the host's default,
+    to override only what differs: e.g. shape-stable caches for a device that compiles attention per shape),
+    or None for mlx-lm's own caches, attention and matmuls. The first non-None wins. The backend's cache
+    classes must merge into batches (``merge``/``extend``/``extract``) or the host decodes each request of
+    the target alone. The host routes the target's attention and projections through its dispatchers
+    (``hooks.attention.route_policy``: this model's layers only), taps its ``capture_layers``, then calls
+    ``prepare(model)`` once.
     """
 
 

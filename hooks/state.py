@@ -10,10 +10,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import taps
+from .backend import Backend, CachePolicy
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
@@ -49,42 +49,6 @@ class HostConfig:
         return f"{self.source}:{line}: " if line else f"{self.source}: "
 
 
-class CachePolicy:
-    """How the host makes a target's caches: mlx-lm's own (``make_prompt_cache``) by default.
-
-    A plugin may return another policy from ``host_cache_policy`` (e.g. shape-stable caches where
-    the backend compiles attention per shape). The host makes each request's caches with
-    ``make_cache``; rows of a batch merge through the caches' own ``merge`` / ``extend`` /
-    ``extract``, so a policy's cache classes provide those too.
-    """
-
-    name = "mlx-lm"
-    # An attention dispatcher with the signature of mlx-lm's ``scaled_dot_product_attention``: the
-    # host routes the loaded target's attention through it (``hooks.attention.route``, this model
-    # only), and drafters route their own models. None: mlx-lm's own attention.
-    attention: Optional[Callable[..., Any]] = None
-    # A projection dispatcher, (x, weight) -> x @ weight.T or None (mlx's own matmul): the host routes
-    # the loaded target's nn.Linear layers through it (``hooks.attention.route_projections``; its
-    # nn.QuantizedLinear layers too where ``routes_quantized``, asking ``quantized(x, layer)``), and
-    # drafters route their own models. None: mlx's matmuls.
-    projections: Optional[Callable[..., Any]] = None
-    # A forward for the target's decode-batch calls (rounds' verify forwards), ``(model, inputs [B, W], cache,
-    # layers) -> (logits, {layer: hidden}) or None``: the same function as the host's own forward (e.g. the
-    # model's code compiled, plugin/compiled.py), leaving the caches as that would. None, or an answer of
-    # None: the host's own forward runs.
-    forward: Optional[Callable[..., Any]] = None
-    # Decoder layers whose outputs the plugin's rounds record (its drafter's captures): the host taps them
-    # (hooks/taps.py) before ``prepare``, so a policy can warm its forward with them at load.
-    capture_layers: Sequence[int] = ()
-
-    def make_cache(self, model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
-        return make_prompt_cache(model, max_kv_size=max_kv_size)
-
-    def prepare(self, model: nn.Module) -> None:
-        """Called once per loaded target after the host applied the policy (attention routed): e.g.
-        run once the shapes its caches will meet. Nothing by default."""
-
-
 @dataclass
 class LoadedTarget:
     """A target model as loaded by ``mlx_lm.load``, plus what plugins attached to it."""
@@ -95,7 +59,7 @@ class LoadedTarget:
     model_config: Dict[str, Any]
     name: str
     attachments: Dict[str, Any] = field(default_factory=dict)
-    cache_policy: CachePolicy = field(default_factory=CachePolicy)
+    cache_policy: Backend = field(default_factory=CachePolicy)  # its caches and forwards (hooks/backend.py)
     cluster: Any = None  # hooks.distributed.Cluster: the model is this rank's shard of a target over several ranks
 
     @property

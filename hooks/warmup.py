@@ -8,8 +8,8 @@ reason. Each warm-up batch runs through the scheduler and every plugin like a se
 joining and leaving, rounds and plain steps), on a scheduler of its own with no prompt cache, and leaves
 nothing behind but compiled shapes and the plugins' measured costs.
 
-Shapes also change with the key length: a batch's cache spans a multiple of the policy's ``bucket`` past its
-longest row (plugin/ragged_cache.py), and each span is a new shape for every row count. So each row count is
+Shapes also change with the key length: a batch's cache spans a multiple of the backend's ``bucket`` past its
+longest row (plugin/cuda/ragged_cache.py), and each span is a new shape for every row count. So each row count is
 decoded once per bucket up to ``server.warmup_tokens`` keys, its first row's prompt ending just below the
 bucket's end (the others stay short: only the longest row sets the span), the decode crossing into the next.
 Without that the served 256-word bench met its 512..1280-key spans as stalls of seconds (every row count).
@@ -62,10 +62,10 @@ def text_ids(target: LoadedTarget) -> List[int]:
 def first_rows(target: LoadedTarget, tokens: int) -> List[Tuple[int, int]]:
     """(prompt length, new tokens) of a warm-up batch's first row: short, then just below each bucket's end up
     to ``tokens`` keys (and the model's context); one short case where the cache policy has no buckets."""
-    bucket = getattr(target.cache_policy, "bucket", None)
+    bucket = target.cache_policy.bucket
     context = int(target.model_config.get("max_position_embeddings") or 0) or tokens
     cases = [(PROMPT_TOKENS, NEW_TOKENS)]
-    if isinstance(bucket, int) and bucket > SPAN_TOKENS:
+    if bucket is not None and bucket > SPAN_TOKENS:
         end = min(tokens, context)
         cases += [(b - SPAN_TOKENS // 2, SPAN_TOKENS) for b in range(bucket, end - SPAN_TOKENS // 2 + 1, bucket)]
     return cases

@@ -22,7 +22,7 @@ AHEAD_MODES = ("on", "verify", "off")
 def ahead_mode(mode: Optional[str] = None, source: str = AHEAD_ENV) -> str:
     """What rounds queue before the host reads their outcome, where the drafter can: ``mode``, or
     $MLX_SPEC_DRAFT_AHEAD: on (the default: the next block, ``DraftBatch.draft_ahead``) | verify (the block and
-    the next verify built over it, run when the next round adopts it; opt-in, plugin/verify_ahead.py says why) | off.
+    the next verify built over it, run when the next round adopts it; opt-in, plugin/cuda/verify_ahead.py says why) | off.
     Without ``mode``: ``runtime.draft_ahead`` / $MLX_SPEC_DRAFT_AHEAD (hooks/knobs.py)."""
     if not mode:
         mode, _, source = knobs.setting("draft_ahead")

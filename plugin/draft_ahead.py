@@ -19,7 +19,7 @@ from ..drafters.base import DraftBatch, Proposal, Unread
 from ..hooks.api import DecodeBatch, DecodeState
 from .accept import Plan, unread_outcome
 from .metrics import Laps
-from .verify_ahead import Queued, queue, settle
+from .cuda.verify_ahead import Queued, queue, settle
 
 
 class DraftAhead:

@@ -9,10 +9,10 @@ from typing import Any, Dict, List, Optional
 from ..drafters import registry
 from ..drafters.base import Drafter, DraftTarget
 from ..hooks.api import (
-    CachePolicy, CaptureRequest, DecodeBatch, DecodeState, Description, HostConfig, LoadedTarget, Metric, RowSnapshot,
-    StepOutput, check_supported, hookimpl, knobs,
+    Backend, CaptureRequest, DecodeBatch, DecodeState, Description, HostConfig, LoadedTarget, Metric, RowSnapshot,
+    StepOutput, check_supported, draft_backend, hookimpl, knobs,
 )
-from . import cache_policy, draft, round
+from . import cuda, draft, round
 from .costs import CostTable
 from .metrics import METRICS
 from .settings import SpeculativeSettings, resolve
@@ -23,13 +23,13 @@ log = logging.getLogger("mlx_speculative")
 
 @dataclass
 class Attachment:
-    """What the plugin attaches to a target: the settings, the drafter (or why not) and the cache policy."""
+    """What the plugin attaches to a target: the settings, the drafter (or why not) and the backend."""
 
     settings: SpeculativeSettings
     drafter: Optional[Drafter] = None
     error: Optional[str] = None
     block_size: int = 0
-    policy: Optional[CachePolicy] = None  # shape-stable caches (CUDA), for the target and the drafter
+    policy: Optional[Backend] = None  # the CUDA backend (plugin/cuda/) for the target and drafter; None: the host's
     max_block: int = 0  # adaptive blocks grow up to this (the drafter's max_block_size; block_size when pinned)
     costs: CostTable = field(default_factory=CostTable)  # rounds and plain steps by shape, for the controllers
     ahead_mode: str = "on"  # what rounds queue before reading their outcome ($MLX_SPEC_DRAFT_AHEAD: on | verify | off)
@@ -42,13 +42,15 @@ class Attachment:
 
     @property
     def verify_ahead(self) -> bool:
-        """... and queue the next verify over it (plugin/verify_ahead.py)."""
+        """... and queue the next verify over it (plugin/cuda/verify_ahead.py)."""
         return self.ahead_mode == "verify"
 
 
-def draft_target(target: LoadedTarget, policy: Optional[CachePolicy] = None) -> DraftTarget:
+def draft_target(target: LoadedTarget, policy: Optional[Backend] = None) -> DraftTarget:
+    """What a drafter family reads of ``target``; its backend's view for drafters is ``policy``'s (the one the host
+    will apply), else the target's."""
     return DraftTarget(config=target.model_config, path=target.path, model=target.model, tokenizer=target.tokenizer,
-                       num_layers=target.num_layers, cache_policy=policy or target.cache_policy)
+                       num_layers=target.num_layers, backend=draft_backend(policy or target.cache_policy))
 
 
 def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
@@ -58,7 +60,7 @@ def attach(target: LoadedTarget, settings: SpeculativeSettings) -> Attachment:
     resolution = registry.resolve(settings.draft_model, settings.kind, draft_target(target))
     for warning in resolution.warnings:
         log.warning(warning)
-    policy = cache_policy.policy_for()
+    policy = cuda.backend_for()
     # Refuse cache types the transaction cannot roll back before any token is generated.
     check_supported((policy or target.cache_policy).make_cache(target.model))
     options: Dict[str, Any] = {"ngram_n": settings.ngram_n, "block_size": settings.block_size}
@@ -101,7 +103,7 @@ def _attached(target: LoadedTarget) -> Optional[Attachment]:
 
 
 @hookimpl
-def host_cache_policy(target: LoadedTarget) -> Optional[CachePolicy]:
+def host_cache_policy(target: LoadedTarget) -> Optional[Backend]:
     att: Optional[Attachment] = target.attachments.get(NAME)
     return att.policy if att is not None else None
 
@@ -166,7 +168,7 @@ def host_describe(target: LoadedTarget) -> Optional[Description]:
     d = att.drafter
     policy = att.policy or target.cache_policy
     info.update(kind=d.kind, family=d.family, cache_policy=policy.name,
-                attention="kernel" if getattr(policy, "attention", None) is not None else "mlx-lm")
+                attention="kernel" if policy.attention is not None else "mlx-lm")
     line = (f"speculative decoding on: kind {d.kind} (family {d.family}), block size {att.block_size}"
             f"{' (adaptive)' if s.adaptive and s.block_size is None else ' (pinned)'}, acceptance {s.acceptance}, "
             f"draft model {s.draft_model or '-'}; settings from {s.sources_text()}")

@@ -69,7 +69,7 @@ class SpecStats:
     paused_steps: int = 0  # plain steps the adaptive controller paused for (plugin/adaptive.py)
     fallback_tokens: int = 0  # tokens after the drafter failed
     pause_reason: str = ""  # why its latest pause began
-    verified_ahead: int = 0  # rounds whose verify forward the round before had queued (plugin/verify_ahead.py)
+    verified_ahead: int = 0  # rounds whose verify forward the round before had queued (plugin/cuda/verify_ahead.py)
     fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
     steps: Dict[str, float] = field(default_factory=dict)  # seconds in each of ``ROUND_STEPS``, summed over rounds
     last: Optional[RoundOutcome] = None  # the latest round, until the request ends

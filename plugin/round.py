@@ -35,7 +35,7 @@ from .draft_ahead import DraftAhead
 from .metrics import METRICS, PHASES, Laps, SpecStats
 from .settings import SpeculativeSettings
 from .verify import row_logprobs, verify
-from .verify_ahead import Queued, adopt
+from .cuda.verify_ahead import Queued, adopt
 
 log = logging.getLogger("mlx_speculative")
 NAME = "speculative"
@@ -90,12 +90,12 @@ def row_rounds(state: DecodeState, att: Any) -> Optional[RowRounds]:
             return None
         stats = SpecStats(kind=att.drafter.kind)
         state.report[NAME] = stats
-        width_for = getattr(state.target.cache_policy, "verify_width", None) or (lambda n: n)
+        width_for = state.target.cache_policy.verify_width
         req = RowRounds(
             controller=BlockSizeController(cap=att.max_block or att.block_size, start=att.block_size,
                                            adaptive=att.settings.adaptive and att.settings.block_size is None,
                                            costs=att.costs, width_for=width_for,
-                                           shape_stable=bool(getattr(state.target.cache_policy, "shape_stable", False))),
+                                           shape_stable=state.target.cache_policy.shape_stable),
             stats=stats, settings=att.settings, expected=state.generated,
         )
         saved = state.restored.get(NAME) if state.cached else None
@@ -128,7 +128,7 @@ def _plan(row: DecodeState, req: RowRounds, draft: DraftBatch) -> Optional[int]:
         return None
     if row.remaining <= 1:
         return None
-    if getattr(row.target.cache_policy, "shape_stable", False):
+    if row.target.cache_policy.shape_stable:
         # Near the end of a request the block keeps its size: a smaller one is a shape the device meets for the
         # first time (seconds of compiling on MLX-CUDA, measured on an H100: bench/results/served/h100-batch-trace.json);
         # the tokens past the request's end are dropped by the host, as after a stop token.
@@ -155,7 +155,7 @@ def _batch_loses(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds], plans:
         # A pause's probe is what renews the acceptance estimate; vetoed on the estimate that paused it, the row
         # paused again, doubling, and stayed plain to its end (254 of 256 tokens at tau 5.9, one client, H100).
         return ""
-    width_for = getattr(batch.target.cache_policy, "verify_width", None) or (lambda n: n)
+    width_for = batch.target.cache_policy.verify_width
     rows = len(batch.rows)
     width = width_for(1 + max(k or 0 for k in plans))
     expected = rows - sum(1 for k in plans if k) + sum(expected_tokens(q.controller.alpha, k) for q, k in zip(reqs, plans) if k)
@@ -263,7 +263,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
     if fallback.failed:
         return None
     proposals = _per_row(len(rows), on, drafted.proposals)
-    width_for = getattr(batch.target.cache_policy, "verify_width", lambda n: n)
+    width_for = batch.target.cache_policy.verify_width
     with fallback(_verify_failure, (UnsupportedCache, DraftError)), commit.Open(drafted) as txns:
         with lap.phase("adopt"):  # the target's transaction begun; the verify the round before queued, if it fits
             target, got = _begin(batch, br, txns, proposals, vocab)

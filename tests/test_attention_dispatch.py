@@ -25,9 +25,10 @@ from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import recurrent, scoping
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.attention import MaskSpec, described
-from mlx_speculative.plugin import attention, cache_policy, projections
-from mlx_speculative.plugin import cuda_attention as ca
-from mlx_speculative.plugin.cache_policy import PaddedKVCache
+from mlx_speculative.plugin import cuda
+from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, projections
+from mlx_speculative.plugin.cuda import cuda_attention as ca
+from mlx_speculative.plugin.cuda.backend import PaddedKVCache
 
 pytestmark = pytest.mark.unit
 
@@ -113,7 +114,7 @@ def test_dflash_blocks_are_one_range_of_keys_in_any_cache() -> None:
         rows = [KVCache(), KVCache()]
         for c in (plain, padded):
             layer.append(context, c)
-        ragged = [PaddedKVCache(16), PaddedKVCache(16)]  # rows at their own lengths (plugin/ragged_cache.py)
+        ragged = [PaddedKVCache(16), PaddedKVCache(16)]  # rows at their own lengths (plugin/cuda/ragged_cache.py)
         for c, n in zip(rows + ragged, (6, 3, 6, 3)):
             layer.append(context[:, :n], c)
         return [plain, padded, KVCache.merge(rows), PaddedKVCache.merge(ragged)]
@@ -205,12 +206,12 @@ def test_a_wrong_bound_changes_a_real_forward() -> None:
     for shift in (0, 1):
         disp, kernel = dispatcher(StandIn(shift))
         assert host_attention.route(model, disp) == 2
-        cache = cache_policy.make_padded_cache(model, bucket=16)
+        cache = cuda_backend.make_padded_cache(model, bucket=16)
         model(tokens[:, :6], cache=cache)
         outs.append(model(tokens[:, 6:], cache=cache))  # 3 queries over 9 of 16 slots
         assert len(kernel.calls) == 4
     host_attention.unroute(model)
-    cache = cache_policy.make_padded_cache(model, bucket=16)
+    cache = cuda_backend.make_padded_cache(model, bucket=16)
     model(tokens[:, :6], cache=cache)
     want = model(tokens[:, 6:], cache=cache)
     assert mx.abs(outs[0] - want).max().item() < 1e-4
@@ -232,7 +233,7 @@ def test_kernel_params_are_built_once_per_forward() -> None:
     disp = attention.Dispatcher(kernel, min_keys={"mlx-mask": 0, "array": 0})
     model = tm.build_model(tm.llama_config(num_hidden_layers=3))
     host_attention.route(model, disp)
-    rows = [cache_policy.make_padded_cache(model, bucket=16) for _ in range(2)]
+    rows = [cuda_backend.make_padded_cache(model, bucket=16) for _ in range(2)]
     for c, n in zip(rows, (7, 3)):
         model(mx.array([list(range(5, 5 + n))]), cache=c)
     batch = [PaddedKVCache.merge(list(layer)) for layer in zip(*rows)]
@@ -290,16 +291,16 @@ def test_scopes_compose_per_instance_and_come_off() -> None:
 def test_off_on_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(attention.ENV, raising=False)
     monkeypatch.delenv(attention.ENV_MIN_KEYS, raising=False)
-    monkeypatch.delenv(cache_policy.ENV, raising=False)
+    monkeypatch.delenv(cuda.PADDED_ENV, raising=False)
     assert not ca.available() and attention.resolve_mode() is False and attention.dispatcher_for() is None
-    assert cache_policy.policy_for() is None
-    assert cache_policy.policy_for("on").attention is None
+    assert cuda_backend.policy_for() is None
+    assert cuda_backend.policy_for("on").attention is None
     monkeypatch.setenv(attention.ENV, "off")
     assert attention.dispatcher_for() is None
     monkeypatch.setenv(attention.ENV, "on")
     with pytest.raises(ValueError, match="MLX_SPEC_ATTENTION_KERNEL on: the attention kernel needs MLX built with "
                                          "CUDA.*allowed here: auto, off"):
-        cache_policy.policy_for()
+        cuda_backend.policy_for()
     monkeypatch.setenv(attention.ENV, "always")
     with pytest.raises(ValueError, match="allowed: auto, on, off"):
         attention.resolve_mode()
@@ -310,26 +311,26 @@ def test_off_on_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
         attention.min_keys_from_env()
     disp = attention.Dispatcher(attention.cuda_kernel())
     assert disp.min_keys == attention.MIN_KEYS and disp.kernel.fn is ca.sdpa
-    assert isinstance(cache_policy.RoutedPolicy(disp).make_cache(tm.build_model(tm.llama_config()))[0], KVCache)
+    assert isinstance(cuda_backend.RoutedPolicy(disp).make_cache(tm.build_model(tm.llama_config()))[0], KVCache)
 
 
 def test_thresholds_follow_the_cache_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Behind the padded caches the kernel keeps its measured crossovers; behind mlx-lm's caches (exact key
     lengths, where MLX's path compiles per length) it takes every call it can; the environment wins."""
-    for env in (attention.ENV, attention.ENV_MIN_KEYS, cache_policy.ENV, projections.ENV):
+    for env in (attention.ENV, attention.ENV_MIN_KEYS, cuda.PADDED_ENV, projections.ENV):
         monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(ca, "available", lambda: True)  # this module's own check: the policies' wiring only
-    padded, routed = cache_policy.policy_for("on"), cache_policy.policy_for("off")
-    assert isinstance(padded, cache_policy.ShapeStablePolicy) and padded.attention.min_keys == attention.MIN_KEYS
-    assert isinstance(routed, cache_policy.RoutedPolicy) and routed.attention.min_keys == attention.ROUTED_MIN_KEYS
+    monkeypatch.setattr(cuda, "available", lambda: True)  # the package's own check: the backends' wiring only
+    padded, routed = cuda_backend.policy_for("on"), cuda_backend.policy_for("off")
+    assert isinstance(padded, cuda_backend.ShapeStablePolicy) and padded.attention.min_keys == attention.MIN_KEYS
+    assert isinstance(routed, cuda_backend.RoutedPolicy) and routed.attention.min_keys == attention.ROUTED_MIN_KEYS
     assert attention.ROUTED_MIN_KEYS == {"mlx-mask": 0, "array": 0} != attention.MIN_KEYS
     monkeypatch.setenv(attention.ENV_MIN_KEYS, "512")
-    for policy in (cache_policy.policy_for("on"), cache_policy.policy_for("off")):
+    for policy in (cuda_backend.policy_for("on"), cuda_backend.policy_for("off")):
         assert policy.attention.min_keys == {"mlx-mask": 512, "array": 512}
     # The projection dispatcher rides along where its kernel runs (the same check), and stands alone.
     assert isinstance(padded.projections, projections.Projections) and isinstance(routed.projections, projections.Projections)
     monkeypatch.setenv(attention.ENV, "off")
-    alone = cache_policy.policy_for("off")
-    assert isinstance(alone, cache_policy.RoutedPolicy) and alone.attention is None and alone.projections is not None
+    alone = cuda_backend.policy_for("off")
+    assert isinstance(alone, cuda_backend.RoutedPolicy) and alone.attention is None and alone.projections is not None
     monkeypatch.setenv(projections.ENV, "off")
-    assert isinstance(cache_policy.policy_for("on"), cache_policy.ShapeStablePolicy) and cache_policy.policy_for("off") is None
+    assert isinstance(cuda_backend.policy_for("on"), cuda_backend.ShapeStablePolicy) and cuda_backend.policy_for("off") is None

@@ -28,7 +28,8 @@ from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
-from mlx_speculative.plugin import attention, cache_policy, projections
+from mlx_speculative.plugin import cuda
+from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, projections
 from test_attention_dispatch import StandIn
 
 pytestmark = pytest.mark.integration
@@ -70,9 +71,10 @@ def routed_host(monkeypatch: pytest.MonkeyPatch, padded: str, speculative: Dict[
     kernel = StandIn()
     disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
     proj = projections.stand_in(quantized)  # the projections too, as on MLX-CUDA (4-bit layers: MLX_SPEC_QUANTIZED_KERNEL=on)
-    monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None, **_: disp)
-    monkeypatch.setattr(cache_policy, "projections_for", lambda mode=None, **_: proj)
-    monkeypatch.setenv(cache_policy.ENV, padded)
+    monkeypatch.setattr(cuda, "available", lambda: True)  # as on MLX-CUDA: the plugin asks for a backend
+    monkeypatch.setattr(cuda_backend, "dispatcher_for", lambda mode=None, **_: disp)
+    monkeypatch.setattr(cuda_backend, "projections_for", lambda mode=None, **_: proj)
+    monkeypatch.setenv(cuda.PADDED_ENV, padded)
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     host = make_host(dict(speculative, block_size=5, adaptive=False))
     target = host.load(str(path))
@@ -144,7 +146,7 @@ def test_draft_model_rounds_equal_plain_decoding(arch: str, padded: str, models:
     assert per_row
     assert disp.counts["mlx: mask"] == 0, disp.counts
     kinds = {type(c) for c in target.cache_policy.make_cache(target.model)}
-    assert (cache_policy.PaddedKVCache if padded == "on" else cache_policy.RoutedKVCache) in kinds, kinds
+    assert (cuda_backend.PaddedKVCache if padded == "on" else cuda_backend.RoutedKVCache) in kinds, kinds
     # The unrouted copy in the same process never reached the dispatcher.
     calls = len(kernel.calls)
     assert greedy_reference(m["plain"], PROMPTS[0], 5) == refs[0][:5] and len(kernel.calls) == calls

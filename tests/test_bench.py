@@ -121,7 +121,7 @@ def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> N
     """``--kernel``: the JSON says which attention path each method's timed calls took. A stand-in with the
     CUDA kernel's contract takes the kernel's place on the CPU; mlx-lm's methods keep mlx-lm's attention."""
     from mlx_speculative.hooks.cli import main
-    from mlx_speculative.plugin import attention, projections
+    from mlx_speculative.plugin.cuda import attention, projections
     from mlx_speculative.plugin.bench.core import BenchSettings, run_bench
     from test_attention_dispatch import StandIn
 

@@ -18,7 +18,7 @@ import pytest
 from mlx_speculative.hooks import recurrent
 from mlx_speculative.hooks import tiny_models as tm
 from mlx_speculative.hooks.batch import forward
-from mlx_speculative.plugin import cache_policy, compiled
+from mlx_speculative.plugin.cuda import backend as cuda_backend, compiled
 
 pytestmark = pytest.mark.unit
 
@@ -51,8 +51,8 @@ def run(arch: str) -> compiled.CompiledForward:
     model = tm.build_model(config_for(arch))
     mx.eval(model.parameters())
     recurrent.scope_model(model)  # what the host does for every model it loads
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, grow=32)
-    plain = cache_policy.make_padded_cache(model, bucket=16)
+    fwd = compiled.CompiledForward(cuda_backend.PaddedKVCache, grow=32)
+    plain = cuda_backend.make_padded_cache(model, bucket=16)
     mx.eval(forward(model, mx.array([[5 + i % 30 for i in range(19)]], dtype=mx.uint32), plain, [])[0])
     comp = [copy.copy(c) for c in plain]
     for W in (4, 16, 8):

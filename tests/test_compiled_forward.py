@@ -1,10 +1,10 @@
-"""Compiled verify forwards (plugin/compiled.py) compute the plain forward's function, token for token.
+"""Compiled verify forwards (plugin/cuda/compiled.py) compute the plain forward's function, token for token.
 
 Direct: for llama and qwen3 targets (fp32, CPU) the compiled forward over a padded cache gives the plain
 forward's logits, tapped hidden states and cache contents bit for bit, at widths 1..32 and offsets that
 cross the buffer's growth steps, one trace serving every offset; with the attention routed through the
 kernel's stand-in the described bounds (device scalars) reach it. Over a batch's rows at their own lengths
-(plugin/ragged_cache.py) it gives the plain forward's logits and caches bit for bit too, one trace serving
+(plugin/cuda/ragged_cache.py) it gives the plain forward's logits and caches bit for bit too, one trace serving
 every set of lengths. It declines what it cannot take (one position, other widths, rows other than the
 caches', other caches, uneven offsets, switched off), and a model whose code needs an int offset falls back
 with its caches untouched. Rounds: greedy speculative decoding with the policy's compiled forward (draft
@@ -30,7 +30,8 @@ from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import taps
 from mlx_speculative.hooks.batch import forward
 from mlx_speculative.hooks.scheduler import Scheduler
-from mlx_speculative.plugin import cache_policy, compiled
+from mlx_speculative.plugin import cuda
+from mlx_speculative.plugin.cuda import backend as cuda_backend, compiled
 from mlx_speculative.plugin.adaptive import BlockSizeController
 from test_attention_dispatch import dispatcher
 from test_attention_rounds import MAX_TOKENS, PROMPTS, decode, long_prompt, models  # noqa: F401 - models: the fixture
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.integration
 
 
 def prefilled(model: Any, n: int, bucket: int = 16) -> List[Any]:
-    cache = cache_policy.make_padded_cache(model, bucket=bucket)
+    cache = cuda_backend.make_padded_cache(model, bucket=bucket)
     prompt = mx.array([[7 + i % 40 for i in range(n)]], dtype=mx.uint32)
     mx.eval(forward(model, prompt, cache, [])[0])
     return cache
@@ -62,7 +63,7 @@ def test_compiled_equals_plain_forward(arch: str, models: Dict[str, Any]) -> Non
     model = models[arch]["plain"]
     layers = [0, 2]
     taps.install_taps(model, layers)
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS), grow=32)
+    fwd = compiled.CompiledForward(cuda_backend.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS), grow=32)
     plain_cache = prefilled(model, 21)
     comp_cache = [copy.copy(c) for c in plain_cache]
     for step, W in enumerate([2, 16, 4, 32, 8, 16, 16, 1]):  # offsets 21 .. 116: across growth steps of 32
@@ -87,9 +88,9 @@ def test_compiled_equals_plain_forward_over_ragged_rows(arch: str, models: Dict[
     model = models[arch]["plain"]
     layers = [1]
     taps.install_taps(model, layers)
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS), grow=32)
+    fwd = compiled.CompiledForward(cuda_backend.PaddedKVCache, (1, *compiled.DEFAULT_WIDTHS), grow=32)
     rows = [prefilled(model, n) for n in (21, 5, 30)]
-    plain_cache = [cache_policy.PaddedKVCache.merge(list(layer)) for layer in zip(*rows)]
+    plain_cache = [cuda_backend.PaddedKVCache.merge(list(layer)) for layer in zip(*rows)]
     comp_cache = [copy.copy(c) for c in plain_cache]
     for step, (W, keep) in enumerate([(4, [4, 1, 2]), (16, [3, 16, 0]), (8, [8, 8, 8]), (1, [1, 1, 1]), (16, [5, 2, 9])]):
         toks = mx.array([[3 + (b * 11 + step * 7 + i) % 50 for i in range(W)] for b in range(3)], dtype=mx.uint32)
@@ -113,7 +114,7 @@ def test_bounds_reach_the_attention_kernel_as_device_scalars(models: Dict[str, A
     model, _ = load(str(models["llama"]["target"]))
     disp, kernel = dispatcher()
     host_attention.route(model, disp)
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache, grow=64)
+    fwd = compiled.CompiledForward(cuda_backend.PaddedKVCache, grow=64)
     plain_cache = prefilled(model, 40)
     comp_cache = [copy.copy(c) for c in plain_cache]
     for W in (16, 16, 8, 16):  # buffers 48 -> 64 -> 128 (grown in steps of 64), the last call replays (16, 128)
@@ -128,7 +129,7 @@ def test_bounds_reach_the_attention_kernel_as_device_scalars(models: Dict[str, A
 
 def test_declines_what_it_cannot_take(models: Dict[str, Any]) -> None:
     model = models["llama"]["plain"]
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache)
+    fwd = compiled.CompiledForward(cuda_backend.PaddedKVCache)
     cache = prefilled(model, 10)
     toks = lambda w, b=1: mx.zeros((b, w), dtype=mx.uint32)  # noqa: E731
     assert fwd(model, toks(1), cache, []) is None and fwd(model, toks(3), cache, []) is None
@@ -142,7 +143,7 @@ def test_declines_what_it_cannot_take(models: Dict[str, Any]) -> None:
     assert fwd.counts == {"plain: width": 2, "plain: rows": 1, "plain: caches": 2, "plain: off": 1}, fwd.counts
     assert all(c.offset == 10 for c in cache)
     with pytest.raises(ValueError, match="grow: got 0"):
-        compiled.CompiledForward(cache_policy.PaddedKVCache, grow=0)
+        compiled.CompiledForward(cuda_backend.PaddedKVCache, grow=0)
 
 
 class IntOffsetModel(llama.Model):
@@ -158,7 +159,7 @@ def test_trace_failure_falls_back_untouched(models: Dict[str, Any]) -> None:
     model = models["llama"]["plain"]
     odd = IntOffsetModel(model.args)
     odd.update(model.parameters())
-    fwd = compiled.CompiledForward(cache_policy.PaddedKVCache)
+    fwd = compiled.CompiledForward(cuda_backend.PaddedKVCache)
     cache = prefilled(odd, 12)
     before = [(c.keys, c.values, c.offset) for c in cache]
     toks = mx.zeros((1, 4), dtype=mx.uint32)
@@ -171,21 +172,21 @@ def test_trace_failure_falls_back_untouched(models: Dict[str, Any]) -> None:
 
 def test_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(compiled.ENV, "off")
-    assert compiled.forward_for(cache_policy.PaddedKVCache) is None
+    assert compiled.forward_for(cuda_backend.PaddedKVCache) is None
     monkeypatch.setenv(compiled.ENV, "on")
-    assert isinstance(compiled.forward_for(cache_policy.PaddedKVCache), compiled.CompiledForward)
-    assert compiled.forward_for(cache_policy.PaddedKVCache, widths=[1, 16]).widths == {1, 16}
+    assert isinstance(compiled.forward_for(cuda_backend.PaddedKVCache), compiled.CompiledForward)
+    assert compiled.forward_for(cuda_backend.PaddedKVCache, widths=[1, 16]).widths == {1, 16}
     with pytest.raises(ValueError, match=r"compiled forward widths: got \[0, 64\]; allowed: integers from 1 to 32"):
-        compiled.forward_for(cache_policy.PaddedKVCache, widths=[0, 64])
+        compiled.forward_for(cuda_backend.PaddedKVCache, widths=[0, 64])
     monkeypatch.setenv(compiled.ENV, "auto")  # CPU: off
-    assert compiled.forward_for(cache_policy.PaddedKVCache) is None
+    assert compiled.forward_for(cuda_backend.PaddedKVCache) is None
     monkeypatch.setenv(compiled.ENV, "fast")
     with pytest.raises(ValueError, match="MLX_SPEC_COMPILED_FORWARD: got 'fast'; allowed: auto, on, off"):
-        compiled.forward_for(cache_policy.PaddedKVCache)
+        compiled.forward_for(cuda_backend.PaddedKVCache)
 
 
 def compiled_host(monkeypatch: pytest.MonkeyPatch, speculative: Dict[str, Any], path: Path) -> Tuple[Any, Any]:
-    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")
     monkeypatch.setenv(compiled.ENV, "on")
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     host = make_host(dict(speculative, block_size=5, adaptive=False))
@@ -246,7 +247,7 @@ def test_prewarm_traces_every_shape_at_load(models: Dict[str, Any], monkeypatch:
     """The host taps the policy's capture layers before ``prepare``, which traces each (width, buffer length)
     up to the prewarm tokens with them: a DFlash request within them meets no new trace."""
     m = models["llama"]
-    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")
     monkeypatch.setenv(compiled.ENV, "on")
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "256")  # the padded cache's first bucket: 256 positions
     monkeypatch.setattr(compiled, "DEFAULT_GROW", 128)
@@ -256,7 +257,7 @@ def test_prewarm_traces_every_shape_at_load(models: Dict[str, Any], monkeypatch:
     assert tuple(target.cache_policy.capture_layers) == (0, 2) and fwd.grow == 128
     assert all(getattr(type(taps.decoder_layers(target.model)[i]), "_spec_tapped", False) for i in (0, 2))
     # the target: widths 2, 4, 8 (block 5 -> 8) at buffer lengths 128 and 256; the drafter (its own calls,
-    # plugin/compiled.py's call; its block 16 prewarms): appends of 1..16 and blocks of 2..16 with and without
+    # plugin/cuda/compiled.py's call; its block 16 prewarms): appends of 1..16 and blocks of 2..16 with and without
     # widths, at each, as blocks (sampled rows), greedy drafts and drafts ahead
     assert fwd.counts["compiled"] == 6 and fwd.counts["compiled dflash block"] == 16, fwd.report()
     assert fwd.counts["compiled dflash draft"] == fwd.counts["compiled dflash draft ahead"] == 16, fwd.report()
@@ -273,7 +274,7 @@ def test_adaptive_blocks_meet_no_new_trace(models: Dict[str, Any], monkeypatch: 
     for as many drafts as the round before it verifies (one the next round wants more of is dropped), so each
     call's widths are a pair prewarm traced, and such requests too meet no new trace."""
     m = models["llama"]
-    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")
     monkeypatch.setenv(compiled.ENV, "on")
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "256")
     monkeypatch.setattr(compiled, "DEFAULT_GROW", 128)

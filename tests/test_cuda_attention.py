@@ -9,7 +9,7 @@ import math
 import mlx.core as mx
 import pytest
 
-from mlx_speculative.plugin import cuda_attention as ca
+from mlx_speculative.plugin.cuda import cuda_attention as ca
 
 pytestmark = pytest.mark.unit
 

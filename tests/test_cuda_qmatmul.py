@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlx_speculative.plugin import cuda_qmatmul
+from mlx_speculative.plugin.cuda import cuda_qmatmul
 
 pytestmark = pytest.mark.unit
 

@@ -17,8 +17,8 @@ from typing import List, Tuple
 
 import pytest
 
-from mlx_speculative.plugin import cuda_matmul, cuda_qmatmul
-from mlx_speculative.plugin.cuda_attention_src import compact
+from mlx_speculative.plugin.cuda import cuda_matmul, cuda_qmatmul
+from mlx_speculative.plugin.cuda.cuda_attention_src import compact
 
 NVCC = shutil.which("nvcc")
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(NVCC is None, reason="nvcc not installed")]

@@ -21,8 +21,9 @@ from mlx_speculative.drafters.dflash import DFlashBatch, DFlashDrafter, tiny
 from mlx_speculative.drafters.dflash.features import target_features
 from mlx_speculative.hooks import taps
 from mlx_speculative.hooks import tiny_models as tm
-from mlx_speculative.plugin.cache_policy import PaddedKVCache, ShapeStablePolicy
-from mlx_speculative.plugin.compiled import CompiledForward
+from mlx_speculative.hooks.api import draft_backend
+from mlx_speculative.plugin.cuda.backend import PaddedKVCache, ShapeStablePolicy
+from mlx_speculative.plugin.cuda.compiled import CompiledForward
 
 pytestmark = pytest.mark.integration
 
@@ -95,10 +96,10 @@ def run_plan(models: Dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
     host = make_host({"draft_model": str(models["drafter"]), "block_size": BLOCK})
     target = host.load(str(models[arch]))
     drafter = target.attachments["speculative"].drafter
-    if bucket:  # padded context caches and power-of-two blocks (CUDA's default policy), small buckets
-        drafter.cache_policy, drafter.shape_stable = ShapeStablePolicy(bucket, prewarm_tokens=0), True
-    if compiled:  # and the policy's compiled calls: the target's verify, the drafter's block and appends
-        policy = drafter.cache_policy
+    policy = ShapeStablePolicy(bucket or 8, prewarm_tokens=0)
+    if bucket:  # padded context caches and power-of-two blocks (CUDA's default backend), small buckets
+        drafter.backend = draft_backend(policy)
+    if compiled:  # and the backend's compiled calls: the target's verify, the drafter's block and appends
         policy.forward = drafter.compiler = CompiledForward(PaddedKVCache, grow=16)
         target.cache_policy = policy  # the requests' caches padded, their verify forwards compiled
     layers = drafter.capture_layers()
@@ -197,7 +198,7 @@ def test_chunked_context_appends_are_exact(models: Dict[str, Path], monkeypatch:
 
 @pytest.mark.parametrize("ahead", ["on", "off"])
 def test_compiled_calls_are_exact(ahead: str, models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same plan with the policy's compiled calls (plugin/compiled.py): padded target caches and compiled
+    """The same plan with the policy's compiled calls (plugin/cuda/compiled.py): padded target caches and compiled
     verify forwards, the drafter's block and context appends compiled, buffers grown in steps of 16. Drafting
     ahead (the default there), every round after the first drafts its block during the round before, from
     the device's outcome: the checks above then see that block and the context it kept."""
@@ -271,7 +272,7 @@ def test_prewarm_runs_every_bucket_and_width(models: Dict[str, Path]) -> None:
     target = make_host({"draft_model": str(models["drafter"])}).load(str(models["llama"]))
     drafter = target.attachments["speculative"].drafter
     assert not drafter.shape_stable and prewarm(drafter, 64, 16) == 0  # CPU: mlx-lm's caches, nothing to warm
-    drafter.cache_policy, drafter.shape_stable = ShapeStablePolicy(16, prewarm_tokens=0), True
+    drafter.backend = draft_backend(ShapeStablePolicy(16, prewarm_tokens=0))
     # spans 16..64 x widths 2, 4, 8, 16, context counts 1, 2, 4 .. 512, and a batch's 32 block positions once
     assert prewarm(drafter, 64, 16) == 4 * 4 + 10 + 1
     assert prewarm(drafter, 50, 16) == 4 * 4 + 10 + 1  # 50 keys need the 64-key span too
@@ -284,7 +285,7 @@ def test_staged_draft_equals_one_graph(ahead: bool, models: Dict[str, Path], mon
     call as one graph gives bit-equal drafts and cache buffers, in place and drafting ahead."""
     host = make_host({"draft_model": str(models["drafter"]), "block_size": BLOCK})
     drafter = host.load(str(models["llama"])).attachments["speculative"].drafter
-    drafter.cache_policy, drafter.shape_stable = ShapeStablePolicy(8, prewarm_tokens=0), True
+    drafter.backend = draft_backend(ShapeStablePolicy(8, prewarm_tokens=0))
     drafter.compiler = CompiledForward(PaddedKVCache, grow=16)
     taps = len(drafter.args.target_layer_ids) * drafter.args.hidden_size
     mx.random.seed(5)
@@ -320,8 +321,8 @@ def test_batched_contexts_are_exact(bucket: Optional[int], models: Dict[str, Pat
     target = host.load(str(models["llama"]))
     drafter = target.attachments["speculative"].drafter
     if bucket:
-        drafter.cache_policy, drafter.shape_stable = ShapeStablePolicy(bucket, prewarm_tokens=0), True
-        target.cache_policy = drafter.cache_policy
+        target.cache_policy = ShapeStablePolicy(bucket, prewarm_tokens=0)
+        drafter.backend = draft_backend(target.cache_policy)
     layers = drafter.capture_layers()
     words = PROMPT.split()
     prompts = [encode(target, " ".join(words[:n])) for n in (10, 4, 7)]

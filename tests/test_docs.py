@@ -24,9 +24,10 @@ ENV_CONST = re.compile(r"""["']((?:MLX_SPEC|MLX_VLM)_[A-Z0-9_]*[A-Z0-9])["']""")
 PATH = re.compile(r"`((?:hooks|plugin|drafters|demo|bench|tests|examples)/[A-Za-z0-9_./-]*)`")
 # Every module one speculative round passes through (propose, verify, accept, commit): the architecture page
 # must name each, so that a reader can follow a round file by file.
-ROUND_FILES = ("hooks/batch.py", "hooks/scheduler.py", "hooks/specs.py", "hooks/state.py", "hooks/transaction.py",
-               "plugin/hookimpls.py", "plugin/round.py", "plugin/draft.py", "plugin/draft_ahead.py", "plugin/verify.py",
-               "plugin/accept.py", "plugin/commit.py", "plugin/adaptive.py", "plugin/metrics.py", "drafters/base.py")
+ROUND_FILES = ("hooks/backend.py", "hooks/batch.py", "hooks/scheduler.py", "hooks/specs.py", "hooks/state.py",
+               "hooks/transaction.py", "plugin/hookimpls.py", "plugin/round.py", "plugin/draft.py",
+               "plugin/draft_ahead.py", "plugin/cuda/verify_ahead.py", "plugin/verify.py", "plugin/accept.py",
+               "plugin/commit.py", "plugin/adaptive.py", "plugin/metrics.py", "drafters/base.py")
 
 
 def doc_files() -> List[Path]:

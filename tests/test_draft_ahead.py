@@ -22,7 +22,8 @@ from mlx_speculative.drafters.base import Proposal
 from mlx_speculative.drafters.dflash import DFlashBatch, DFlashDrafter
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import SamplingParams
-from mlx_speculative.plugin import accept, cache_policy, compiled, draft
+from mlx_speculative.plugin import accept, cuda, draft
+from mlx_speculative.plugin.cuda import compiled
 from mlx_speculative.plugin import draft_ahead as draft_ahead_mod
 from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
 
@@ -35,7 +36,7 @@ VOCAB = 384
 def dflash_host(monkeypatch: pytest.MonkeyPatch, models: Dict[str, Any], ahead: str = "on",
                 **speculative: Any) -> Tuple[Any, Any]:
     """A host decoding the llama target with the DFlash drafter over padded caches and compiled calls."""
-    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")
     monkeypatch.setenv(compiled.ENV, "on")
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     monkeypatch.setenv(draft.AHEAD_ENV, ahead)

@@ -18,7 +18,8 @@ from mlx_speculative.hooks.host import Host
 from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.state import HostConfig
 from mlx_speculative.hooks.validate import HostConfigError
-from mlx_speculative.plugin import cache_policy, draft
+from mlx_speculative.plugin import cuda, draft
+from mlx_speculative.plugin.cuda import backend as cuda_backend
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +63,7 @@ def test_precedence_cli_env_yaml_default(monkeypatch: pytest.MonkeyPatch) -> Non
     # the functions that take a mode (the bench's flags) put it first; without one they ask the knob
     knobs.install({"padded_cache": "on", "draft_ahead": "verify"})
     monkeypatch.delenv("MLX_SPEC_PADDED_CACHE")
-    assert cache_policy.resolve_mode() is True and cache_policy.resolve_mode("off") is False
+    assert cuda.padded_on() is True and cuda.padded_on("off") is False
     assert draft.ahead_mode() == "verify" and draft.ahead_mode("off") == "off"
 
 
@@ -108,7 +109,7 @@ def test_bad_values_say_expected_received_allowed(tmp_path: Path, monkeypatch: p
     knobs.install(config.sections["runtime"], where=config.where)
     with pytest.raises(ValueError, match=r"host\.yaml:2: runtime\.attention_kernel on: the attention kernel needs MLX "
                                          r"built with CUDA.*allowed here: auto, off"):
-        cache_policy.policy_for()
+        cuda_backend.policy_for()
 
 
 def test_a_load_resolves_the_yaml(llama_pair: Dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,7 +120,7 @@ def test_a_load_resolves_the_yaml(llama_pair: Dict[str, Path], tmp_path: Path, m
     host = Host(HostConfig(sections=sections), pm=make_plugin_manager())
     target = host.load(str(llama_pair["target"]))
     att = target.attachments["speculative"]
-    assert isinstance(target.cache_policy, cache_policy.ShapeStablePolicy) and target.cache_policy.prewarm_tokens == 256
+    assert isinstance(target.cache_policy, cuda_backend.ShapeStablePolicy) and target.cache_policy.prewarm_tokens == 256
     assert att.lazy_drafts is False and att.ahead_mode == "off"
     prompt = encode(target, "the model token draft verify")
     got = host.generate(target, prompt, no_stop(12)).tokens

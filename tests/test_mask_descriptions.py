@@ -21,9 +21,9 @@ import pytest
 
 from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks.attention import MaskSpec, describe, described
-from mlx_speculative.plugin import attention, ragged_cache
-from mlx_speculative.plugin import cuda_attention as ca
-from mlx_speculative.plugin.cache_policy import PaddedKVCache
+from mlx_speculative.plugin.cuda import attention, ragged_cache
+from mlx_speculative.plugin.cuda import cuda_attention as ca
+from mlx_speculative.plugin.cuda.backend import PaddedKVCache
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("hooks", "plugin", "drafters")

@@ -234,10 +234,11 @@ def test_routed_attention_patches_nothing(checkpoints: Dict[str, Path], monkeypa
     import mlx_lm.models.qwen3_next as qwen3_next
 
     from mlx_speculative.hooks import attention as host_attention
-    from mlx_speculative.plugin import attention, cache_policy, projections
+    from mlx_speculative.plugin import cuda
+    from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, projections
     from test_attention_dispatch import StandIn
 
-    for name in MODULES + ["mlx_lm.models.base", "mlx_speculative.plugin.attention"]:
+    for name in MODULES + ["mlx_lm.models.base", "mlx_speculative.plugin.cuda.attention"]:
         importlib.import_module(name)
     registry.families()
     other, _ = load(str(checkpoints["target"]))
@@ -245,15 +246,16 @@ def test_routed_attention_patches_nothing(checkpoints: Dict[str, Path], monkeypa
     kernel = StandIn()
     disp = attention.Dispatcher(attention.Kernel("stand-in", kernel, None, None), min_keys={"mlx-mask": 0, "array": 0})
     proj = projections.stand_in()
-    monkeypatch.setattr(cache_policy, "dispatcher_for", lambda mode=None, **_: disp)
-    monkeypatch.setattr(cache_policy, "projections_for", lambda mode=None, **_: proj)
+    monkeypatch.setattr(cuda, "available", lambda: True)  # as on MLX-CUDA: the plugin asks for a backend
+    monkeypatch.setattr(cuda_backend, "dispatcher_for", lambda mode=None, **_: disp)
+    monkeypatch.setattr(cuda_backend, "projections_for", lambda mode=None, **_: proj)
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     sdpa = base.scaled_dot_product_attention
     modules, classes = snapshot()
 
     for padded, speculative in (("on", {"draft_model": str(checkpoints["truncated"])}),
                                 ("off", {"draft_model": str(checkpoints["dflash"]), "kind": "dflash"})):
-        monkeypatch.setenv(cache_policy.ENV, padded)
+        monkeypatch.setenv(cuda.PADDED_ENV, padded)
         host = make_host(dict(speculative, block_size=5))
         target = host.load(str(checkpoints["target"]))
         assert target.cache_policy.attention is disp

@@ -1,4 +1,4 @@
-"""The shape-stable cache policy (plugin/cache_policy.py) gives the same tokens as mlx-lm's KVCache (fp32, CPU).
+"""The shape-stable cache policy (plugin/cuda/backend.py) gives the same tokens as mlx-lm's KVCache (fp32, CPU).
 
 Through the public host: loading a target with a drafter and ``MLX_SPEC_PADDED_CACHE=on`` makes the
 speculative plugin's ``host_cache_policy`` return a ``ShapeStablePolicy``; requests alone then hold
@@ -19,16 +19,17 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
 from mlx_speculative.hooks.prompt_cache import copy_caches
 from mlx_speculative.hooks.scheduler import Scheduler
-from mlx_speculative.hooks.state import CachePolicy
+from mlx_speculative.hooks.api import CachePolicy
 from mlx_speculative.hooks.transaction import HANDLERS, CacheTransaction, check_supported, handler_for
-from mlx_speculative.plugin import cache_policy
-from mlx_speculative.plugin.cache_policy import (
+from mlx_speculative.plugin import cuda
+from mlx_speculative.plugin.cuda import backend as cuda_backend
+from mlx_speculative.plugin.cuda.backend import (
     PaddedKVCache,
     ShapeStablePolicy,
     make_padded_cache,
     pow2_width,
 )
-from mlx_speculative.plugin.ragged_cache import RaggedBatchKVCache
+from mlx_speculative.plugin.cuda.ragged_cache import RaggedBatchKVCache
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,7 @@ def test_mask_hides_padding_and_stale_tail() -> None:
     assert mask.tolist() == [[True] * 4 + [False] * 4, [True] * 5 + [False] * 3]
     keys, _ = c.update_and_fetch(mx.zeros((1, 2, 2, 4)), mx.zeros((1, 2, 2, 4)))
     assert keys.shape == (1, 2, 8, 4) and c.offset == 5
-    assert ShapeStablePolicy(bucket=8).verify_width(5) == 8 and not hasattr(CachePolicy(), "verify_width")
+    assert ShapeStablePolicy(bucket=8).verify_width(5) == 8 and CachePolicy().verify_width(5) == 5
     assert [pow2_width(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     assert c.make_mask(1).shape == (1, 8)
     single = PaddedKVCache(bucket=8)  # default: one-token steps keep exact lengths, no mask
@@ -89,18 +90,18 @@ def test_transaction_handler_declared() -> None:
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(cache_policy.ENV, raising=False)
-    assert cache_policy.backend() == "cpu"
-    assert cache_policy.resolve_mode("auto") is False  # CPU: off
-    assert cache_policy.resolve_mode("on") is True
-    assert cache_policy.policy_for() is None
-    assert isinstance(cache_policy.policy_for("on"), ShapeStablePolicy)
-    monkeypatch.setenv(cache_policy.ENV, "off")
-    assert cache_policy.resolve_mode() is False and cache_policy.policy_for() is None
-    monkeypatch.setenv(cache_policy.ENV, "on")
-    assert isinstance(cache_policy.policy_for(), ShapeStablePolicy)
+    monkeypatch.delenv(cuda.PADDED_ENV, raising=False)
+    assert cuda.device() == "cpu"
+    assert cuda.padded_on("auto") is False  # CPU: off
+    assert cuda.padded_on("on") is True
+    assert cuda.backend_for() is None and cuda_backend.policy_for() is None
+    assert isinstance(cuda.backend_for("on"), ShapeStablePolicy)
+    monkeypatch.setenv(cuda.PADDED_ENV, "off")
+    assert cuda.padded_on() is False and cuda.backend_for() is None
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")
+    assert isinstance(cuda.backend_for(), ShapeStablePolicy)
     with pytest.raises(ValueError, match="allowed: auto, on, off"):
-        cache_policy.resolve_mode("sometimes")
+        cuda.padded_on("sometimes")
 
 
 # -- through the host ---------------------------------------------------------------------------
@@ -143,12 +144,12 @@ def decode(host: Any, target: Any, prompts: List[List[int]], n: int,
 
 
 def padded_host(monkeypatch: pytest.MonkeyPatch, speculative: Dict[str, Any], path: Any) -> Tuple[Any, Any]:
-    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "512")
     host = make_host(speculative)
     target = host.load(str(path))
     assert isinstance(target.cache_policy, ShapeStablePolicy)
-    assert target.cache_policy.bucket == cache_policy.DEFAULT_BUCKET
+    assert target.cache_policy.bucket == cuda_backend.DEFAULT_BUCKET
     drafter = target.attachments["speculative"].drafter
     assert all(type(c) is PaddedKVCache for c in drafter.make_cache())  # the draft model's caches too
     return host, target
@@ -217,7 +218,7 @@ def test_round_loop_padded_zero_acceptance(qwen3_pair: Dict[str, Any], monkeypat
 def test_policy_applies_only_with_speculative_decoding(llama_pair: Dict[str, Any],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain decoding keeps mlx-lm's caches, even with the padded policy turned on."""
-    monkeypatch.setenv(cache_policy.ENV, "on")
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")
     host = make_host(None)
     target = host.load(str(llama_pair["target"]))
     assert type(target.cache_policy) is CachePolicy
@@ -291,6 +292,6 @@ def test_prewarm_covers_the_bucket_holding_the_last_key(llama_pair: Dict[str, An
     model = load(str(llama_pair["target"]))[0]
     # 50 keys end in the 49..64 bucket: spans 16, 32, 48, 64 x widths 2 and 4, and 32 positions once (a batch's
     # rows x width in one projection launch) at the first span holding them
-    assert cache_policy.prewarm(model, 50, widths=[2, 4], bucket=16) == 8 + 1
-    assert cache_policy.prewarm(model, 48, widths=[2, 4], bucket=16) == 6 + 1
-    assert cache_policy.prewarm(model, 48, widths=[2, 32], bucket=16) == 3 + 2  # 32 among the widths: not again
+    assert cuda_backend.prewarm(model, 50, widths=[2, 4], bucket=16) == 8 + 1
+    assert cuda_backend.prewarm(model, 48, widths=[2, 4], bucket=16) == 6 + 1
+    assert cuda_backend.prewarm(model, 48, widths=[2, 32], bucket=16) == 3 + 2  # 32 among the widths: not again

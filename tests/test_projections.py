@@ -1,6 +1,6 @@
 """Routing a loaded model's projections (nn.Linear) through the plugin's dispatcher (issue 19).
 
-On MLX-CUDA the dispatcher sends 2..32-row projections to plugin/cuda_matmul.py's kernel; here its
+On MLX-CUDA the dispatcher sends 2..32-row projections to plugin/cuda/cuda_matmul.py's kernel; here its
 place is taken by ``projections.stand_in()`` (float32 MLX matmul, any device) so that the routing
 itself is checked: which calls reach the dispatcher, that the routed model computes what mlx's
 ``nn.Linear`` computes, that only THAT model instance is affected, and that routing comes off.
@@ -18,7 +18,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import tiny_models as tm
-from mlx_speculative.plugin import cache_policy, cuda_matmul, projections
+from mlx_speculative.plugin import cuda
+from mlx_speculative.plugin.cuda import backend as cuda_backend, cuda_matmul, projections
 
 pytestmark = pytest.mark.unit
 
@@ -243,7 +244,7 @@ def test_reference_is_the_product() -> None:
 
 def test_modes_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(projections.ENV, raising=False)
-    monkeypatch.delenv(cache_policy.ENV, raising=False)
+    monkeypatch.delenv(cuda.PADDED_ENV, raising=False)
     assert not cuda_matmul.available()
     assert projections.resolve_mode() is False and projections.projections_for() is None
     assert projections.resolve_mode("off") is False
@@ -255,7 +256,7 @@ def test_modes_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=projections.ENV):
         projections.projections_for()
     monkeypatch.setenv(projections.ENV, "off")
-    assert cache_policy.policy_for() is None  # nothing to route on the CPU
+    assert cuda_backend.policy_for() is None  # nothing to route on the CPU
 
 
 def quantized_linears(model: nn.Module) -> List[nn.Module]:
@@ -318,8 +319,8 @@ def test_the_quantized_mode_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         projections.quantized_on()
     # where the kernel runs (as if: the availability check of this project's own module), auto and the
     # default route 4-bit layers and off does not
-    from mlx_speculative.plugin import cuda_attention
-    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    from mlx_speculative.plugin import cuda
+    monkeypatch.setattr(cuda, "available", lambda: True)
     for mode, want in (("auto", True), ("off", False), ("on", True)):
         monkeypatch.setenv(projections.QUANTIZED_ENV, mode)
         assert projections.quantized_on() is want

@@ -18,9 +18,11 @@ import pytest
 from conftest import PROMPTS, encode, greedy_reference, make_host, price
 from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
 from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.hooks.api import CachePolicy
 from mlx_speculative.hooks.host import GenerationParams
 from mlx_speculative.hooks.scheduler import Scheduler
-from mlx_speculative.plugin import cache_policy, compiled
+from mlx_speculative.plugin import cuda
+from mlx_speculative.plugin.cuda import compiled
 from mlx_speculative.plugin.costs import CostTable, expected_tokens
 from mlx_speculative.plugin.metrics import METRICS
 
@@ -122,7 +124,7 @@ def _forced_host(pair: Dict[str, Path], requests: List[List[int]], accepts: List
 @pytest.mark.parametrize("padded", ["on", "off"])
 def test_rows_of_very_different_acceptance_each_verify_their_own(padded: str, pair: Dict[str, Path],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cache_policy.ENV, padded)
+    monkeypatch.setenv(cuda.PADDED_ENV, padded)
     monkeypatch.setenv(compiled.ENV, padded)
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     probe = make_host(None, plugins=False).load(str(pair["target"]))
@@ -212,7 +214,7 @@ def test_a_paused_row_probes_when_its_drafter_sees_a_match() -> None:
     c.update(0, 7)  # collapsed without accepting anything: paused
     assert c.paused_left == c.min_pause
     req = SimpleNamespace(controller=c, to_end=False)
-    row = SimpleNamespace(tokens=[4, 5, 6, 7, 8, 9], remaining=100, target=SimpleNamespace(cache_policy=None))
+    row = SimpleNamespace(tokens=[4, 5, 6, 7, 8, 9], remaining=100, target=SimpleNamespace(cache_policy=CachePolicy()))
     assert rnd._plan(row, req, Draft()) is None and c.paused_left == c.min_pause  # no match: still paused
     assert rnd._grant(row, req, True) == rnd.PROBE_EVERY  # asked again within a few plain steps
     row.tokens += [4, 5, 6]
@@ -225,7 +227,7 @@ def test_the_cli_exits_cleanly_with_every_cache_policy(policy: str) -> None:
     and nothing on stderr from C++ (no "terminate called": no MLX work left running at exit)."""
     from test_cli import mlx_spec
 
-    env = {cache_policy.ENV: policy, compiled.ENV: policy, "MLX_SPEC_PREWARM_TOKENS": "0"}
+    env = {cuda.PADDED_ENV: policy, compiled.ENV: policy, "MLX_SPEC_PREWARM_TOKENS": "0"}
     proc = mlx_spec("generate", "--max-tokens", "24", "--json", env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr and "Abort" not in proc.stderr

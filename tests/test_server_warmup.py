@@ -64,9 +64,10 @@ def test_warm_up_reaches_each_key_span_of_a_bucketed_policy(llama_pair: Dict[str
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Padded caches (bucket 256): a batch's first row at 48 tokens, then just below 256 and 512 keys, so each
     row count decodes across the 256-, 512- and 768-key spans; the engine's later output is unchanged."""
-    from mlx_speculative.plugin import cache_policy, compiled
+    from mlx_speculative.plugin import cuda
+    from mlx_speculative.plugin.cuda import compiled
 
-    for env in (cache_policy.ENV, compiled.ENV):
+    for env in (cuda.PADDED_ENV, compiled.ENV):
         monkeypatch.setenv(env, "on")
     monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
     host = make_host({"draft_model": str(llama_pair["drafter"])})

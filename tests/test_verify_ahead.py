@@ -1,4 +1,4 @@
-"""Verifying ahead (plugin/verify_ahead.py): a round queues the next round's verify forward over the block
+"""Verifying ahead (plugin/cuda/verify_ahead.py): a round queues the next round's verify forward over the block
 drafted ahead, at the device offset its own outcome gives, before the host reads that outcome.
 
 The bench's oracle (plugin/bench/oracle.py) supplies the drafts, its draws scripted round by round so that
@@ -22,7 +22,7 @@ import pytest
 from conftest import no_stop
 from mlx_speculative.plugin import draft_ahead as draft_ahead_mod
 from mlx_speculative.plugin import round as round_mod
-from mlx_speculative.plugin import verify_ahead
+from mlx_speculative.plugin.cuda import verify_ahead
 from mlx_speculative.plugin.bench import oracle as orc
 from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
 from test_draft_ahead import CASES, VOCAB, by_acceptance, dflash_host, run

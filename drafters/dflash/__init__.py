@@ -18,12 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from mlx_lm.models.cache import KVCache
-
 from ..base import Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget
 from ..checkpoint import load_into, read_tensors
 from ..compat import check_tokenizer, config_value
-from ...hooks.api import loading, route_policy, zeroed
+from ...hooks.api import CompiledCalls, DraftBackend, loading, zeroed
 from .batch import CONTEXT_CHUNK, DFlashBatch
 from ..target_parts import target_embedding_and_head
 from .features import final_norm_tap
@@ -39,36 +37,37 @@ class DFlashDrafter(Drafter):
     staged = True  # ``draft`` queues its stages one after another (False: one graph; the bench's A/B)
 
     def __init__(self, model: Model, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array],
-                 cache_policy: Any = None):
+                 backend: Optional[DraftBackend] = None):
         self.model = model
         self.args = model.args
         self.embed = embed
         self.head = head
         self.mask_token_id = int(self.args.mask_token_id)
         self.default_block_size = int(self.args.block_size)
-        # Shape-stable caches (the host's CUDA policy): context K/V padded to buckets, blocks and
-        # context counts to powers of two, so that rounds meet few attention shapes.
-        self.cache_policy = cache_policy
-        self.shape_stable = bool(getattr(cache_policy, "shape_stable", False))
-        # The policy's compiled calls (plugin/compiled.py) over its padded caches (one row or a batch's), or None.
-        compiler = getattr(cache_policy, "forward", None) if self.shape_stable else None
-        self.compiler = compiler if hasattr(compiler, "call") else None
+        self.backend = backend or DraftBackend()  # the target's backend, as drafters see it (hooks/backend.py)
+        # The backend's compiled calls (plugin/cuda/compiled.py) over its padded caches (one row or a batch's), or None.
+        self.compiler: Optional[CompiledCalls] = self.backend.calls
         # (the target's last layer, its final norm) when a tap reads the last layer's output.
         self.final_norm: Optional[Tuple[int, Callable[[mx.array], mx.array]]] = None
+
+    @property
+    def shape_stable(self) -> bool:
+        """Shape-stable caches (the backend's on CUDA): context K/V padded to buckets, blocks and context counts to
+        powers of two, so that rounds meet few attention shapes."""
+        return self.backend.shape_stable
 
     def capture_layers(self) -> List[int]:
         return list(self.args.capture_layers)
 
     def make_cache(self) -> List[Any]:
-        factory = getattr(self.cache_policy, "kv_cache", None) if self.shape_stable else None
-        return self.model.make_cache(factory or KVCache)
+        return self.model.make_cache(self.backend.kv_cache)
 
     def new_batch(self) -> DraftBatch:
         return DFlashBatch(self)
 
     def append_context(self, caches: List[Any], feats: mx.array) -> None:
         """The context K/V of ``feats`` [B, n, taps*H] appended to ``caches`` (``Model.append_context``),
-        compiled for up to 32 positions where the policy compiles (a round's new context)."""
+        compiled for up to 32 positions where the backend compiles (a round's new context)."""
         n = feats.shape[1]
         if self.compiler is None or n > 32 or self.compiler.call(
                 ("dflash context",), self, _append, caches, [feats], n, n, "compiled dflash context") is None:
@@ -76,7 +75,7 @@ class DFlashDrafter(Drafter):
 
     def block(self, caches: List[Any], tokens: mx.array, widths: Optional[mx.array] = None) -> mx.array:
         """The block's final hidden states [B, T, H] for ``tokens`` [B, T] over the context in ``caches``
-        (``Model.__call__``), compiled where the policy compiles."""
+        (``Model.__call__``), compiled where the backend compiles."""
         if self.compiler is not None:
             arrays = [tokens] if widths is None else [tokens, widths]
             got = self.compiler.call(("dflash block",), self, _block, caches, arrays, tokens.shape[1], 0,
@@ -288,11 +287,11 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     if target.model is None:
         raise DrafterError("dflash drafters borrow the target's embedding and lm_head: load the target first")
     embed, head = target_embedding_and_head(target.model)
-    route_policy(model, target.cache_policy)  # the host's attention dispatcher (CUDA), if any
-    drafter = DFlashDrafter(model, embed, head, target.cache_policy)
+    target.backend.route(model)  # the backend's attention and projection dispatchers (CUDA), if any
+    drafter = DFlashDrafter(model, embed, head, target.backend)
     drafter.final_norm = final_norm_tap(target.model, drafter.capture_layers())
     if drafter.shape_stable:
-        prewarm(drafter, int(getattr(target.cache_policy, "prewarm_tokens", 0)),
+        prewarm(drafter, target.backend.prewarm_tokens,
                 max(args.block_size, int(options.get("block_size") or 0)))
     return drafter
 
@@ -304,7 +303,7 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int, context_counts:
     """One drafter forward per (context bucket, power-of-two block width) up to ``max_tokens``
     context positions, and one context append per power-of-two count up to ``context_counts``, so that rounds
     meet no attention shape for the first time (CUDA compiles each one, 40-70 ms). Returns the count."""
-    bucket = int(getattr(drafter.cache_policy, "bucket", 0))
+    bucket = drafter.backend.bucket
     if not bucket or max_tokens <= 0:
         return 0
     model, args = drafter.model, drafter.args
@@ -344,10 +343,12 @@ def prewarm(drafter: DFlashDrafter, max_tokens: int, block: int, context_counts:
 
 def prewarm_compiled(drafter: DFlashDrafter, caches: List[Any], shapes: List[Any], max_tokens: int,
                      widths: List[int]) -> int:
-    """The compiled calls' traces (plugin/compiled.py) at every buffer length up to ``max_tokens``: each block
+    """The compiled calls' traces (plugin/cuda/compiled.py) at every buffer length up to ``max_tokens``: each block
     width, with and without per-row widths, as a block, as greedy drafts and as drafts ahead of as many verified
     positions (a block is drafted ahead for as many drafts as the round that verifies before it); and each
     power-of-two context append up to the block."""
+    if drafter.compiler is None:
+        return 0
     grow, dtype = drafter.compiler.grow, drafter.model.norm.weight.dtype
     taps = len(drafter.args.target_layer_ids) * drafter.args.hidden_size
     runs = 0

@@ -216,7 +216,7 @@ class DFlashBatch(DraftBatch):
         return self.drafter.compiler is not None and len(rows) == 1 and rows[0].sampling.greedy
 
     def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
-        """One greedy row over the policy's compiled calls: the round's W verified positions appended to its
+        """One greedy row over the backend's compiled calls: the round's W verified positions appended to its
         context past the committed ones (the host's offsets unchanged), then the next block at the device's
         offset context + a + 1, its first token the bonus. ``prepare`` keeps the a + 1 positions the host
         committed, ``propose`` serves the tokens where the rows and the outcome are as assumed."""

@@ -23,8 +23,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, make_prompt_cache
 
 from ...hooks.api import (
-    CacheTransaction, add_row, arrays, cache_bytes, check_supported, copy_caches, extract_row, forward, keep_rows,
-    mergeable, replay, route_policy, scope_model, trim_caches, trimmable,
+    CacheTransaction, DraftBackend, add_row, arrays, cache_bytes, check_supported, copy_caches, extract_row, forward,
+    keep_rows, mergeable, replay, scope_model, trim_caches, trimmable,
 )
 from ..base import (Compatibility, DraftBatch, Drafter, DrafterError, DrafterFamily, DraftState, DraftTarget, Proposal,
                     Verified)
@@ -198,14 +198,12 @@ class DraftModelDrafter(Drafter):
     default_block_size = DEFAULT_BLOCK_SIZE
     max_block_size = 16
 
-    def __init__(self, model: nn.Module, cache_policy: Any = None):
+    def __init__(self, model: nn.Module, backend: Optional[DraftBackend] = None):
         self.model = model
-        self.cache_policy = cache_policy  # the host's (shape-stable caches on CUDA), or None: mlx-lm's
+        self.backend = backend or DraftBackend()  # the target's (shape-stable caches on CUDA), else mlx-lm's caches
 
     def make_cache(self) -> List[Any]:
-        if self.cache_policy is not None:
-            return self.cache_policy.make_cache(self.model)
-        return make_prompt_cache(self.model)
+        return self.backend.make_cache(self.model)
 
     def new_batch(self) -> DraftBatch:
         return DraftModelBatch(self)
@@ -239,8 +237,8 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
         raise DrafterError(f"draft model {str(path)!r}: its caches ({sorted({type(c).__name__ for c in caches})}) "
                            "cannot merge into a batch; expected mlx-lm caches with merge()")
     scope_model(model)  # recurrent draft models keep part of a round without a replay
-    route_policy(model, target.cache_policy)  # the host's attention dispatcher (CUDA), if any
-    return DraftModelDrafter(model, target.cache_policy)
+    target.backend.route(model)  # the backend's attention and projection dispatchers (CUDA), if any
+    return DraftModelDrafter(model, target.backend)
 
 
 family = DrafterFamily(

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
+from ...hooks.api import DraftBackend
 from ..base import DraftBatch, Drafter, DrafterError, DrafterFamily, DraftTarget
 from ..checkpoint import load_into, read_tensors
 from .batch import Eagle3Batch
@@ -33,7 +33,7 @@ class Eagle3Drafter(Drafter):
     family = "eagle3"
 
     def __init__(self, model: Model, embed: Callable[[mx.array], mx.array], targets: mx.array,
-                 capture: List[int], cache_policy: Any = None):
+                 capture: List[int], backend: Optional[DraftBackend] = None):
         self.model = model
         self.args = model.args
         self.embed = embed
@@ -43,15 +43,18 @@ class Eagle3Drafter(Drafter):
         self.vocab_size = int(self.args.vocab_size)
         tokens = self.args.speculative_tokens
         self.default_block_size = int(tokens) + 1 if tokens else DEFAULT_BLOCK_SIZE
-        self.cache_policy = cache_policy
-        self.shape_stable = bool(getattr(cache_policy, "shape_stable", False))
+        self.backend = backend or DraftBackend()  # the target's backend, as drafters see it (hooks/backend.py)
+
+    @property
+    def shape_stable(self) -> bool:
+        """The backend keeps attention shapes (CUDA): catch-ups feed power-of-two counts."""
+        return self.backend.shape_stable
 
     def capture_layers(self) -> List[int]:
         return list(self.capture)
 
     def make_cache(self) -> List[Any]:
-        factory = getattr(self.cache_policy, "kv_cache", None) if self.shape_stable else None
-        return self.model.make_cache(factory or KVCache)
+        return self.model.make_cache(self.backend.kv_cache)
 
     def full_vocab(self, logits: mx.array) -> mx.array:
         """[B, draft_vocab] -> [B, vocab]: the draft logits at their target ids, -inf elsewhere."""
@@ -103,9 +106,9 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
         embed = target_embedding_and_head(target.model)[0]
     n = target_layers(target)
     drafter = Eagle3Drafter(model, embed, draft_targets(raw, model.args), model.args.capture_layers(n or 0),
-                            target.cache_policy)
+                            target.backend)
     if drafter.shape_stable:
-        prewarm(drafter, int(getattr(target.cache_policy, "prewarm_tokens", 0)),
+        prewarm(drafter, target.backend.prewarm_tokens,
                 max(drafter.default_block_size, int(options.get("block_size") or 0)))
     return drafter
 
@@ -114,7 +117,7 @@ def prewarm(drafter: Eagle3Drafter, max_tokens: int, block: int) -> int:
     """One forward per (key bucket, query width) up to ``max_tokens`` positions: the catch-up's
     power-of-two widths (a chain step is one position, exact key lengths), so that rounds meet no
     attention shape for the first time (CUDA compiles each one). Returns the count."""
-    bucket = int(getattr(drafter.cache_policy, "bucket", 0))
+    bucket = drafter.backend.bucket
     if not bucket or max_tokens <= 0:
         return 0
     args, dtype = drafter.args, drafter.dtype

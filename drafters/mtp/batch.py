@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
-from ...hooks.api import CacheTransaction, add_row, keep_rows
+from ...hooks.api import CacheTransaction, DraftBackend, add_row, keep_rows
 from ..base import DraftBatch, Drafter, DraftState, Proposal, Verified
 from .. import feature_log
 from ..feature_log import FeatureLog
@@ -272,7 +271,7 @@ class HeadDrafter(Drafter):
 
     def __init__(self, family: str, model: Any, embed: Callable[[mx.array], mx.array],
                  logits: Callable[[mx.array], mx.array], final_norm: Callable[[mx.array], mx.array],
-                 hidden_layer: int, block_size: int, cache_policy: Any = None):
+                 hidden_layer: int, block_size: int, backend: Optional[DraftBackend] = None):
         self.family = family
         self.model = model  # (embeds, hidden, cache) -> the state the next step and ``logits`` read
         self.embed = embed  # the target's input embedding
@@ -280,14 +279,13 @@ class HeadDrafter(Drafter):
         self.final_norm = final_norm  # the target's: its last layer's output -> its final hidden state
         self.hidden_layer = hidden_layer
         self.default_block_size = block_size
-        self.cache_policy = cache_policy
+        self.backend = backend or DraftBackend()  # the target's backend, as drafters see it (hooks/backend.py)
 
     def capture_layers(self) -> List[int]:
         return [self.hidden_layer]
 
     def make_cache(self) -> List[Any]:
-        factory = getattr(self.cache_policy, "kv_cache", None) if getattr(self.cache_policy, "shape_stable", False) else None
-        return self.model.make_cache(factory or KVCache)
+        return self.model.make_cache(self.backend.kv_cache)
 
     def new_batch(self) -> DraftBatch:
         return HeadBatch(self)

@@ -193,4 +193,4 @@ def load(path: Optional[Path], config: Dict[str, Any], target: DraftTarget, opti
     head = tg.lm_head(target.model)
     block = int(args.block_size) if standalone and args.block_size else args.depth + 1
     return HeadDrafter(FAMILY, model, tg.embedding(target.model), head, tg.final_norm(target.model),
-                       tg.last_layer(target.model), block, target.cache_policy)
+                       tg.last_layer(target.model), block, target.backend)

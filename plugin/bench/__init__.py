@@ -91,15 +91,15 @@ def add_command(subparsers: Any) -> None:
     run.add_argument("--bucket", type=int, default=256, help="padded key-length bucket (default 256)")
     run.add_argument("--kernel", default="auto", choices=["auto", "on", "off"],
                      help="the short-query attention kernel for 2-32-query forwards of this project's host "
-                          "(plugin/attention.py; auto: on where MLX runs on CUDA; on elsewhere is an error). "
+                          "(plugin/cuda/attention.py; auto: on where MLX runs on CUDA; on elsewhere is an error). "
                           "The JSON's attention section and rows record which path each call took; "
                           "kernel_costs then also time the bare forwards with MLX's attention")
     run.add_argument("--projection-kernel", default="auto", choices=["auto", "on", "off"],
                      help="the verify-width matmul kernel for this project's host's 2-32-row projections "
-                          "(plugin/projections.py; auto: on where MLX runs on CUDA; on elsewhere is an error); "
+                          "(plugin/cuda/projections.py; auto: on where MLX runs on CUDA; on elsewhere is an error); "
                           "kernel_costs' *_kernel_off figures then use MLX's matmuls too")
     run.add_argument("--compiled-forward", default="auto", choices=["auto", "on", "off"],
-                     help="compiled verify forwards (plugin/compiled.py: the target's own forward through mx.compile, "
+                     help="compiled verify forwards (plugin/cuda/compiled.py: the target's own forward through mx.compile, "
                           "padded caches; auto: on where MLX runs on CUDA); kernel_costs' *_kernel_off figures are plain")
     run.add_argument("--compiled-widths", type=_ints, default=[2, 4, 8, 16, 32], metavar="W[,W...]",
                      help="the input widths the compiled forwards take (default: the verify widths 2,4,8,16,32; "
@@ -138,7 +138,7 @@ def add_command(subparsers: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..compiled import check_widths
+    from ..cuda.compiled import check_widths
     from ..draft import ahead_modes
     from .core import BenchSettings, run_bench
     from .report import format_table, plot, write_json

@@ -20,8 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ...hooks.api import CachePolicy, LoadedTarget, route_policy, route_projections, taps, unroute_projections
-from .. import attention, cache_policy, compiled, projections
+from ...hooks.api import Backend, LoadedTarget, draft_backend, route_policy, route_projections, taps, unroute_projections
+from .. import cuda
+from ..cuda import attention, backend as cuda_backend, compiled, projections
 from ..draft import ahead_modes
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import paired_medians, summarize
@@ -42,10 +43,10 @@ class BenchSettings:
     prompt_lengths: List[int] = field(default_factory=lambda: [128, 512, 1024])
     max_tokens: int = 256
     padded: str = "auto"
-    bucket: int = cache_policy.DEFAULT_BUCKET
-    kernel: str = "auto"  # the short-query attention kernel (plugin/attention.py): auto | on | off
-    projection_kernel: str = "auto"  # the verify-width matmul kernel (plugin/projections.py): auto | on | off
-    compiled_forward: str = "auto"  # compiled verify forwards (plugin/compiled.py), padded caches only: auto | on | off
+    bucket: int = cuda_backend.DEFAULT_BUCKET
+    kernel: str = "auto"  # the short-query attention kernel (plugin/cuda/attention.py): auto | on | off
+    projection_kernel: str = "auto"  # the verify-width matmul kernel (plugin/cuda/projections.py): auto | on | off
+    compiled_forward: str = "auto"  # compiled verify forwards (plugin/cuda/compiled.py), padded caches only: auto | on | off
     compiled_widths: Tuple[int, ...] = compiled.DEFAULT_WIDTHS  # the input widths compiled (1: plain steps too)
     quantize_bits: Optional[int] = None  # the target's weights quantized (group size 64) after loading
     mlx_lm_spec: bool = True
@@ -112,7 +113,7 @@ def _load_target(s: BenchSettings) -> Tuple[LoadedTarget, Dict[str, Any], str]:
     return LoadedTarget(model=model, tokenizer=tok, path=path, model_config=config, name=s.model), config, f"checkpoint {s.model}"
 
 
-def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any], policy: Optional[CachePolicy]) -> Dict[str, Any]:
+def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any], policy: Optional[Backend]) -> Dict[str, Any]:
     """kind -> (drafter, draft LM module or None, description)."""
     from ...drafters.draft_model import DraftModelDrafter
     from ...drafters.ngram import family as ngram_family
@@ -135,13 +136,13 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
     if draft_lm is None and s.mlx_lm_spec:
         print("[bench] no draft LM (--draft-model): skipping mlx-lm's speculative_generate_step", file=sys.stderr)
     elif "draft_model" in kinds or s.mlx_lm_spec:
-        padded = getattr(policy, "shape_stable", False)
-        out["draft_model"] = (DraftModelDrafter(draft_lm, policy), draft_lm, desc + (", padded caches" if padded else ""))
+        padded = policy is not None and policy.shape_stable
+        out["draft_model"] = (DraftModelDrafter(draft_lm, draft_backend(policy)), draft_lm, desc + (", padded caches" if padded else ""))
     if "dflash" in kinds:
         try:
             drafter, ddesc = synthetic.dflash_drafter(target.model, config, max(s.block_sizes), s.dflash_layers,
                                                       s.seed + 2, policy)
-            if getattr(policy, "shape_stable", False):  # as drafters.dflash.load does on CUDA: padded context cache
+            if policy is not None and policy.shape_stable:  # as drafters.dflash.load does on CUDA: padded context cache
                 ddesc += ", padded context cache"
             out["dflash"] = (drafter, None, ddesc)
         except Exception as e:  # noqa: BLE001 - the DFlash family may be missing in this build
@@ -149,7 +150,7 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
                 raise
             print(f"[bench] dflash drafter unavailable ({type(e).__name__}: {e}); skipping it", file=sys.stderr)
     if "eagle3" in kinds:
-        drafter, edesc = synthetic.eagle3_drafter(target.model, config, seed=s.seed + 3, cache_policy=policy)
+        drafter, edesc = synthetic.eagle3_drafter(target.model, config, seed=s.seed + 3, backend=policy)
         out["eagle3"] = (drafter, None, edesc + (", padded caches" if policy is not None else ""))
     if "ngram" in kinds:
         from ...drafters.base import DraftTarget
@@ -159,13 +160,13 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
 
 
 def build_methods(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any], drafters: Dict[str, Any],
-                  policy: Optional[CachePolicy], blocks: Optional[Dict[str, List[int]]] = None,
+                  policy: Optional[Backend], blocks: Optional[Dict[str, List[int]]] = None,
                   spec_plugin: Any = None) -> List[Method]:
     """``blocks``: kind -> block sizes of real drafters (``real.load_drafters``); each runs every tau there.
     ``spec_plugin``: the speculative methods' host plugin (``HostMethod``'s ``plugin``)."""
     vocab = int(config["vocab_size"])
     methods: List[Method] = [MlxLmPlain(target.model), HostMethod(target, "host plain (KVCache)", None)]
-    if getattr(policy, "shape_stable", False):
+    if policy is not None and policy.shape_stable:
         methods.append(HostMethod(target, "host plain (padded)", policy))
     order = ("dflash", "eagle3", "mtp", "draft_model", "ngram")
     spec_kinds = [k for k in order if k in drafters and (blocks is not None or s.kind in ("auto", k))]
@@ -202,19 +203,19 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
     on_progress = (lambda msg: None) if quiet else on_progress
     if s.cpu:
         mx.set_default_device(mx.cpu)
-    padded = cache_policy.resolve_mode(s.padded)
+    padded = cuda.padded_on(s.padded)
     disp = dispatcher if dispatcher is not None else attention.dispatcher_for(
         s.kernel, source="--kernel", min_keys=None if padded else attention.ROUTED_MIN_KEYS)  # as policy_for
     proj = projection_dispatcher if projection_dispatcher is not None else \
         projections.projections_for(s.projection_kernel, "--projection-kernel")
-    policy: Optional[CachePolicy] = None
+    policy: Optional[Backend] = None
     if padded:
-        policy = cache_policy.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp, projections=proj,
-                                                forward=compiled.forward_for(cache_policy.PaddedKVCache,
+        policy = cuda_backend.ShapeStablePolicy(s.bucket, prewarm_tokens=0, attention=disp, projections=proj,
+                                                forward=compiled.forward_for(cuda_backend.PaddedKVCache,
                                                                              s.compiled_forward, "--compiled-forward",
                                                                              s.compiled_widths))
     elif disp is not None or proj is not None:
-        policy = cache_policy.RoutedPolicy(disp, proj)
+        policy = cuda_backend.RoutedPolicy(disp, proj)
     fwd = policy.forward if policy is not None else None
     real.check(s)
     texts = real.read_prompts(s.prompts_file)[:s.max_prompts or None] if s.prompts_file else None
@@ -295,11 +296,11 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         policy.capture_layers = layer_sets[0] if layer_sets else ()
         policy.prewarm(target.model, cap)
         for layers in layer_sets[1:]:
-            cache_policy.prewarm_compiled(target.model, fwd, max_len, policy.widths(cap), layers)
+            cuda_backend.prewarm_compiled(target.model, fwd, max_len, policy.widths(cap), layers)
         if fwd is not None and 1 in fwd.widths:  # the host's plain steps record nothing
-            cache_policy.prewarm_compiled(target.model, fwd, max_len, [1], ())
+            cuda_backend.prewarm_compiled(target.model, fwd, max_len, [1], ())
         if "draft_model" in drafters:
-            cache_policy.prewarm(drafters["draft_model"][1], max_len, [1, 2], s.bucket)
+            cuda_backend.prewarm(drafters["draft_model"][1], max_len, [1, 2], s.bucket)
         if "dflash" in drafters:
             from ...drafters.dflash import prewarm as prewarm_dflash
 
@@ -375,7 +376,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         runs += paired_medians(runs)
     run_keys = kernels.prompt_key_lengths(lengths, s.max_tokens)
     extra_keys = s.cost_keys if s.cost_keys is not None else \
-        (kernels.EXTRA_KEYS_CUDA if cache_policy.backend() == "cuda" else [])
+        (kernels.EXTRA_KEYS_CUDA if cuda.device() == "cuda" else [])
     bucket = s.bucket if padded else None
     costs = kernels.kernel_costs(target.model, drafters, methods, run_keys, extra_keys, bucket, on_progress=on_progress,
                                  policy_forward=fwd)

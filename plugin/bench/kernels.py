@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ...hooks.api import forward
-from .. import cache_policy
+from ..cuda import backend as cuda_backend
 
 
 def timed(fn: Callable[[], Any], iters: int) -> float:
@@ -37,7 +37,7 @@ def timed(fn: Callable[[], Any], iters: int) -> float:
 
 
 def _filled_caches(model: Any, key_length: int, bucket: Optional[int]) -> List[Any]:
-    cache = cache_policy.make_padded_cache(model, bucket=bucket) if bucket else make_prompt_cache(model)
+    cache = cuda_backend.make_padded_cache(model, bucket=bucket) if bucket else make_prompt_cache(model)
     prompt = mx.array([[2 + i % 250 for i in range(key_length)]], dtype=mx.uint32)  # ids any vocabulary has
     for i in range(0, key_length, 512):
         mx.eval(forward(model, prompt[:, i:i + 512], cache, [])[0][:, -1])
@@ -49,7 +49,7 @@ Graph = Tuple[Callable[[], mx.array], Callable[[], None]]  # (build the forward'
 
 def target_step(model: Any, cache: List[Any], n: int, policy_forward: Optional[Callable[..., Any]] = None) -> Graph:
     """A forward over ``n`` positions after the cache's and its log-softmax rows ([n, V]); undo trims them.
-    ``policy_forward``: a cache policy's forward (plugin/compiled.py), tried first as the round's verify does."""
+    ``policy_forward``: a cache policy's forward (plugin/cuda/compiled.py), tried first as the round's verify does."""
     toks = mx.array([[3 + (i % 50) for i in range(n)]], dtype=mx.uint32)
 
     def build() -> mx.array:

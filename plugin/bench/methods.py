@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.api import CachePolicy, GenerationParams, Host, HostConfig, LoadedTarget, Scheduler, make_plugin_manager
+from ...hooks.api import Backend, CachePolicy, GenerationParams, Host, HostConfig, LoadedTarget, Scheduler, make_plugin_manager
 from .. import hookimpls
 from ..costs import CostTable
 from ..rank0_drafts import for_ranks
@@ -40,7 +40,7 @@ class Run:
     spec: Optional[Dict[str, Any]] = None
     drafted: List[int] = field(default_factory=list)
     divergence: Optional[Dict[str, Any]] = None
-    attention: Optional[Dict[str, int]] = None  # attention calls by path (plugin/attention.py), when routed
+    attention: Optional[Dict[str, int]] = None  # attention calls by path (plugin/cuda/attention.py), when routed
 
 
 class Method:
@@ -129,7 +129,7 @@ class MlxLmSpec(Method):
 class HostMethod(Method):
     """Decoding through this project's host: plain (no plugin step) or the speculative plugin."""
 
-    def __init__(self, target: LoadedTarget, name: str, policy: Optional[CachePolicy],
+    def __init__(self, target: LoadedTarget, name: str, policy: Optional[Backend],
                  drafter: Any = None, block: Optional[int] = None, tau: Optional[float] = None,
                  adaptive: bool = False, vocab: int = 0, plugin: Any = None, ahead: str = "on"):
         """``plugin``: the host's speculative plugin (default: this project's hookimpls; bench/round_trace.py:
@@ -189,7 +189,7 @@ def decode(host: Host, target: LoadedTarget, prompt: List[int], max_tokens: int)
 
 # -- references, divergence, prompts --------------------------------------------------------------
 
-def reference(target: LoadedTarget, prompt: List[int], max_tokens: int, policy: Optional[CachePolicy]) -> Reference:
+def reference(target: LoadedTarget, prompt: List[int], max_tokens: int, policy: Optional[Backend]) -> Reference:
     """Plain greedy decoding (untimed) with the log-probability margin at every position.
 
     With shape-stable caches on, the reference uses them: it then meets no exact key length that a

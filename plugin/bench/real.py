@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...drafters import registry
-from ...hooks.api import CachePolicy, LoadedTarget
+from ...hooks.api import Backend, LoadedTarget
 from ..hookimpls import draft_target
 
 
@@ -57,12 +57,12 @@ def blocks_for(spec_block: Optional[int], block_sizes: List[int], default: int) 
     return [spec_block] if spec_block else (list(block_sizes) or [int(default)])
 
 
-def load_drafters(s: Any, target: LoadedTarget, policy: Optional[CachePolicy]
+def load_drafters(s: Any, target: LoadedTarget, policy: Optional[Backend]
                   ) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
     """(kind -> (drafter, draft LM module or None, description), kind -> checkpoint record)."""
     drafters: Dict[str, Any] = {}
     info: Dict[str, Dict[str, Any]] = {}
-    padded = getattr(policy, "shape_stable", False)
+    padded = policy is not None and policy.shape_stable
     for spec in map(parse_drafter, s.drafters):
         resolution = registry.resolve(spec.path, "auto")
         for warning in resolution.warnings:

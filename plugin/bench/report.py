@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ...hooks.api import blas_in_use
-from .. import cache_policy
+from .. import cuda
 from ..metrics import ROUND_STEPS
 from . import kernels
 from .methods import Method, Run
@@ -136,7 +136,7 @@ def summarize(s: Any, methods: List[Method], runs: List[Run], lengths: List[List
         info = {}
     return {
         "machine": {"platform": platform.platform(), "processor": platform.machine(), "python": platform.python_version(),
-                    "device": str(mx.default_device()), "backend": cache_policy.backend(), "device_info": info,
+                    "device": str(mx.default_device()), "backend": cuda.device(), "device_info": info,
                     "blas": blas_in_use().to_dict()},  # the library MLX's float32 CPU matmuls call
         "versions": {"mlx": getattr(mx, "__version__", "?"), "mlx-lm": version("mlx-lm"),
                      "mlx-speculative": version("mlx-speculative")},

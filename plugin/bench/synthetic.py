@@ -10,11 +10,13 @@ The continuation is then mostly a walk along pi: fine for measuring machinery, n
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
+from ...hooks.api import Backend, draft_backend
 
 SPECS: Dict[str, Dict[str, Any]] = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -75,9 +77,10 @@ def build(config: Dict[str, Any], seed: int = 0, margins: bool = True) -> nn.Mod
 
 
 def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 16, layers: int = 5, seed: int = 1,
-                   cache_policy: Any = None) -> Tuple[Any, str]:
+                   backend: Optional[Backend] = None) -> Tuple[Any, str]:
     """A DFlash-shape drafter (``layers`` layers, the target's width, target_layer_ids spread over
-    the target) with random weights, borrowing the target's embedding and head."""
+    the target) with random weights, borrowing the target's embedding and head; its caches and compiled calls
+    are ``backend``'s (None: the host's default), as drafters.dflash.load makes them."""
     from ...drafters.dflash import DFlashDrafter
     from ...drafters.target_parts import target_embedding_and_head
     from ...drafters.dflash.model import Model, ModelArgs
@@ -99,12 +102,12 @@ def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 
         mx.eval(p)
     model.eval()
     embed, head = target_embedding_and_head(target)
-    drafter = DFlashDrafter(model, embed, head, cache_policy)
+    drafter = DFlashDrafter(model, embed, head, draft_backend(backend))
     return drafter, f"dflash ({layers} layers, width {config['hidden_size']}, target_layer_ids {list(args.target_layer_ids)})"
 
 
 def eagle3_drafter(target: nn.Module, config: Dict[str, Any], draft_vocab: int = 32000, seed: int = 3,
-                   cache_policy: Any = None) -> Tuple[Any, str]:
+                   backend: Optional[Backend] = None) -> Tuple[Any, str]:
     """An EAGLE-3-shape drafter (one layer at the target's width, fc over the default three layers,
     a ``draft_vocab`` head mapped through a random d2t) with random weights, borrowing the target's
     embedding."""
@@ -132,6 +135,6 @@ def eagle3_drafter(target: nn.Module, config: Dict[str, Any], draft_vocab: int =
     embed, _ = target_embedding_and_head(target)
     targets = mx.array(default_draft_ids(vocab, draft_vocab, seed), dtype=mx.uint32)
     capture = args.capture_layers(config["num_hidden_layers"])
-    drafter = Eagle3Drafter(model, embed, targets, capture, cache_policy)
+    drafter = Eagle3Drafter(model, embed, targets, capture, draft_backend(backend))
     return drafter, (f"eagle3 (1 layer, width {config['hidden_size']}, draft vocabulary {draft_vocab}, target "
                      f"layers {capture} (hidden_states {args.layer_ids(config['num_hidden_layers'])}), chain drafting)")

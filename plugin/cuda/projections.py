@@ -2,7 +2,7 @@
 
 The host routes a loaded model's ``nn.Linear`` layers through ``CachePolicy.projections``
 (hooks/attention.py ``route_projections``), so each call ``layer(x)`` asks ``Projections(x, weight)``
-first. It answers x @ weight.T from plugin/cuda_matmul.py's kernel when the call has 2..32 rows
+first. It answers x @ weight.T from plugin/cuda/cuda_matmul.py's kernel when the call has 2..32 rows
 (verify forwards, drafter blocks, a round's new context) in bfloat16 or float16 with K a multiple of
 8, and None otherwise: the layer then runs mlx's own code (one-token steps keep MLX's gemv, prefill
 chunks cuBLAS). Biases are added by the routed layer. ``many(x, weights)`` multiplies the same x by
@@ -19,7 +19,7 @@ On by default where the kernel runs (MLX built with CUDA, GPU default device); o
 ``MLX_SPEC_PROJECTION_KERNEL`` = auto | on | off overrides (on: an error where the kernel cannot run).
 
 4-bit layers (``nn.QuantizedLinear``, affine, group 32 / 64 / 128): ``quantized(x, layer)`` answers from
-plugin/cuda_qmatmul.py's kernel for 2..32 rows (one-token steps keep MLX's qmv). On by default where the
+plugin/cuda/cuda_qmatmul.py's kernel for 2..32 rows (one-token steps keep MLX's qmv). On by default where the
 kernel runs, as the bf16 one; ``MLX_SPEC_QUANTIZED_KERNEL`` = auto | on | off overrides. On the H200 it
 passes bench/gpu_qmatmul_check.py and a 4-bit 8B llama's 16-position forward drops from 17.8 to 8.3 ms at
 4096 keys (bench/results/kernels/h200-qmatmul-check.json, attention/h200-attention-e2e-4bit-*-qkernel.json).
@@ -32,10 +32,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import cuda_matmul, cuda_qmatmul
-from .attention import kernel_mode
+from . import PROJECTION_ENV, cuda_matmul, cuda_qmatmul, kernel_mode
 
-ENV = "MLX_SPEC_PROJECTION_KERNEL"
+ENV = PROJECTION_ENV
 QUANTIZED_ENV = "MLX_SPEC_QUANTIZED_KERNEL"
 # (x, w) -> (kernel, keyword arguments) or None: cuda_matmul.plan's contract
 Planner = Callable[[mx.array, mx.array], Optional[Tuple[Any, Dict[str, Any]]]]

@@ -1,4 +1,4 @@
-"""CUDA sources of the short-query attention kernel (plugin/cuda_attention.py compiles them with
+"""CUDA sources of the short-query attention kernel (plugin/cuda/cuda_attention.py compiles them with
 ``mx.fast.cuda_kernel``; constants it puts before each source: T the dtype, D the head dim, KB keys per
 tile, ST pipeline stages, BF whether T is bfloat16). Kept apart so that the Python side reads on its own."""
 
@@ -29,7 +29,7 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
-"""  # shared with plugin/cuda_matmul.py
+"""  # shared with plugin/cuda/cuda_matmul.py
 
 HEADER = r"""
 __device__ __forceinline__ unsigned smem_u32(const void* p) {

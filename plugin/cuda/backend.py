@@ -1,16 +1,17 @@
-"""The cache policy per backend: plain mlx-lm caches, or shape-stable ones where attention compiles per shape.
+"""The CUDA backends (``hooks.backend.Backend``): shape-stable caches where attention compiles per shape, or mlx-lm's
+caches with the kernels routed.
 
 Why: MLX's CUDA backend compiles attention per (query length, key length) pair on first use
 (40-70 ms each, docs/gpu.md). A plain ``KVCache`` returns exactly ``offset`` keys, so every decode
 step and every round meets a new key length on a fresh prompt. ``PaddedKVCache`` returns keys and
 values padded up to a multiple of ``bucket`` and a boolean mask ``[N, padded]`` that hides the
 padding (and the stale tail left by ``trim``), so a whole bucket of positions shares one shape;
-rows of a batch merge into a ``RaggedBatchKVCache`` (plugin/ragged_cache.py: each row at its own length,
-keys padded the same way, a ragged commit moves nothing). ``ShapeStablePolicy.prewarm`` runs the model once per (query width, bucket) at load, and
-``verify_width`` rounds a round's verify forward up to a power of two so that adaptive block sizes
-reuse those shapes. Everything CUDA-specific about caches lives here: the cache classes, their
+rows of a batch merge into a ``RaggedBatchKVCache`` (plugin/cuda/ragged_cache.py: each row at its own length,
+keys padded the same way, a ragged commit moves nothing). ``ShapeStablePolicy.prewarm`` runs the model once per
+(query width, bucket) at load, and ``verify_width`` rounds a round's verify forward up to a power of two so that
+adaptive block sizes reuse those shapes. Everything CUDA-specific about caches lives here: the cache classes, their
 transaction handlers, verify widths and pre-warming; drafters make their own attention caches
-through ``kv_cache()``.
+through ``kv_cache()`` (given to them as ``DraftBackend.kv_cache``).
 
 Exactness: the padded keys are masked out, so they get exactly zero weight after the softmax;
 the real positions see the same keys, values and causal rule as with ``KVCache`` (the CPU tests
@@ -19,7 +20,7 @@ positions come after the real ones, so causal attention keeps them out of the re
 cache transaction trims them like rejected drafts.
 
 Masks are described to the cache that makes them (``hooks.attention.describe``: key length, offset,
-left padding), so that the short-query attention kernel (``plugin/attention.py``) applies them from those
+left padding), so that the short-query attention kernel (``plugin/cuda/attention.py``) applies them from those
 bounds without reading them; the kernel reads only the real keys of the padded buffer. The policies carry that
 dispatcher (``attention``) where ``MLX_SPEC_ATTENTION_KERNEL`` resolves on; ``RoutedPolicy`` is
 mlx-lm's caches with it (``MLX_SPEC_PADDED_CACHE=off`` on CUDA), the kernel then taking every 2..32-query
@@ -30,7 +31,7 @@ kernel's own thresholds it fell to 0.37x fresh. The padded caches stay the defau
 batches served through the routed policy, exact, ran at a third of the padded caches' rate (97.8 against
 281.8 tok/s, 8 clients), and the calls the kernel does not take (sliding windows, quantized caches, sinks,
 other head dims) would still compile per shape in MLX. Both policies also carry the projection dispatcher
-(``projections``, plugin/projections.py: verify-width matmuls in one launch) where ``MLX_SPEC_PROJECTION_KERNEL``
+(``projections``, plugin/cuda/projections.py: verify-width matmuls in one launch) where ``MLX_SPEC_PROJECTION_KERNEL``
 resolves on; ``RoutedPolicy`` is made for either dispatcher alone.
 
 Per backend (``mode="auto"``): on for CUDA, off for CPU and Metal. The CPU has no per-shape
@@ -49,8 +50,10 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from ..hooks.api import BatchTrimHandler, CachePolicy, MaskSpec, TrimHandler, describe, forward, knobs, zeroed
+from ...hooks.api import BatchTrimHandler, CachePolicy, MaskSpec, TrimHandler, describe, forward, knobs, zeroed
+from . import padded_on
 from .attention import ROUTED_MIN_KEYS, Dispatcher, dispatcher_for
+from .compiled import CompiledForward
 from .compiled import forward_for as compiled_for
 from .projections import Projections, projections_for
 from .ragged_cache import RaggedBatchKVCache
@@ -58,9 +61,7 @@ from .ragged_cache import RaggedBatchKVCache
 DEFAULT_BUCKET = 256
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
 DEFAULT_PREWARM_TOKENS = 4096
-BATCH_ROWS = 32  # the most rows one projection-kernel launch takes (plugin/cuda_matmul.py MAX_ROWS)
-ENV = "MLX_SPEC_PADDED_CACHE"
-MODES = ("auto", "on", "off")
+BATCH_ROWS = 32  # the most rows one projection-kernel launch takes (plugin/cuda/cuda_matmul.py MAX_ROWS)
 
 
 class PaddedKVCache(KVCache):
@@ -116,7 +117,7 @@ class PaddedKVCache(KVCache):
         rows = mx.arange(self.offset, end)[:, None]
         cols = mx.arange(span)[None]
         # [N, span] bool; padding and stale tail are "future" positions. Described, so that an
-        # attention kernel can apply it from the bounds without reading it (plugin/attention.py).
+        # attention kernel can apply it from the bounds without reading it (plugin/cuda/attention.py).
         return describe(rows >= cols, MaskSpec(N, span, 0, end, self.offset, end), self)
 
     def keys_and_values(self):
@@ -139,55 +140,37 @@ def make_padded_cache(
     return [PaddedKVCache(bucket, pad_steps) if type(c) is KVCache else c for c in caches]
 
 
-def backend() -> str:
-    """'cuda', 'metal' or 'cpu': where the default device runs."""
-    if mx.default_device().type == mx.DeviceType.cpu:
-        return "cpu"
-    try:
-        if mx.cuda.is_available():
-            return "cuda"
-    except AttributeError:
-        pass
-    return "metal" if mx.metal.is_available() else "gpu"
-
-
-def resolve_mode(mode: Optional[str] = None) -> bool:
-    """Whether padded caches are on: ``mode``, else ``runtime.padded_cache`` / $MLX_SPEC_PADDED_CACHE (hooks/knobs.py);
-    'auto' = CUDA only."""
-    mode = (mode or knobs.value("padded_cache")).strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"{ENV}: got {mode!r}; allowed: {', '.join(MODES)}")
-    if mode == "auto":
-        return backend() not in ("cpu", "metal")
-    return mode == "on"
-
-
 def pow2_width(n: int) -> int:
     """n, or the next power of two (verify and block widths on shape-stable caches)."""
     return n if n <= 1 else 1 << (n - 1).bit_length()
 
 
 class ShapeStablePolicy(CachePolicy):
-    """Padded caches, power-of-two verify widths and pre-warmed shapes (the CUDA policy)."""
+    """Padded caches, power-of-two verify widths and pre-warmed shapes (the CUDA backend)."""
 
     name = "padded"
     shape_stable = True
 
     def __init__(self, bucket: int = DEFAULT_BUCKET, prewarm_tokens: Optional[int] = None,
                  attention: Optional[Dispatcher] = None, projections: Optional[Projections] = None,
-                 forward: Optional[Callable[..., Any]] = None):
+                 forward: Optional[CompiledForward] = None):
         if bucket < 1:
             raise ValueError(f"padded cache bucket: got {bucket}; expected a positive integer")
         self.bucket = bucket
-        self.attention = attention  # the short-query kernel's dispatcher (plugin/attention.py), or None
-        self.projections = projections  # the verify-width matmul's dispatcher (plugin/projections.py), or None
-        self.forward = forward  # compiled verify forwards (plugin/compiled.py), or None
-        self.block_size: Optional[int] = None  # the drafter's block: the widths ``prepare`` warms
+        self.attention = attention  # the short-query kernel's dispatcher (plugin/cuda/attention.py), or None
+        self.projections = projections  # the verify-width matmul's dispatcher (plugin/cuda/projections.py), or None
+        self.forward = forward  # compiled verify forwards (plugin/cuda/compiled.py), or None
+        self.block_size = None  # the drafter's block: the widths ``prepare`` warms
         # None: runtime.prewarm_tokens / $MLX_SPEC_PREWARM_TOKENS, else DEFAULT_PREWARM_TOKENS (hooks/knobs.py)
         self.prewarm_tokens = int(knobs.value("prewarm_tokens") if prewarm_tokens is None else prewarm_tokens)
 
     def make_cache(self, model: Any, max_kv_size: Optional[int] = None) -> List[Any]:
         return make_padded_cache(model, max_kv_size, self.bucket)
+
+    @property
+    def calls(self) -> Optional[CompiledForward]:
+        """The compiled forward's ``call`` serves drafters' own functions over ``kv_cache``'s caches too."""
+        return self.forward if isinstance(self.forward, CompiledForward) else None
 
     def kv_cache(self) -> PaddedKVCache:
         """A drafter's own attention cache."""
@@ -210,8 +193,8 @@ class ShapeStablePolicy(CachePolicy):
         meet no attention shape for the first time. Returns the number of forwards."""
         widths = self.widths(block_size or default_block)
         runs = prewarm(model, self.prewarm_tokens, widths, self.bucket)
-        if self.forward is not None and hasattr(self.forward, "grow"):
-            runs += prewarm_compiled(model, self.forward, self.prewarm_tokens, widths, self.capture_layers)
+        if self.calls is not None:
+            runs += prewarm_compiled(model, self.calls, self.prewarm_tokens, widths, self.capture_layers)
         return runs
 
 
@@ -271,9 +254,10 @@ class RoutedPolicy(CachePolicy):
 def policy_for(mode: Optional[str] = None, attention_mode: Optional[str] = None) -> Optional[CachePolicy]:
     """The shape-stable policy where the mode (``MLX_SPEC_PADDED_CACHE``) says so, carrying the attention
     dispatcher where ``MLX_SPEC_ATTENTION_KERNEL`` (``attention_mode``) says so and the projection dispatcher
-    where ``MLX_SPEC_PROJECTION_KERNEL`` says so, and compiled verify forwards (plugin/compiled.py) where
-    ``MLX_SPEC_COMPILED_FORWARD`` says so; None: mlx-lm's caches, attention and matmuls."""
-    if resolve_mode(mode):
+    where ``MLX_SPEC_PROJECTION_KERNEL`` says so, and compiled verify forwards (plugin/cuda/compiled.py) where
+    ``MLX_SPEC_COMPILED_FORWARD`` says so; None: mlx-lm's caches, attention and matmuls. The plugin asks through
+    ``plugin.cuda.backend_for``, which imports this module only where one of them may be on."""
+    if padded_on(mode):
         return ShapeStablePolicy(attention=dispatcher_for(attention_mode), projections=projections_for(),
                                  forward=compiled_for(PaddedKVCache))
     attention = dispatcher_for(attention_mode, min_keys=ROUTED_MIN_KEYS)
@@ -314,8 +298,8 @@ def prewarm(
     return runs
 
 
-def prewarm_compiled(model: Any, fwd: Any, max_tokens: int, widths: Iterable[int], layers: Sequence[int] = ()) -> int:
-    """Trace ``fwd`` (plugin/compiled.py's ``CompiledForward``) for every (width, buffer length) up to
+def prewarm_compiled(model: Any, fwd: CompiledForward, max_tokens: int, widths: Iterable[int], layers: Sequence[int] = ()) -> int:
+    """Trace ``fwd`` (plugin/cuda/compiled.py's ``CompiledForward``) for every (width, buffer length) up to
     ``max_tokens`` positions, capturing ``layers`` (tapped already), so that requests meet no trace there.
     Returns the number of forwards; none where the model's caches are not all padded ones."""
     caches = make_padded_cache(model)

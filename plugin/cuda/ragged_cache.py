@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..hooks.api import Lengths, MaskSpec, check_range, describe
+from ...hooks.api import Lengths, MaskSpec, check_range, describe
 
 DEFAULT_BUCKET = 256
 # per distinct lengths tuple (keyed by value): its [B] device array, and the write slots made from it by width
@@ -200,7 +200,7 @@ class RaggedBatchKVCache:
 
     def extract(self, idx: int) -> KVCache:
         """Row ``idx`` as a one-row cache of the class these rows merged from (a padded ``KVCache``)."""
-        from .cache_policy import PaddedKVCache  # the one-row class of the shape-stable policy
+        from .backend import PaddedKVCache  # the one-row class of the shape-stable policy
 
         cache = PaddedKVCache(self.bucket)
         n = self.lengths[idx]

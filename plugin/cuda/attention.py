@@ -2,7 +2,7 @@
 
 The host routes a loaded model's attention through ``CachePolicy.attention`` (hooks/attention.py), so
 every call an mlx-lm attention layer makes to ``scaled_dot_product_attention`` comes here with the same
-arguments. ``Dispatcher`` sends a call to its kernel (plugin/cuda_attention.py on MLX-CUDA:
+arguments. ``Dispatcher`` sends a call to its kernel (plugin/cuda/cuda_attention.py on MLX-CUDA:
 ``sdpa(q, k, v, scale, key_len, offset, key_start)``) only when
 
 - the forward has ``min_queries``..``max_queries`` queries (2..32: verify forwards and drafter blocks;
@@ -43,12 +43,11 @@ import weakref
 import mlx.core as mx
 from mlx_lm.models import base
 
-from ..hooks.api import MaskSpec, described, knobs
-from . import cuda_attention
+from ...hooks.api import MaskSpec, described, knobs
+from . import ATTENTION_ENV, cuda_attention, kernel_mode
 
-ENV = "MLX_SPEC_ATTENTION_KERNEL"
+ENV = ATTENTION_ENV
 ENV_MIN_KEYS = "MLX_SPEC_ATTENTION_MIN_KEYS"
-MODES = ("auto", "on", "off")
 MIN_KEYS = {"mlx-mask": 4096, "array": 1024}  # by mask kind: None / "causal" (MLX's fast path), described arrays
 # With exact key lengths (mlx-lm's caches), MLX's attention for 2..32 queries compiles per key length: on the
 # H200 (bench/results/attention/h200-attention-e2e-kvcache-*) DFlash rounds at prompts near 512-8192 ran at
@@ -188,20 +187,6 @@ def resolve_mode(mode: Optional[str] = None, source: str = ENV) -> bool:
     """Whether the dispatcher is on: ``mode`` (or $MLX_SPEC_ATTENTION_KERNEL); auto = where the kernel runs.
     ``source`` names the setting in messages."""
     return kernel_mode(mode, "attention_kernel", source, "the attention kernel")
-
-
-def kernel_mode(mode: Optional[str], knob: str, source: str, what: str) -> bool:
-    """A CUDA kernel's auto | on | off setting: ``mode``, else the runtime knob ``knob`` (its YAML key, its
-    variable: hooks/knobs.py), else auto (on where MLX runs on CUDA). ``source`` names an explicit ``mode``."""
-    if not mode:
-        mode, _, source = knobs.setting(knob)
-    mode = mode.strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"{source}: got {mode!r}; allowed: {', '.join(MODES)}")
-    if mode == "on" and not cuda_attention.available():
-        raise ValueError(f"{source} on: {what} needs MLX built with CUDA and the GPU as the default "
-                         f"device; this process runs on {mx.default_device()} (allowed here: auto, off)")
-    return cuda_attention.available() if mode == "auto" else mode == "on"
 
 
 def min_keys_from_env() -> Optional[Dict[str, int]]:

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cuda_attention import available
+from .probe import available
 from .cuda_attention_src import MMA16816, compact, dtype_consts
 
 MAX_ROWS = 32
@@ -135,7 +135,7 @@ PIPE_LOOP = r"""
 MAIN = SETUP + LOOP
 PIPE_MAIN = SETUP + PIPE_LOOP
 # the S warps' partial sums [S][MT*16][NB] meet in shared memory; row r, column n0 + col goes to yp[r * N + n]
-# (shared with plugin/cuda_qmatmul.py)
+# (shared with plugin/cuda/cuda_qmatmul.py)
 REDUCE = r"""
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* red = reinterpret_cast<float*>(smem_raw);  // [S][MT * 16][P]
@@ -236,7 +236,7 @@ def supports(x: mx.array, w: mx.array) -> bool:
 
 def plan(x: mx.array, w: mx.array) -> Optional[Tuple[object, dict]]:
     """(kernel, its keyword arguments) for x @ w.T, made once per (shapes, dtype); None where ``mm``
-    does not take the call. ``mm`` and the projection dispatcher (plugin/projections.py) launch it
+    does not take the call. ``mm`` and the projection dispatcher (plugin/cuda/projections.py) launch it
     (``kernel(inputs=[x, w], **args)``)."""
     key = (x.shape, w.shape, x.dtype, w.dtype)
     got = _LAUNCH.get(key)

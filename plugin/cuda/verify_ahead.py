@@ -35,13 +35,26 @@ transaction trims them like rejected drafts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import mlx.core as mx
 
-from ..drafters.base import DraftBatch, Proposal, Unread
-from ..hooks.api import DecodeBatch
-from .verify import row_inputs
+from ...drafters.base import DraftBatch, Proposal, Unread
+from ...hooks.api import DecodeBatch
+from ..verify import row_inputs
+
+
+Buffers = Tuple[mx.array, mx.array]  # a cache's (keys, values) [B, H, S, D]
+
+
+@runtime_checkable
+class ForwardAhead(Protocol):
+    """A backend forward that can be built ahead (compiled.py's ``CompiledForward``)."""
+
+    def forward_ahead(self, model: Any, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int], base: int,
+                      shift: mx.array) -> Optional[Tuple[mx.array, Dict[int, mx.array], List[Buffers]]]:
+        """The forward over ``inputs`` [1, W] at the device offset base + shift, the caches left as they are:
+        (logits [1, W, V], {layer: [1, W, H]}, each cache's (keys, values) with the W positions written), or None."""
 
 
 @dataclass
@@ -67,10 +80,10 @@ def queue(batch: DecodeBatch, drafter: DraftBatch, unread: Optional[Tuple[mx.arr
     """The next verify of the batch's one greedy row built from this round's unread (a, bonus), where the
     drafter drafted its next block ahead and the target's forward is compiled; else None. ``written``: the
     positions this round's verify fed (the caches' offset before it is theirs now less these)."""
-    fwd = getattr(batch.target.cache_policy, "forward", None)
+    fwd = batch.target.cache_policy.forward
     rows = list(batch.rows)
-    offset = getattr(batch.cache[0], "offset", None) if batch.cache else None
-    if unread is None or len(rows) != 1 or not hasattr(fwd, "forward_ahead") or not isinstance(offset, int):
+    offset = getattr(batch.cache[0], "offset", None) if batch.cache else None  # a cache without one: not taken
+    if unread is None or len(rows) != 1 or not isinstance(fwd, ForwardAhead) or not isinstance(offset, int):
         return None
     a, bonus = unread
     drafts = drafter.ahead_drafts(rows, [Unread(a, bonus, {})])

@@ -20,10 +20,10 @@ After the call the real caches take the updated buffers and ``offset += W``: the
 leaves (positions past the offset are never read, as after ``trim``).
 
 ``call`` does the same for any function over padded caches: the DFlash drafter's block and context appends
-(drafters/dflash, through its policy). ``plugin/cache_policy.prewarm_compiled`` traces at load.
+(drafters/dflash, through its policy). ``plugin/cuda/backend.prewarm_compiled`` traces at load.
 
 Takes: ``widths`` positions (the verify widths) over one row, every cache a ``PaddedKVCache`` at one offset, or
-over a batch, every cache a ``RaggedBatchKVCache`` at the same per-row lengths (plugin/ragged_cache.py: the offset
+over a batch, every cache a ``RaggedBatchKVCache`` at the same per-row lengths (plugin/cuda/ragged_cache.py: the offset
 is then a device array [B], each row's writes, rope and mask at its own); anything else answers None and the
 host's own forward runs. A trace that raises (model code that needs
 an int offset) marks that model as not compiled, with the reason in ``failed``, and it runs plainly from
@@ -46,12 +46,12 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..hooks.api import MaskSpec, describe, knobs, taps
-from .cuda_attention import available
+from ...hooks.api import MaskSpec, describe, knobs, taps
+from . import MODES
+from .probe import available
 from .ragged_cache import lengths_array, row_lengths
 
 ENV = "MLX_SPEC_COMPILED_FORWARD"
-MODES = ("auto", "on", "off")
 DEFAULT_WIDTHS = (2, 4, 8, 16, 32)  # the padded policy's verify widths (powers of two)
 DEFAULT_GROW = 1024
 log = logging.getLogger("mlx_speculative")
@@ -76,7 +76,7 @@ class TraceCache:
         key = (id(self.offset), tuple(keys.shape))
         if key not in self._shared:  # the offset array is held in the entry, so its id names it for the call
             W = mx.arange(keys.shape[2], dtype=mx.int32)
-            if self.offset.ndim:  # rows at their own offsets (plugin/ragged_cache.py): [B, 1, W, 1]
+            if self.offset.ndim:  # rows at their own offsets (plugin/cuda/ragged_cache.py): [B, 1, W, 1]
                 base = (self.offset[:, None] + W[None])[:, None, :, None]
             else:
                 base = (self.offset + W)[None, None, :, None]  # [1, 1, W, 1]
@@ -160,7 +160,7 @@ class CompiledForward:
         grow = DEFAULT_GROW if grow is None else grow
         if grow < 1:
             raise ValueError(f"compiled forward grow: got {grow}; expected a positive integer")
-        self.cache_type = cache_type  # the caches it takes (plugin/cache_policy.py's PaddedKVCache)
+        self.cache_type = cache_type  # the caches it takes (plugin/cuda/backend.py's PaddedKVCache)
         self.widths = frozenset(widths)
         self.grow = grow
         self.enabled = True  # False: every call answers None (the bench's on/off in one process)
@@ -184,7 +184,7 @@ class CompiledForward:
 
     def forward_ahead(self, model: nn.Module, inputs: mx.array, cache: Sequence[Any], layers: Sequence[int], base: int,
                       shift: mx.array) -> Optional[Tuple[mx.array, Dict[int, mx.array], List[Tuple[mx.array, mx.array]]]]:
-        """The forward built at the device offset base + shift (verifying ahead, plugin/verify_ahead.py), the caches
+        """The forward built at the device offset base + shift (verifying ahead, plugin/cuda/verify_ahead.py), the caches
         left as they are: (logits, captured, [(keys, values)] per cache: its buffers with the W positions written
         past that offset, for the round to install when it adopts the forward), or None as ``__call__``."""
         if not self._takes(inputs, cache):

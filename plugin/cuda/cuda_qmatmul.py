@@ -10,7 +10,7 @@ over a one-token step, where the bf16 target pays ~1.
 This kernel costs 5.6 ms at 16 rows in that skeleton (4.3 at 2) and passes bench/gpu_qmatmul_check.py on
 the H200 (bench/results/kernels/h200-qmatmul-check.json).
 
-The kernel is plugin/cuda_matmul.py's with 4-bit weights: a warp owns 8*G output columns and a slice of
+The kernel is plugin/cuda/cuda_matmul.py's with 4-bit weights: a warp owns 8*G output columns and a slice of
 K; per 128-wide step a lane loads 16 bytes (32 codes) of a weight row, coalesced (the 4 lanes of a row
 read 64 consecutive bytes), and the rows' matching 64 bytes of x. It dequantizes in registers (code
 pairs to 16-bit floats exactly by the exponent trick, then ``scale * q + bias`` rounded once, as MLX's
@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .cuda_attention import available
+from .probe import available
 from .cuda_attention_src import compact, dtype_consts
 from .cuda_matmul import DTYPES, HEADER, MAX_ROWS, REDUCE, shared_bytes
 

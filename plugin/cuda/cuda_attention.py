@@ -19,7 +19,8 @@ Measured on the H200 (docs/benchmarks.md, bench/results/kernels/): faster than S
 Compiled once per (head dim, dtype, variant) by NVRTC (MLX caches the module; the three are constants
 in the source): shapes, strides, key length, offset and padding are runtime arguments, so new key
 lengths compile nothing. The CUDA sources live in cuda_attention_src.py. Only mlx.core is imported;
-nothing CUDA-specific runs at import time, and ``available()`` is False on CPU and Metal. plugin/attention.py decides per call whether decoding uses it.
+nothing CUDA-specific runs at import time, and ``available()`` is False on CPU and Metal. plugin/cuda/attention.py
+decides per call whether decoding uses it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
+from .probe import available  # where the kernel can run
 from . import cuda_attention_src as src
 
 IntOrArray = Union[int, mx.array]
@@ -38,15 +40,6 @@ WARPS = 4  # per thread block; each warp owns 16 query rows
 NUM_SMS = 132  # H200; only sizes the key split
 _LOG2E = 1.4426950408889634
 OFFSET_BIAS = 1 << 20  # int params travel as shape entries, which are positive: offsets down to 1 - OFFSET_BIAS
-
-
-def available() -> bool:
-    """True where the kernel can run: MLX built with CUDA and the GPU as the default device."""
-    cuda = getattr(mx, "cuda", None)
-    try:
-        return bool(cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu)
-    except (AttributeError, RuntimeError):
-        return False
 
 
 class Variant(NamedTuple):
