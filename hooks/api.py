@@ -17,7 +17,7 @@ import importlib
 from typing import Any, Dict, Tuple
 
 # -- types: what the host hands to plugins and what they hand back (hooks/state.py, hooks/specs.py)
-from .specs import Description, Metric, RowSnapshot, hookimpl
+from .specs import DecodeReport, Description, Metric, PlainTokens, RowSnapshot, hookimpl
 from .state import (
     CaptureRequest,  # decoder layers whose outputs the ordinary forward must expose
     DecodeState,  # one request's row: tokens, caches, sampler
@@ -132,8 +132,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     # types
-    "CaptureRequest", "DecodeState", "Description", "GeneratedToken", "HostConfig",
-    "LoadedTarget", "Metric", "RowSnapshot", "StepOutput", "hookimpl",
+    "CaptureRequest", "DecodeReport", "DecodeState", "Description", "GeneratedToken", "HostConfig",
+    "LoadedTarget", "Metric", "PlainTokens", "RowSnapshot", "StepOutput", "hookimpl",
     # the backend seam
     "Backend", "CachePolicy", "CompiledCalls", "DraftBackend", "draft_backend",
     # batches

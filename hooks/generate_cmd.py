@@ -15,9 +15,12 @@ import json
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from . import validate
+
+if TYPE_CHECKING:
+    from .specs import DecodeReport
 
 # The demo target writes Python (it learnt the standard library's source): a function to continue.
 DEFAULT_PROMPT = ('import argparse\n\n\ndef parse_args(argv):\n    """Parse the command line."""\n'
@@ -311,8 +314,8 @@ class Run:
                 len(self.tokens) / gen_s if gen_s > 0 else 0.0)
 
     @property
-    def speculative(self) -> Any:
-        return self.states[0].report.get("speculative") if self.states else None
+    def speculative(self) -> Optional["DecodeReport"]:
+        return self.states[0].decode_report if self.states else None
 
     def to_dict(self) -> Dict[str, Any]:
         prompt_tps, generation_tps = self.speeds()
@@ -337,16 +340,15 @@ class Run:
         line += (f"; speculative {spec.kind}: {spec.rounds} rounds, tau {spec.mean_acceptance_length:.2f}, "
                  f"acceptance {spec.acceptance_rate:.0%}")
         plain = spec.plain_tokens
-        total = sum(plain.values())
-        if total:
+        if plain.total:
             why = []
-            if plain["paused"]:
-                why.append(f"adaptive decoding paused speculation for {plain['paused']} ({spec.pause_reason})")
-            if plain["fallback"]:
-                why.append(f"{plain['fallback']} after the drafter failed ({spec.fallback})")
-            if plain["other"]:
-                why.append(f"{plain['other']} from the prefill or with nothing left to draft")
-            line += f"; {total} of {spec.generated} tokens from plain steps: " + "; ".join(why)
+            if plain.paused:
+                why.append(f"adaptive decoding paused speculation for {plain.paused} ({spec.pause_reason})")
+            if plain.fallback:
+                why.append(f"{plain.fallback} after the drafter failed ({spec.fallback})")
+            if plain.other:
+                why.append(f"{plain.other} from the prefill or with nothing left to draft")
+            line += f"; {plain.total} of {spec.generated} tokens from plain steps: " + "; ".join(why)
         elif spec.fallback:
             line += f", fell back: {spec.fallback}"
         return line

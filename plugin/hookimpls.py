@@ -132,6 +132,7 @@ def host_request_finished(state: DecodeState, discarded: int) -> None:
         req.stats.truncate_last(discarded)
         req.stats.finish(state.generated - discarded, after_failure, req.controller.plain_steps,
                          req.controller.pause_reason)
+        state.report[NAME] = req.stats.report()
 
 
 @hookimpl
