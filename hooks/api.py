@@ -17,7 +17,7 @@ import importlib
 from typing import Any, Dict, Tuple
 
 # -- types: what the host hands to plugins and what they hand back (hooks/state.py, hooks/specs.py)
-from .specs import DecodeReport, Description, Metric, PlainTokens, RowSnapshot, hookimpl
+from .specs import DecodeReport, DemoPart, Description, Metric, PlainTokens, RowSnapshot, hookimpl
 from .state import (
     CaptureRequest,  # decoder layers whose outputs the ordinary forward must expose
     DecodeState,  # one request's row: tokens, caches, sampler
@@ -86,7 +86,7 @@ from .recurrent import scope_model  # give a model's recurrent layers their reco
 # -- settings, checkpoints and hidden-state taps: namespaces (members used: see each line)
 from . import knobs  # runtime knobs: value, setting, resolved, table_markdown, cache_root, SECTION
 # checkpoints: read_config, resolve_path, safetensors_headers, check_safetensors, TensorHeader, CheckpointError,
-# load_target
+# load_target, DEMO_DRAFTER
 from . import loading
 from . import taps  # hidden-state taps: decoder_layers, install_taps, record
 from . import validate  # setting checks: check, choice, flag, block_size, MAX_BLOCK, SettingError, HostConfigError
@@ -96,10 +96,8 @@ from .taps import decoder_layers  # the target's decoder layer list
 
 # -- commands, benchmarks and test fixtures, loaded on first use: name -> (home module, attribute; None: the module)
 _LAZY: Dict[str, Tuple[str, Any]] = {
-    # CLI helpers of the plugin's commands (mlx-spec config / generate flags)
+    # CLI helpers of the plugin's commands (mlx-spec config)
     "GENERATION_DEFAULTS": ("generate_cmd", "GENERATION_DEFAULTS"),  # generation settings' defaults
-    "add_speculative_flags": ("generate_cmd", "add_speculative_flags"),  # the --draft-* flags
-    "speculative_overrides": ("generate_cmd", "speculative_overrides"),  # --draft-* values -> overrides
     "GENERATION_KEYS": ("validate", "GENERATION_KEYS"),  # keys of the generation section
     "generation_section": ("validate", "generation_section"),  # the checked generation section
     "SERVER_KEYS": ("server_settings", "SERVER_KEYS"),  # keys of the server section
@@ -132,7 +130,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     # types
-    "CaptureRequest", "DecodeReport", "DecodeState", "Description", "GeneratedToken", "HostConfig",
+    "CaptureRequest", "DecodeReport", "DecodeState", "DemoPart", "Description", "GeneratedToken", "HostConfig",
     "LoadedTarget", "Metric", "PlainTokens", "RowSnapshot", "StepOutput", "hookimpl",
     # the backend seam
     "Backend", "CachePolicy", "CompiledCalls", "DraftBackend", "draft_backend",

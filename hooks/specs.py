@@ -10,6 +10,9 @@ Life of a target and its requests, seen from a plugin::
     host_cache_policy(target)                  once per loaded target: how its caches are made
     host_describe(target)                      once per loaded target, for logs and /v1/models
     host_add_commands(subparsers)              once per CLI start
+    host_add_arguments(parser, command)        once per CLI start, for each host command (generate, serve)
+    host_overrides(args, command)              when a host command starts, before its config file is read
+    host_demo(config)                          when no model is given and the host loads its demo target
     host_prefill_captures(target, state)       per request, before its prefill
     host_decode_step(batch)                    before each decode step of a batch of requests
     host_request_finished(state, discarded)    per request, when it ends
@@ -88,6 +91,14 @@ class RowSnapshot:
     positions: int  # tokens covered: ``state.tokens[:positions]``
     value: Any  # the plugin's own
     nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class DemoPart:
+    """What a plugin pairs with the host's embedded demo target (``host_demo``)."""
+
+    label: str  # for the host's start line, e.g. "drafter 'demo-drafter'"
+    overrides: Dict[str, Dict[str, Any]]  # configuration values it sets, by section, as its flags would
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,32 @@ def host_add_commands(subparsers: "argparse._SubParsersAction") -> None:
 
     A plugin adds its subcommands with ``subparsers.add_parser(name, ...)`` and sets
     ``func=<callable(args) -> int>`` as the parser default; the return value is the exit code.
+    """
+
+
+@hookspec
+def host_add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Called once per host command (``command``: ``generate``, ``serve``) when ``mlx-spec`` builds its argument
+    parser, after the host's own flags: a plugin adds the flags it reads (``host_overrides`` reads them back).
+    Without the plugin the flags are unknown to the command.
+    """
+
+
+@hookspec
+def host_overrides(args: argparse.Namespace, command: str) -> Optional[Dict[str, Dict[str, Any]]]:
+    """Called once when a host command (``generate``, ``serve``) starts, before its config file is read and any
+    model loads: the configuration values the plugin's flags set, by section (``{"speculative": {"kind":
+    "ngram"}}``), or None. They win over the environment and the YAML (``HostConfig.overrides``). A bad value
+    raises a ``ValueError`` naming the flag, the value and what is allowed (``hooks.validate.SettingError``).
+    """
+
+
+@hookspec
+def host_demo(config: "HostConfig") -> Optional[DemoPart]:
+    """Called when no model is given (no ``--model``, no ``model:``) and the host loads its embedded demo target:
+    what the plugin pairs with it (the speculative plugin: the demo drafter, unless some speculative setting was
+    given), or None. The host adds the part's ``overrides`` to ``config.overrides`` and names its ``label`` in
+    the start line.
     """
 
 

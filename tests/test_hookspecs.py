@@ -24,8 +24,9 @@ pytestmark = pytest.mark.integration
 
 hookimpl = specs.hookimpl
 ROOT = Path(__file__).resolve().parents[1]
-SPEC_NAMES = ["host_model_loaded", "host_cache_policy", "host_describe", "host_add_commands", "host_prefill_captures",
-              "host_decode_step", "host_request_finished", "host_save_row", "host_metrics"]
+SPEC_NAMES = ["host_model_loaded", "host_cache_policy", "host_describe", "host_add_commands", "host_add_arguments",
+              "host_overrides", "host_demo", "host_prefill_captures", "host_decode_step", "host_request_finished",
+              "host_save_row", "host_metrics"]
 
 
 def test_every_hookspec_is_documented_with_its_signature() -> None:
