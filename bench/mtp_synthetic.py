@@ -37,7 +37,7 @@ from mlx_speculative.drafters.mtp import assistant as asst
 from mlx_speculative.drafters.mtp import gemma4_assistant, qwen3_5_mtp, tiny
 from mlx_speculative.drafters.mtp import target as tg
 from mlx_speculative.drafters.mtp.batch import HeadDrafter
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.state import LoadedTarget
 from mlx_speculative.plugin.bench.methods import HostMethod, MlxLmPlain, divergence, reference
 

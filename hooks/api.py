@@ -4,9 +4,9 @@ Everything here is a re-export: the same object as in its home module, so import
 from there is the same thing. The headings below document the contract; a name that a plugin or a
 drafter needs and that is not listed here gets added here first (tests/test_host_api.py enforces it).
 
-Five host modules are exported whole, as namespaces read by attribute (``knobs.value(...)``):
-``knobs``, ``loading``, ``validate``, ``taps`` and the test fixtures ``tiny_models``; the members the
-plugin and drafters read are listed next to each. Names from modules that import the plugin manager
+Four host modules are exported whole, as namespaces read by attribute (``knobs.value(...)``):
+``knobs``, ``loading``, ``validate`` and ``taps``; the members the plugin and drafters read are listed next to
+each. Names from modules that import the plugin manager
 (``Host``, ``Scheduler``, ``make_plugin_manager``...) or that only commands need are loaded on first
 use (``__getattr__`` below), so importing this module stays as cheap as importing the plugin was.
 """
@@ -94,7 +94,7 @@ from .config import load_host_config  # a HostConfig from a YAML file
 from .loading import read_config, resolve_path  # a checkpoint's checked config.json; a model spec -> a local directory
 from .taps import decoder_layers  # the target's decoder layer list
 
-# -- commands, benchmarks and test fixtures, loaded on first use: name -> (home module, attribute; None: the module)
+# -- commands and benchmarks, loaded on first use: name -> (home module, attribute; None: the module)
 _LAZY: Dict[str, Tuple[str, Any]] = {
     # CLI helpers of the plugin's commands (mlx-spec config)
     "GENERATION_DEFAULTS": ("generate_cmd", "GENERATION_DEFAULTS"),  # generation settings' defaults
@@ -113,10 +113,6 @@ _LAZY: Dict[str, Tuple[str, Any]] = {
     "Scheduler": ("scheduler", "Scheduler"),
     "make_plugin_manager": ("manager", "make_plugin_manager"),
     "blas_in_use": ("blas", "in_use"),  # the library MLX's float32 matmuls call (benchmark reports)
-    # test fixtures: tiny random checkpoints and a locally trained tokenizer (namespace; members used:
-    # make_checkpoint, qwen3_next_config, layer_index, TOKENIZER_FILES, corpus)
-    "tiny_models": ("tiny_models", None),
-    "corpus": ("tiny_models", "corpus"),  # lines of text to train tokenizers on
 }
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import make_host, no_stop
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.batch import DecodeBatch
 from mlx_speculative.hooks.state import SamplingParams
 from mlx_speculative.plugin import accept
