@@ -107,7 +107,7 @@ _LAZY: Dict[str, Tuple[str, Any]] = {
     # a target sharded over ranks (namespace; members used: start, shard, failed, Cluster, all_sums, exchanged)
     "distributed": ("distributed", None),
     "encode_prompt": ("generate_cmd", "encode_prompt"),  # a prompt (the chat template applied when asked) -> token ids
-    # the host itself, for benchmarks that drive it (plugin/bench)
+    # the host itself, for benchmarks that drive it (benchmarks/)
     "GenerationParams": ("host", "GenerationParams"),
     "Host": ("host", "Host"),
     "Scheduler": ("scheduler", "Scheduler"),
