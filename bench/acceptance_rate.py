@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.host import GenerationParams, Host
 from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.state import HostConfig, SamplingParams

@@ -3,7 +3,7 @@
     python bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16384 --json out.json
     python bench/attention_forwards.py --synthetic-target llama-8b --quantize-target 4 --json out-4bit.json
 
-Warm shapes, synchronous, median of ``--iters`` (plugin/bench/kernels.py: the forward and its
+Warm shapes, synchronous, median of ``--iters`` (benchmarks/kernels.py: the forward and its
 log-softmax rows after ``keys`` cached positions, trimmed back after each call), with the cache the
 plugin uses on CUDA (``--cache padded``: bucket 256, described masks) or mlx-lm's (``--cache kvcache``:
 "causal"). The target and the DFlash-shape drafter (``--dflash-layers`` layers of the target's width,
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_speculative.drafters.dflash import DFlashDrafter  # noqa: E402
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
 from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, cuda_attention  # noqa: E402
-from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
-from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
+from mlx_speculative.benchmarks import kernels, synthetic  # noqa: E402
+from mlx_speculative.benchmarks.core import BenchSettings, load_target  # noqa: E402
 
 
 def _ints(text: str) -> List[int]:

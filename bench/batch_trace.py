@@ -2,7 +2,7 @@
 
     python bench/batch_trace.py [--rows 1,2,4,8] [--tau 6.0] [--max-tokens 96] [--json out.json]
 
-Not a test; run it on the GPU machine. The synthetic Llama-3-8B-shape target (plugin/bench/synthetic.py) with
+Not a test; run it on the GPU machine. The synthetic Llama-3-8B-shape target (benchmarks/synthetic.py) with
 the plugin's cache policy (padded caches; rows of a batch at their own lengths, compiled forwards, the
 attention and projection kernels). For each row count B, B requests of different prompt lengths go through
 the host's scheduler together (no HTTP):
@@ -38,8 +38,8 @@ from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
 from mlx_speculative.hooks.scheduler import Scheduler  # noqa: E402
 from mlx_speculative.hooks.state import HostConfig, LoadedTarget  # noqa: E402
 from mlx_speculative.plugin import cuda, hookimpls  # noqa: E402
-from mlx_speculative.plugin.bench import oracle as orc  # noqa: E402
-from mlx_speculative.plugin.bench import synthetic  # noqa: E402
+from mlx_speculative.benchmarks import oracle as orc  # noqa: E402
+from mlx_speculative.benchmarks import synthetic  # noqa: E402
 from mlx_speculative.plugin.settings import SpeculativeSettings  # noqa: E402
 
 

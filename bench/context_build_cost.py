@@ -43,8 +43,8 @@ from mlx_speculative.hooks import attention as host_attention  # noqa: E402
 from mlx_speculative.hooks.prompt_cache import arrays  # noqa: E402
 from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
 from mlx_speculative.plugin import cuda  # noqa: E402
-from mlx_speculative.plugin.bench import synthetic  # noqa: E402
-from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
+from mlx_speculative.benchmarks import synthetic  # noqa: E402
+from mlx_speculative.benchmarks.core import BenchSettings, load_target  # noqa: E402
 
 
 def _ints(text: str) -> List[int]:

@@ -3,8 +3,8 @@
     python bench/dflash_block_profile.py --synthetic-target llama-8b --keys 4096,16384 --json out.json
 
 The DFlash-shape drafter (``--dflash-layers`` layers of the target's width, the target's embedding and
-head; plugin/bench/synthetic.py) after ``keys`` context positions, warm and synchronised, median of
-``--iters`` (plugin/bench/kernels.py ``timed``):
+head; benchmarks/synthetic.py) after ``keys`` context positions, warm and synchronised, median of
+``--iters`` (benchmarks/kernels.py ``timed``):
 
 - ``append_ms``: ``--new-context`` positions of target features through the fc and each layer's K/V
   into the context caches (what a round that accepted ``new_context - 1`` drafts appends), through
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
 from mlx_speculative.plugin import cuda  # noqa: E402
 from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, cuda_attention  # noqa: E402
-from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
-from mlx_speculative.plugin.bench.core import BenchSettings, load_target  # noqa: E402
+from mlx_speculative.benchmarks import kernels, synthetic  # noqa: E402
+from mlx_speculative.benchmarks.core import BenchSettings, load_target  # noqa: E402
 
 
 def _ints(text: str) -> List[int]:

@@ -30,10 +30,11 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from mlx_speculative.hooks import distributed, tiny_models as tm
+from mlx_speculative.hooks import distributed
 from mlx_speculative.hooks.host import GenerationParams, Host
 from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.state import HostConfig
+from mlx_speculative.testing import tiny_models as tm
 
 PROMPTS = ["the model token draft verify accept", "red green blue one two three red green blue",
            "river stone light night day code river stone", "query key value tree query key value"]

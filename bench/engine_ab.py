@@ -32,8 +32,8 @@ from mlx.utils import tree_flatten
 from mlx_speculative.hooks.state import LoadedTarget
 from mlx_speculative.plugin import cuda
 from mlx_speculative.plugin.cuda import backend as cuda_backend
-from mlx_speculative.plugin.bench import methods as new_methods
-from mlx_speculative.plugin.bench import synthetic
+from mlx_speculative.benchmarks import methods as new_methods
+from mlx_speculative.benchmarks import synthetic
 
 
 class Version:

@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculative.plugin.bench import _ints  # noqa: E402 - the bench CLI's own list parser (clear errors)
+from mlx_speculative.benchmarks import _ints  # noqa: E402 - the bench CLI's own list parser (clear errors)
 
 MARK = "forward_kernels_window"
 GROUPS: List[Tuple[str, str]] = [  # (group, regex over the lower-cased kernel name), first match wins
@@ -160,8 +160,8 @@ def run(a: argparse.Namespace) -> List[Dict[str, Any]]:
     """The forwards' windows: the target over each width at each key length, the DFlash round."""
     from mlx_speculative.hooks import attention as host_attention
     from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, compiled, projections
-    from mlx_speculative.plugin.bench import kernels, synthetic
-    from mlx_speculative.plugin.bench.core import BenchSettings, load_target
+    from mlx_speculative.benchmarks import kernels, synthetic
+    from mlx_speculative.benchmarks.core import BenchSettings, load_target
 
     disp = attention.Dispatcher(attention.cuda_kernel())
     target, config, _ = load_target(BenchSettings(synthetic_target=a.synthetic_target))

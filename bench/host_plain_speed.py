@@ -24,7 +24,7 @@ from mlx_speculative.hooks.host import GenerationParams, Host
 from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.specs import hookimpl
 from mlx_speculative.hooks.state import HostConfig, StepOutput
-from mlx_speculative.hooks.tiny_models import ensure_random_pair
+from mlx_speculative.testing.tiny_models import ensure_random_pair
 
 
 class NeverIdle:

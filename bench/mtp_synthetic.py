@@ -37,9 +37,9 @@ from mlx_speculative.drafters.mtp import assistant as asst
 from mlx_speculative.drafters.mtp import gemma4_assistant, qwen3_5_mtp, tiny
 from mlx_speculative.drafters.mtp import target as tg
 from mlx_speculative.drafters.mtp.batch import HeadDrafter
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.state import LoadedTarget
-from mlx_speculative.plugin.bench.methods import HostMethod, MlxLmPlain, divergence, reference
+from mlx_speculative.benchmarks.methods import HostMethod, MlxLmPlain, divergence, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSISTANT = json.loads((ROOT / "tests" / "fixtures" / "mtp" / "google__gemma-4-E2B-it-assistant.config.json").read_text())

@@ -1,7 +1,7 @@
 """Time to first token of a chat's second turn: `mlx-spec serve` with the prompt cache on and off,
 and mlx-lm's own server (``mlx_lm.server``, its LRU prompt cache on), on the same target.
 
-Not a test. The target is a synthetic mlx-lm llama (plugin/bench/synthetic.py: random weights,
+Not a test. The target is a synthetic mlx-lm llama (benchmarks/synthetic.py: random weights,
 large logit margins) saved to disk with a word-level tokenizer of its vocabulary ("w<i>" words,
 role markers, a multi-turn chat template), so that every server loads the same files and a turn's
 answer re-tokenizes to the same ids. Each conversation: turn 1 is a fresh ``--context``-token user
@@ -45,7 +45,7 @@ def save_target(spec: str, root: Path) -> Path:
     from mlx.utils import tree_flatten
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from mlx_speculative.plugin.bench import synthetic
+    from mlx_speculative.benchmarks import synthetic
 
     out = root / f"synthetic-{spec}"
     if (out / "model.safetensors").exists():
@@ -159,7 +159,7 @@ def run_server(proc: Proc, chats: List[Tuple[str, str]], answer: int) -> List[Di
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--synthetic-target", default="llama-1b", help="plugin/bench/synthetic.py SPECS name")
+    ap.add_argument("--synthetic-target", default="llama-1b", help="benchmarks/synthetic.py SPECS name")
     ap.add_argument("--context", type=int, default=8192, help="words (= tokens) of turn 1's user message")
     ap.add_argument("--answer", type=int, default=64, help="max_tokens of each turn")
     ap.add_argument("--repeats", type=int, default=3, help="conversations per server (each turn 1 is new)")

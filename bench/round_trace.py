@@ -2,7 +2,7 @@
 
     python bench/round_trace.py [--synthetic-target llama-8b] [--tau 6.5] [--prompt-lengths 1019,2801] [--adaptive]
 
-Runs ``mlx-spec bench`` (plugin/bench/core.py: the same target, drafter, cache policy, kernels,
+Runs ``mlx-spec bench`` (benchmarks/core.py: the same target, drafter, cache policy, kernels,
 compiled forwards, pre-warming and regimes) with its speculative methods' host plugin replaced by a
 traced one: the plugin's hooks, whose decode step is the plugin's round (plugin/round.py) with the
 device synchronised between phases (prepare: the drafter catching up on committed positions, the
@@ -41,7 +41,7 @@ from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
 from mlx_speculative.plugin import commit, hookimpls  # noqa: E402
 from mlx_speculative.plugin import round as rnd  # noqa: E402
 from mlx_speculative.plugin.accept import plan_rows, read_plans, unread_outcome  # noqa: E402
-from mlx_speculative.plugin.bench import core  # noqa: E402
+from mlx_speculative.benchmarks import core  # noqa: E402
 from mlx_speculative.plugin.draft import as_ints, draft  # noqa: E402
 from mlx_speculative.plugin.draft_ahead import draft_ahead  # noqa: E402
 from mlx_speculative.plugin.metrics import Laps  # noqa: E402

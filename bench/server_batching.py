@@ -1,6 +1,6 @@
 """Served speed: concurrent clients against a real HTTP server, plain batching against speculative rounds.
 
-Not a test. The target is built in memory (``--synthetic-target``, plugin/bench/synthetic.py: random weights
+Not a test. The target is built in memory (``--synthetic-target``, benchmarks/synthetic.py: random weights
 with large logit margins; ``--quantize-target 4``: its weights in 4 bits) with a word-level tokenizer of its
 vocabulary made here, and served in this process by the real server (hooks/server.py: HTTP threads, the
 engine's generation thread, the scheduler, the plugins as a deployment registers them). For each mode and
@@ -46,8 +46,8 @@ from mlx_speculative.hooks.server import Server, build_server
 from mlx_speculative.hooks.server_settings import server_settings
 from mlx_speculative.hooks.state import HostConfig, LoadedTarget
 from mlx_speculative.plugin import cuda, hookimpls
-from mlx_speculative.plugin.bench import oracle as orc
-from mlx_speculative.plugin.bench import synthetic
+from mlx_speculative.benchmarks import oracle as orc
+from mlx_speculative.benchmarks import synthetic
 from mlx_speculative.plugin.settings import SpeculativeSettings
 
 MODES = ("plain", "mlx-lm", "plain-backend", "dflash", "dflash-tau1", "dflash-uncompiled-batches")

@@ -1,6 +1,6 @@
 """Load test for `mlx-spec serve`: many concurrent streaming clients against one server process.
 
-Makes a tiny random target/drafter pair (real mlx-lm checkpoints, see hooks/tiny_models.py), starts
+Makes a tiny random target/drafter pair (real mlx-lm checkpoints, see testing/tiny_models.py), starts
 the server on a free loopback port, records every request's output sequentially (one client,
 greedy), then runs N streaming clients for D seconds and checks:
   - zero errors,
@@ -45,7 +45,7 @@ PROMPTS = [
 
 
 def make_models(root: Path) -> Tuple[Path, Path]:
-    from mlx_speculative.hooks import tiny_models as tm
+    from mlx_speculative.testing import tiny_models as tm
 
     target, drafter = root / "target", root / "drafter"
     if not (drafter / "model.safetensors").exists():

@@ -2,7 +2,7 @@
 
     python bench/verify_ahead_probe.py [--prompt-lengths 2048] [--json PATH]
 
-Runs ``mlx-spec bench`` (plugin/bench/core.py; llama-8b synthetic target, DFlash at oracle tau 6.5, block 16)
+Runs ``mlx-spec bench`` (benchmarks/core.py; llama-8b synthetic target, DFlash at oracle tau 6.5, block 16)
 with --draft-ahead verify,on and prints each method's ``ms_per_round_steps``, fresh and warm: the round's own
 wall-clock laps (plugin/metrics.py ``ROUND_STEPS``, recorded by plugin/round.py in every run), means per round.
 Nothing is synchronised on top of what the round does, so a step that waits for the device shows it (``read``
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculative.plugin.bench import core  # noqa: E402
+from mlx_speculative.benchmarks import core  # noqa: E402
 from mlx_speculative.plugin.metrics import ROUND_STEPS  # noqa: E402
 
 

@@ -2,11 +2,11 @@
 
     python bench/verify_cost.py [--spec llama-8b] [--key-length 1024] [--json out.json]
 
-Builds the synthetic target (plugin/bench/synthetic.py) in memory and times, warm and synchronised
+Builds the synthetic target (benchmarks/synthetic.py) in memory and times, warm and synchronised
 (median of ``--iters``): each weight shape's ``x @ W.T`` for 1..32 rows (as mlx-lm's Linear runs it)
 and against a pre-transposed copy; attention for 1 and 16 queries; the whole target forward (and its
 log-softmax) for 1..32 positions after ``--key-length`` cached positions, with ``KVCache`` and the
-padded cache; and the DFlash-shape drafter's block forward (plugin/bench/kernels.py, as the bench's
+padded cache; and the DFlash-shape drafter's block forward (benchmarks/kernels.py, as the bench's
 kernel bound times them). Run it on the GPU machine; CPU figures only check it runs.
 """
 
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_speculative.drafters.dflash import DFlashDrafter  # noqa: E402
 from mlx_speculative.hooks.api import draft_backend  # noqa: E402
 from mlx_speculative.plugin.cuda import backend as cuda_backend  # noqa: E402
-from mlx_speculative.plugin.bench import kernels, synthetic  # noqa: E402
-from mlx_speculative.plugin.bench.kernels import timed  # noqa: E402
+from mlx_speculative.benchmarks import kernels, synthetic  # noqa: E402
+from mlx_speculative.benchmarks.kernels import timed  # noqa: E402
 
 
 def matmuls(config: Dict[str, Any], widths: List[int], iters: int, dtype: mx.Dtype) -> List[Dict[str, Any]]:

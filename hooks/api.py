@@ -4,9 +4,9 @@ Everything here is a re-export: the same object as in its home module, so import
 from there is the same thing. The headings below document the contract; a name that a plugin or a
 drafter needs and that is not listed here gets added here first (tests/test_host_api.py enforces it).
 
-Five host modules are exported whole, as namespaces read by attribute (``knobs.value(...)``):
-``knobs``, ``loading``, ``validate``, ``taps`` and the test fixtures ``tiny_models``; the members the
-plugin and drafters read are listed next to each. Names from modules that import the plugin manager
+Four host modules are exported whole, as namespaces read by attribute (``knobs.value(...)``):
+``knobs``, ``loading``, ``validate`` and ``taps``; the members the plugin and drafters read are listed next to
+each. Names from modules that import the plugin manager
 (``Host``, ``Scheduler``, ``make_plugin_manager``...) or that only commands need are loaded on first
 use (``__getattr__`` below), so importing this module stays as cheap as importing the plugin was.
 """
@@ -17,7 +17,7 @@ import importlib
 from typing import Any, Dict, Tuple
 
 # -- types: what the host hands to plugins and what they hand back (hooks/state.py, hooks/specs.py)
-from .specs import Description, Metric, RowSnapshot, hookimpl
+from .specs import DecodeReport, DemoPart, Description, Metric, PlainTokens, RowSnapshot, hookimpl
 from .state import (
     CaptureRequest,  # decoder layers whose outputs the ordinary forward must expose
     DecodeState,  # one request's row: tokens, caches, sampler
@@ -86,7 +86,7 @@ from .recurrent import scope_model  # give a model's recurrent layers their reco
 # -- settings, checkpoints and hidden-state taps: namespaces (members used: see each line)
 from . import knobs  # runtime knobs: value, setting, resolved, table_markdown, cache_root, SECTION
 # checkpoints: read_config, resolve_path, safetensors_headers, check_safetensors, TensorHeader, CheckpointError,
-# load_target
+# load_target, DEMO_DRAFTER
 from . import loading
 from . import taps  # hidden-state taps: decoder_layers, install_taps, record
 from . import validate  # setting checks: check, choice, flag, block_size, MAX_BLOCK, SettingError, HostConfigError
@@ -94,12 +94,10 @@ from .config import load_host_config  # a HostConfig from a YAML file
 from .loading import read_config, resolve_path  # a checkpoint's checked config.json; a model spec -> a local directory
 from .taps import decoder_layers  # the target's decoder layer list
 
-# -- commands, benchmarks and test fixtures, loaded on first use: name -> (home module, attribute; None: the module)
+# -- commands and benchmarks, loaded on first use: name -> (home module, attribute; None: the module)
 _LAZY: Dict[str, Tuple[str, Any]] = {
-    # CLI helpers of the plugin's commands (mlx-spec config / generate flags)
+    # CLI helpers of the plugin's commands (mlx-spec config)
     "GENERATION_DEFAULTS": ("generate_cmd", "GENERATION_DEFAULTS"),  # generation settings' defaults
-    "add_speculative_flags": ("generate_cmd", "add_speculative_flags"),  # the --draft-* flags
-    "speculative_overrides": ("generate_cmd", "speculative_overrides"),  # --draft-* values -> overrides
     "GENERATION_KEYS": ("validate", "GENERATION_KEYS"),  # keys of the generation section
     "generation_section": ("validate", "generation_section"),  # the checked generation section
     "SERVER_KEYS": ("server_settings", "SERVER_KEYS"),  # keys of the server section
@@ -109,16 +107,12 @@ _LAZY: Dict[str, Tuple[str, Any]] = {
     # a target sharded over ranks (namespace; members used: start, shard, failed, Cluster, all_sums, exchanged)
     "distributed": ("distributed", None),
     "encode_prompt": ("generate_cmd", "encode_prompt"),  # a prompt (the chat template applied when asked) -> token ids
-    # the host itself, for benchmarks that drive it (plugin/bench)
+    # the host itself, for benchmarks that drive it (benchmarks/)
     "GenerationParams": ("host", "GenerationParams"),
     "Host": ("host", "Host"),
     "Scheduler": ("scheduler", "Scheduler"),
     "make_plugin_manager": ("manager", "make_plugin_manager"),
     "blas_in_use": ("blas", "in_use"),  # the library MLX's float32 matmuls call (benchmark reports)
-    # test fixtures: tiny random checkpoints and a locally trained tokenizer (namespace; members used:
-    # make_checkpoint, qwen3_next_config, layer_index, TOKENIZER_FILES, corpus)
-    "tiny_models": ("tiny_models", None),
-    "corpus": ("tiny_models", "corpus"),  # lines of text to train tokenizers on
 }
 
 
@@ -132,8 +126,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     # types
-    "CaptureRequest", "DecodeState", "Description", "GeneratedToken", "HostConfig",
-    "LoadedTarget", "Metric", "RowSnapshot", "StepOutput", "hookimpl",
+    "CaptureRequest", "DecodeReport", "DecodeState", "DemoPart", "Description", "GeneratedToken", "HostConfig",
+    "LoadedTarget", "Metric", "PlainTokens", "RowSnapshot", "StepOutput", "hookimpl",
     # the backend seam
     "Backend", "CachePolicy", "CompiledCalls", "DraftBackend", "draft_backend",
     # batches

@@ -8,13 +8,13 @@ import os
 import sys
 from typing import Any, List, Optional
 
-from .generate_cmd import DEFAULT_PROMPT, MODEL_HELP, add_distributed_flags, add_generate, add_speculative_flags, encode_prompt
-from .generate_cmd import speculative_overrides
+from .generate_cmd import DEFAULT_PROMPT, MODEL_HELP, add_distributed_flags, add_generate, encode_prompt
 
 __all__ = ["DEFAULT_PROMPT", "build_parser", "encode_prompt", "main"]
 
 
-def add_serve(subparsers: Any) -> None:
+def add_serve(subparsers: Any) -> argparse.ArgumentParser:
+    """``serve`` and the host's flags; plugins add theirs (``host_add_arguments``)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (speculative when configured)")
     p.add_argument("--config", help="host YAML file (model, server: ..., speculative: ...)")
     p.add_argument("--model", help=MODEL_HELP)
@@ -48,15 +48,15 @@ def add_serve(subparsers: Any) -> None:
                    "false}'")
     p.add_argument("--allowed-origins", help="CORS: '*' (default) or comma-separated origins")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR or CRITICAL")
-    add_speculative_flags(p)
     add_distributed_flags(p)
     p.set_defaults(func=cmd_serve)
+    return p
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve_cmd import cmd_serve as serve
 
-    return serve(args, speculative_overrides(args))
+    return serve(args)
 
 
 def add_convert(subparsers: Any) -> None:
@@ -108,8 +108,8 @@ def build_parser(pm: Any) -> argparse.ArgumentParser:
     parser.add_argument("-V", "--version", action="version", version=version_line())
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the plugins decide")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate(sub)
-    add_serve(sub)
+    for command, p in (("generate", add_generate(sub)), ("serve", add_serve(sub))):
+        pm.hook.host_add_arguments(parser=p, command=command)
     add_convert(sub)
     pm.hook.host_add_commands(subparsers=sub)
     return parser

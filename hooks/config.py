@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import pluggy
 import yaml
 
 from . import knobs, validate
-from .loading import DEMO_DRAFTER, DEMO_TARGET, resolve_relative
+from .loading import DEMO_TARGET, resolve_relative
 from .state import HostConfig
 from .validate import HostConfigError, SettingError
 
@@ -17,7 +19,7 @@ SECTIONS = ("model", "server", "generation", "speculative", "distributed", knobs
 # Values that name a checkpoint: relative paths are read from the YAML file's folder.
 PATH_KEYS = (("model",), ("speculative", "draft_model"))
 
-__all__ = ["HostConfigError", "SECTIONS", "load_host_config", "model_or_demo"]
+__all__ = ["HostConfigError", "SECTIONS", "load_host_config", "model_or_demo", "plugin_overrides"]
 
 
 def _key_lines(node: Any, path: str, source: str, out: Dict[str, int]) -> None:
@@ -117,25 +119,26 @@ def load_host_config(path: Optional[str], overrides: Optional[Dict[str, Dict[str
     return HostConfig(sections=sections, overrides=overrides or {}, source=path, strict=strict, lines=lines)
 
 
-def model_or_demo(model: Optional[str], config: HostConfig, speculative_overrides: Dict[str, Any],
-                  environ: Optional[Dict[str, str]] = None) -> str:
-    """The target to load: the flag, else the config's ``model``, else the embedded demo pair.
+def plugin_overrides(pm: pluggy.PluginManager, args: argparse.Namespace, command: str) -> Dict[str, Dict[str, Any]]:
+    """The configuration values the plugins' flags set (``host_overrides``), by section, checked before any model
+    loads."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for part in pm.hook.host_overrides(args=args, command=command):
+        for section, values in part.items():
+            out.setdefault(section, {}).update(values)
+    return out
 
-    For the demo, its drafter is used unless some speculative setting was given (a YAML
-    ``speculative:`` section, a flag, an MLX_VLM_* variable) or speculation was switched off.
-    """
+
+def model_or_demo(model: Optional[str], config: HostConfig, pm: pluggy.PluginManager) -> str:
+    """The target to load: the flag, else the config's ``model``, else the embedded demo target, with what the
+    plugins pair with it (``host_demo``: their values join ``config.overrides``)."""
     model = model or config.sections.get("model")
     if model is not None:
         return model
-    import os
-
-    environ = os.environ if environ is None else environ
-    configured = ("speculative" in config.sections or any(v is not None for v in speculative_overrides.values())
-                  or any(k.startswith("MLX_VLM_DRAFT_") and v.strip() for k, v in environ.items()))
-    if not configured:
-        speculative_overrides["draft_model"] = DEMO_DRAFTER
-        print(f"[mlx-spec] no model given: target {DEMO_TARGET!r}, drafter {DEMO_DRAFTER!r} (the embedded demo pair)",
-              file=sys.stderr)
-    else:
-        print(f"[mlx-spec] no model given: target {DEMO_TARGET!r} (the embedded demo pair)", file=sys.stderr)
+    parts = pm.hook.host_demo(config=config)
+    for part in parts:
+        for section, values in part.overrides.items():
+            config.overrides.setdefault(section, {}).update(values)
+    paired = "".join(f", {part.label}" for part in parts)
+    print(f"[mlx-spec] no model given: target {DEMO_TARGET!r}{paired} (the embedded demo pair)", file=sys.stderr)
     return DEMO_TARGET

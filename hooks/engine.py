@@ -33,7 +33,7 @@ from .server_settings import ServerSettings
 from .state import HostConfig, LoadedTarget
 
 log = logging.getLogger("mlx_speculative.server")
-SPECULATIVE = "speculative"  # the plugin report the server summarises (llama.cpp timings, logs)
+SPECULATIVE = "speculative"  # the request option a request that turns rounds off sets (``DecodeState.options``)
 
 
 @dataclass
@@ -302,8 +302,7 @@ class Engine:
 
     def _finished(self, job: Job, outcome: str, error: Optional[str] = None) -> None:
         state = job.scheduled.state if job.scheduled is not None else None
-        report = state.report.get(SPECULATIVE) if state is not None else None
-        spec = report.to_dict() if report is not None and hasattr(report, "to_dict") else None
+        spec = state.decode_report if state is not None else None
         now = time.perf_counter()
         first = job.t_first or now
         prompt_n = len(job.request.prompt)
@@ -313,14 +312,14 @@ class Engine:
         job.out.put(Finished(outcome, prompt_n, job.completion_tokens, t, error, cached))
         off = job.request.speculative is False
         self.counters.finished(job.endpoint, outcome, prompt_n if job.t_start else 0, job.completion_tokens, off,
-                               spec is not None and spec["fallback"] is not None)
-        if spec is not None and spec["rounds"]:
-            how = (f"speculative {spec['kind']}: {spec['rounds']} rounds, tau {spec['mean_acceptance_length']:.2f}, "
-                   f"acceptance {spec['acceptance_rate']:.0%} ({spec['accepted_tokens']}/{spec['draft_tokens']})")
-            if spec["plain_tokens"]["paused"]:
-                how += f", paused for {spec['plain_tokens']['paused']} plain steps ({spec['pause_reason']})"
-            if spec["fallback"]:
-                how += f", fell back: {spec['fallback']}"
+                               spec is not None and spec.fallback is not None)
+        if spec is not None and spec.rounds:
+            how = (f"speculative {spec.kind}: {spec.rounds} rounds, tau {spec.mean_acceptance_length:.2f}, "
+                   f"acceptance {spec.acceptance_rate:.0%} ({spec.accepted_tokens}/{spec.draft_tokens})")
+            if spec.plain_tokens.paused:
+                how += f", paused for {spec.plain_tokens.paused} plain steps ({spec.pause_reason})"
+            if spec.fallback:
+                how += f", fell back: {spec.fallback}"
         else:
             how = "speculative off" + (" (requested)" if off else "")
         log.info("request %s %s %s: prompt %d tokens (%d cached), completion %d tokens, %.3f s, %.1f tok/s, %s%s",

@@ -15,16 +15,18 @@ import json
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from . import validate
+
+if TYPE_CHECKING:
+    from .specs import DecodeReport
 
 # The demo target writes Python (it learnt the standard library's source): a function to continue.
 DEFAULT_PROMPT = ('import argparse\n\n\ndef parse_args(argv):\n    """Parse the command line."""\n'
                   '    parser = argparse.ArgumentParser(description=__doc__)')  # no newline: BPE merges it with the indent
 
 MODEL_HELP = "target: path (a folder or a .gguf file), HF repo id, or 'demo' (default: the config's, else the demo pair)"
-DRAFT_HELP = "drafter: path (a folder or a .gguf file), HF repo id, or 'demo-drafter'"
 # generate's sampling flags: argparse dest -> (generation: key, help). Values are checked by
 # hooks/validate.py (before any model loads), so the error names the flag and what is allowed.
 GENERATION_FLAGS = {
@@ -43,20 +45,11 @@ GENERATION_DEFAULTS = {"max_tokens": 100, "temp": 0.0, "top_p": 1.0, "top_k": 0,
 INTERRUPTED = "interrupted"
 
 
-def add_speculative_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-model", help=DRAFT_HELP)
-    p.add_argument("--draft-kind", help="auto or a registered kind (see `mlx-spec drafters`)")
-    p.add_argument("--draft-block-size", help="positions verified per round, or 'auto'")
-    p.add_argument("--num-draft-tokens", help="mlx-lm's flag: draft tokens per round, i.e. the block size - 1 "
-                   "(--num-draft-tokens 3 = --draft-block-size 4); 0: plain decoding")
-    p.add_argument("--no-speculative", action="store_true", help="plain one-token decoding")
-
-
-def add_generate(subparsers: Any) -> None:
+def add_generate(subparsers: Any) -> argparse.ArgumentParser:
+    """``generate`` and the host's flags; plugins add theirs (``host_add_arguments``)."""
     p = subparsers.add_parser("generate", help="generate text (speculative when configured)")
     p.add_argument("--config", help="host YAML file (model, speculative: ...)")
     p.add_argument("--model", help=MODEL_HELP)
-    add_speculative_flags(p)
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin)")
     p.add_argument("--system-prompt", help="system message before the prompt (needs the chat template)")
     for dest, (_, help_) in GENERATION_FLAGS.items():
@@ -71,6 +64,7 @@ def add_generate(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     add_distributed_flags(p)
     p.set_defaults(func=cmd_generate)
+    return p
 
 
 def add_distributed_flags(p: argparse.ArgumentParser) -> None:
@@ -78,32 +72,6 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
                    "ring (CPU/Mac), mpi, nccl, jaccl or any (distributed.backend)")
     p.add_argument("--distributed-drafter", metavar="WHERE", help="replicated (every rank drafts; default) or rank0 "
                    "(rank 0 drafts and broadcasts the proposals) (distributed.drafter)")
-
-
-def speculative_overrides(args: argparse.Namespace) -> Dict[str, Any]:
-    """The ``speculative:`` values the flags set, checked before any model loads."""
-    spec: Dict[str, Any] = {}
-    if args.draft_model is not None:
-        spec["draft_model"] = args.draft_model
-    if args.draft_kind is not None:
-        spec["kind"] = args.draft_kind
-    if args.draft_block_size is not None:
-        validate.block_size(args.draft_block_size, "--draft-block-size")
-        spec["block_size"] = args.draft_block_size
-    n = getattr(args, "num_draft_tokens", None)
-    if n is not None:
-        n = validate.check("num_draft_tokens", n, "--num-draft-tokens")
-        pinned = validate.block_size(args.draft_block_size, "--draft-block-size")
-        if n and pinned is not None and pinned != n + 1:
-            raise validate.SettingError("--num-draft-tokens", n, f"{pinned - 1} (--draft-block-size {pinned}: "
-                                        "the block holds the pending token and the draft tokens), or leave one out")
-        if n:
-            spec["block_size"] = n + 1
-        else:
-            spec["enabled"] = False
-    if args.no_speculative:
-        spec["enabled"] = False
-    return spec
 
 
 def generation_settings(args: argparse.Namespace, config: Any) -> Dict[str, Any]:
@@ -220,12 +188,13 @@ def generate(args: argparse.Namespace, cluster: Any) -> int:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .config import load_host_config, model_or_demo
+    from .config import load_host_config, model_or_demo, plugin_overrides
     from .host import GenerationParams, Host
+    from .manager import plugins
     from .state import SamplingParams
 
-    overrides = {"speculative": speculative_overrides(args)}
-    config = load_host_config(args.config, overrides)
+    pm = plugins(args)
+    config = load_host_config(args.config, plugin_overrides(pm, args, "generate"))
     gen = generation_settings(args, config)
     max_kv = validate.optional("max_kv_size", args.max_kv_size, "--max-kv-size")
     step = validate.optional("prefill_step_size", args.prefill_step_size, "--prefill-step-size")
@@ -235,8 +204,8 @@ def generate(args: argparse.Namespace, cluster: Any) -> int:
         raise validate.SettingError("--system-prompt", system, "only with the chat template (it is the chat's system "
                                     "turn); --ignore-chat-template uses the raw prompt")
     prompt_text = read_prompt(args)
-    model = model_or_demo(args.model, config, overrides["speculative"])
-    host = Host(config, pm=getattr(args, "pm", None), cluster=cluster)
+    model = model_or_demo(args.model, config, pm)
+    host = Host(config, pm=pm, cluster=cluster)
     target = host.load(model)
     cfg = target.model_config
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
@@ -327,8 +296,8 @@ class Run:
                 len(self.tokens) / gen_s if gen_s > 0 else 0.0)
 
     @property
-    def speculative(self) -> Any:
-        return self.states[0].report.get("speculative") if self.states else None
+    def speculative(self) -> Optional["DecodeReport"]:
+        return self.states[0].decode_report if self.states else None
 
     def to_dict(self) -> Dict[str, Any]:
         prompt_tps, generation_tps = self.speeds()
@@ -354,16 +323,15 @@ class Run:
         line += (f"; speculative {spec.kind}: {spec.rounds} rounds, tau {spec.mean_acceptance_length:.2f}, "
                  f"acceptance {spec.acceptance_rate:.0%}")
         plain = spec.plain_tokens
-        total = sum(plain.values())
-        if total:
+        if plain.total:
             why = []
-            if plain["paused"]:
-                why.append(f"adaptive decoding paused speculation for {plain['paused']} ({spec.pause_reason})")
-            if plain["fallback"]:
-                why.append(f"{plain['fallback']} after the drafter failed ({spec.fallback})")
-            if plain["other"]:
-                why.append(f"{plain['other']} from the prefill or with nothing left to draft")
-            line += f"; {total} of {spec.generated} tokens from plain steps: " + "; ".join(why)
+            if plain.paused:
+                why.append(f"adaptive decoding paused speculation for {plain.paused} ({spec.pause_reason})")
+            if plain.fallback:
+                why.append(f"{plain.fallback} after the drafter failed ({spec.fallback})")
+            if plain.other:
+                why.append(f"{plain.other} from the prefill or with nothing left to draft")
+            line += f"; {plain.total} of {spec.generated} tokens from plain steps: " + "; ".join(why)
         elif spec.fallback:
             line += f", fell back: {spec.fallback}"
         return line

@@ -20,7 +20,7 @@ from . import attention, knobs, loading, recurrent, taps
 from .batch import DecodeBatch, forward
 from .manager import make_plugin_manager
 from .backend import Backend
-from .specs import Description
+from .specs import DecodeReport, Description
 from .state import (DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams,
                     keyed_sampler)
 from .step import BatchDecoder, PlainRun
@@ -63,7 +63,7 @@ class GenerationResult:
     finish_reason: str
     prompt_seconds: float
     generation_seconds: float
-    report: Dict[str, Any]
+    report: Dict[str, DecodeReport]  # by plugin name (``DecodeState.report``)
 
     @property
     def generation_tps(self) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Iterable, Optional
 
 import pluggy
@@ -22,3 +23,9 @@ def make_plugin_manager(
     for plugin in plugins or ():
         pm.register(plugin)
     return pm
+
+
+def plugins(args: argparse.Namespace) -> pluggy.PluginManager:
+    """The plugin manager ``mlx-spec`` parsed ``args`` with (``args.pm``), else one from the entry points."""
+    pm = getattr(args, "pm", None)
+    return pm if pm is not None else make_plugin_manager()

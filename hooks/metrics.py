@@ -6,7 +6,7 @@ import collections
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from .specs import Metric
+from .specs import DecodeReport, Metric
 
 
 MAX_IGNORED_NAMES = 64  # distinct ignored field names counted by name; more are counted as "other"
@@ -113,11 +113,11 @@ def render(metrics: List[Metric]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float, spec: Optional[Dict[str, Any]],
+def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float, spec: Optional[DecodeReport],
             cache_n: int = 0) -> Dict[str, Any]:
     """llama.cpp's per-request ``timings`` (draft_n, draft_n_accepted...) plus the round summary.
 
-    ``spec``: the speculative plugin's report of the request (``to_dict()``), or None. ``cache_n``:
+    ``spec``: the request's ``DecodeReport`` (``DecodeState.decode_report``), or None. ``cache_n``:
     prompt tokens reused from the prompt cache; as in llama.cpp, ``prompt_n`` counts the others
     (the tokens prefilled)."""
     prompt_n -= cache_n
@@ -131,13 +131,13 @@ def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float
         "prompt_per_token_ms": prompt_per_token, "prompt_per_second": prompt_per_second,
         "predicted_n": predicted_n, "predicted_ms": round(1000 * predicted_s, 3),
         "predicted_per_token_ms": predicted_per_token, "predicted_per_second": predicted_per_second,
-        "draft_n": spec["draft_tokens"] if spec is not None else 0,
-        "draft_n_accepted": spec["accepted_tokens"] if spec is not None else 0,
+        "draft_n": spec.draft_tokens if spec is not None else 0,
+        "draft_n_accepted": spec.accepted_tokens if spec is not None else 0,
     }
     if spec is not None:
-        out.update(draft_kind=spec["kind"], draft_rounds=spec["rounds"],
-                   mean_acceptance_length=spec["mean_acceptance_length"],
-                   acceptance_rate=spec["acceptance_rate"], draft_fallback=spec["fallback"],
-                   round_steps_ms={k: round(1e3 * v, 3) for k, v in (spec.get("steps") or {}).items()},
-                   draft_plain_steps=spec.get("plain_steps", 0), draft_pause_reason=spec.get("pause_reason"))
+        out.update(draft_kind=spec.kind, draft_rounds=spec.rounds,
+                   mean_acceptance_length=round(spec.mean_acceptance_length, 4),
+                   acceptance_rate=round(spec.acceptance_rate, 4), draft_fallback=spec.fallback,
+                   round_steps_ms={k: round(1e3 * v, 3) for k, v in spec.steps.items()},
+                   draft_plain_steps=spec.plain_steps, draft_pause_reason=spec.pause_reason)
     return out

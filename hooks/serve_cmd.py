@@ -10,20 +10,23 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Dict
+from typing import Any
 
 from . import distributed
 from . import openai_compat as oc
-from .config import load_host_config, model_or_demo
+from .config import load_host_config, model_or_demo, plugin_overrides
 from .distributed_serve import Relay, follow
 from .engine import make_engine
+from .manager import plugins
 from .server import INTERRUPTED, SHUTDOWN_SECONDS, Server, build_server, log
 from .server_settings import check_port, request_defaults, serve_overrides, server_settings
 
 
-def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
+    pm = plugins(args)
+    overrides = plugin_overrides(pm, args, "serve")
     warning = oc.check_mlx_lm_version()
-    overrides = {"speculative": speculative_overrides, **serve_overrides(args)}
+    overrides.update(serve_overrides(args))
     config = load_host_config(args.config, overrides, strict=False)
     cluster = distributed.start(args, args.config)
     relay = Relay(cluster) if cluster is not None else None
@@ -33,7 +36,7 @@ def cmd_serve(args: argparse.Namespace, speculative_overrides: Dict[str, Any]) -
     logging.getLogger("mlx_speculative").setLevel(level)
     if warning:
         log.warning("%s", warning)
-    model = model_or_demo(args.model, config, speculative_overrides)
+    model = model_or_demo(args.model, config, pm)
     if relay is not None and not relay.cluster.primary:  # no HTTP here: repeat rank 0's engine steps
         return follow(make_engine(config, model, settings, relay=relay)[0], relay)
     check_port(settings.host, settings.port)  # before the model loads

@@ -2,7 +2,7 @@
 
 Every token comes from the same scheduler ``mlx-spec generate`` runs (hooks/scheduler.py, on the
 engine's generation thread: hooks/engine.py), so the speculative plugin (``speculative:`` in the
-host YAML, MLX_VLM_* variables, CLI flags) applies exactly as there. What requests mean
+host YAML, its variables and flags) applies exactly as there. What requests mean
 (parameters, chat templates, stop words, response shapes) is mlx-lm's, through
 ``hooks.openai_compat`` (requests) and ``hooks.openai_output`` (responses), the two modules coupled
 to mlx-lm's server. This module is the HTTP side:

@@ -10,6 +10,9 @@ Life of a target and its requests, seen from a plugin::
     host_cache_policy(target)                  once per loaded target: how its caches are made
     host_describe(target)                      once per loaded target, for logs and /v1/models
     host_add_commands(subparsers)              once per CLI start
+    host_add_arguments(parser, command)        once per CLI start, for each host command (generate, serve)
+    host_overrides(args, command)              when a host command starts, before its config file is read
+    host_demo(config)                          when no model is given and the host loads its demo target
     host_prefill_captures(target, state)       per request, before its prefill
     host_decode_step(batch)                    before each decode step of a batch of requests
     host_request_finished(state, discarded)    per request, when it ends
@@ -21,7 +24,8 @@ of one), so a decode step always concerns every row of one batch.
 
 Data flows one way: the host calls hooks and reads their return values. A plugin writes only
 entries under its own name (``target.attachments[name]``, ``batch.extras[name]``,
-``state.extras[name]``, ``state.report[name]``); everything that changes what the host does next
+``state.extras[name]``, ``state.report[name]``: a ``DecodeReport``, the one result of a request the host
+reads); everything that changes what the host does next
 (which layers to capture, how caches are made, which tokens to emit, how many plain steps to take)
 is a hook's return value.
 
@@ -89,6 +93,78 @@ class RowSnapshot:
     nbytes: int = 0
 
 
+@dataclass(frozen=True)
+class DemoPart:
+    """What a plugin pairs with the host's embedded demo target (``host_demo``)."""
+
+    label: str  # for the host's start line, e.g. "drafter 'demo-drafter'"
+    overrides: Dict[str, Dict[str, Any]]  # configuration values it sets, by section, as its flags would
+
+
+@dataclass(frozen=True)
+class PlainTokens:
+    """A request's tokens that came from the host's one-token steps while a plugin took its decode steps, by why."""
+
+    paused: int = 0  # the plugin paused its steps (they would lose to plain steps at the measured costs)
+    fallback: int = 0  # after the plugin's decoding failed
+    other: int = 0  # the prefill's first token, steps with nothing left to draft
+
+    @property
+    def total(self) -> int:
+        return self.paused + self.fallback + self.other
+
+    def to_dict(self) -> Dict[str, int]:
+        return {"paused": self.paused, "fallback": self.fallback, "other": self.other}
+
+
+@dataclass(frozen=True)
+class DecodeReport:
+    """What a plugin that took decode steps (``host_decode_step``) reports of one request: it writes it to
+    ``state.report[<plugin name>]`` when the request ends (``host_request_finished``). The host reads it for
+    ``mlx-spec generate``'s stats line and ``--json`` (``to_dict``), the server's ``timings`` and request log."""
+
+    kind: str  # the round loop that ran: draft_model, ngram, dflash, eagle3, mtp...
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    mean_acceptance_length: float = 0.0  # tau: tokens emitted per round, the bonus included
+    acceptance_rate: float = 0.0  # accepted / draft tokens
+    accepted_per_position: List[int] = field(default_factory=list)  # rounds that accepted position i of the block
+    rounds_by_acceptance: Dict[str, int] = field(default_factory=dict)  # zero | partial | full -> rounds
+    block_sizes: List[int] = field(default_factory=list)  # one per round
+    plain_steps: int = 0  # one-token steps the host took while the plugin decoded the request
+    round_tokens: int = 0  # tokens the rounds emitted (accepted + bonus), those past the request's end left out
+    plain_tokens: PlainTokens = PlainTokens()
+    generated: int = 0  # the request's tokens
+    pause_reason: Optional[str] = None  # why its latest pause began
+    verified_ahead: int = 0  # rounds whose verify forward the round before had queued
+    fallback: Optional[str] = None  # why the request fell back to plain decoding, if it did
+    seconds: Dict[str, float] = field(default_factory=dict)  # by phase: draft, verify, commit
+    steps: Dict[str, float] = field(default_factory=dict)  # by step of a round, in the round's order
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON object of ``mlx-spec generate --json``'s ``speculative``."""
+        return {
+            "kind": self.kind,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "rounds_by_acceptance": dict(self.rounds_by_acceptance),
+            "block_sizes": list(self.block_sizes),
+            "plain_steps": self.plain_steps,
+            "round_tokens": self.round_tokens,
+            "plain_tokens": self.plain_tokens.to_dict(),
+            "pause_reason": self.pause_reason,
+            "verified_ahead": self.verified_ahead,
+            "fallback": self.fallback,
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "steps": {k: round(v, 6) for k, v in self.steps.items()},
+        }
+
+
 @dataclass
 class Metric:
     """One Prometheus metric a plugin exposes: ``samples`` are (labels, value), labels like '{k="v"}'."""
@@ -144,6 +220,32 @@ def host_add_commands(subparsers: "argparse._SubParsersAction") -> None:
 
 
 @hookspec
+def host_add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Called once per host command (``command``: ``generate``, ``serve``) when ``mlx-spec`` builds its argument
+    parser, after the host's own flags: a plugin adds the flags it reads (``host_overrides`` reads them back).
+    Without the plugin the flags are unknown to the command.
+    """
+
+
+@hookspec
+def host_overrides(args: argparse.Namespace, command: str) -> Optional[Dict[str, Dict[str, Any]]]:
+    """Called once when a host command (``generate``, ``serve``) starts, before its config file is read and any
+    model loads: the configuration values the plugin's flags set, by section (``{"speculative": {"kind":
+    "ngram"}}``), or None. They win over the environment and the YAML (``HostConfig.overrides``). A bad value
+    raises a ``ValueError`` naming the flag, the value and what is allowed (``hooks.validate.SettingError``).
+    """
+
+
+@hookspec
+def host_demo(config: "HostConfig") -> Optional[DemoPart]:
+    """Called when no model is given (no ``--model``, no ``model:``) and the host loads its embedded demo target:
+    what the plugin pairs with it (the speculative plugin: the demo drafter, unless some speculative setting was
+    given), or None. The host adds the part's ``overrides`` to ``config.overrides`` and names its ``label`` in
+    the start line.
+    """
+
+
+@hookspec
 def host_prefill_captures(target: "LoadedTarget", state: "DecodeState") -> Optional["CaptureRequest"]:
     """Called before each request's prefill: what the ordinary forward must expose for it.
 
@@ -188,8 +290,9 @@ def host_request_finished(state: "DecodeState", discarded: int) -> None:
     """Called once when a request ends (stop token, max_tokens, cancelled or failed).
 
     ``discarded``: tokens of the request's last decode step that were not used because the
-    request ended before them (e.g. a stop token in the middle of a round). A plugin corrects
-    the request's report and releases what it holds for the request.
+    request ended before them (e.g. a stop token in the middle of a round). A plugin that took
+    decode steps for the request writes its ``DecodeReport`` (those tokens left out) to
+    ``state.report[<plugin name>]``, and releases what it holds for the request.
     """
 
 

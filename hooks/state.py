@@ -14,6 +14,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import taps
 from .backend import Backend, CachePolicy
+from .specs import DecodeReport
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
@@ -157,8 +158,9 @@ class StepOutput:
 class DecodeState:
     """One request (a row of a batch): its tokens, sampling and per-request plugin state.
 
-    The host owns it; plugins read it and write only ``extras[name]`` and ``report[name]`` of
-    their own name. The row's caches belong to the batch it decodes in (``hooks.batch``).
+    The host owns it; plugins read it and write only ``extras[name]`` and ``report[name]`` (a
+    ``DecodeReport``, when the request ends) of their own name. The row's caches belong to the batch it
+    decodes in (``hooks.batch``).
     """
 
     target: LoadedTarget
@@ -177,7 +179,7 @@ class DecodeState:
     captures: Dict[int, mx.array] = field(default_factory=dict)
     pending_logprobs: Optional[mx.array] = None
     extras: Dict[str, Any] = field(default_factory=dict)
-    report: Dict[str, Any] = field(default_factory=dict)
+    report: Dict[str, DecodeReport] = field(default_factory=dict)
     # The target's random stream for a seeded request (None: mlx's global random state, as in
     # mlx-lm). The drafter draws from its own stream, so its draws never move the target's.
     rng: Optional[KeyStream] = None
@@ -209,6 +211,12 @@ class DecodeState:
     @property
     def remaining(self) -> int:
         return self.max_tokens - self.generated
+
+    @property
+    def decode_report(self) -> Optional[DecodeReport]:
+        """The report of the plugin that took decode steps for the request (the first, if several did), once it
+        ended; None: every token came from the host's plain steps."""
+        return next(iter(self.report.values()), None)
 
     def add_captures(self, recorded: Dict[int, mx.array]) -> None:
         """Append the host-fed positions' outputs ([1, n, H] per layer) to ``captures``."""

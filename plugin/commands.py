@@ -70,8 +70,5 @@ def add_commands(subparsers: Any) -> None:
     from .config_command import add_command as add_config  # mlx-spec config --show
 
     add_config(subparsers)
-    from .bench import add_command as add_bench
-
-    add_bench(subparsers)
     from .train_command import add_command as add_train  # mlx-spec train-drafter
     add_train(subparsers)

@@ -11,10 +11,8 @@ import argparse
 import json
 from typing import Any, Dict, List, NamedTuple
 
-from ..hooks.api import (
-    GENERATION_DEFAULTS, GENERATION_KEYS, HostConfig, add_speculative_flags, generation_section, knobs,
-    load_host_config, speculative_overrides,
-)
+from ..hooks.api import GENERATION_DEFAULTS, GENERATION_KEYS, HostConfig, generation_section, knobs, load_host_config
+from .flags import add_flags, overrides
 from .settings import KEYS, resolve
 
 SECRET_KEYS = ("server.api_key",)
@@ -82,7 +80,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.markdown:
         print(knobs.table_markdown(), end="")
         return 0
-    config = load_host_config(args.config, {"speculative": speculative_overrides(args)})
+    config = load_host_config(args.config, {"speculative": overrides(args)})
     rows = tree(config)
     if args.json:
         out: Dict[str, Dict[str, Any]] = {r.key: {"value": _shown(r), "source": r.source} for r in rows}
@@ -99,5 +97,5 @@ def add_command(subparsers: Any) -> None:
     p.add_argument("--config", help="host YAML file")
     p.add_argument("--json", action="store_true", help="print JSON: {key: {value, source}}")
     p.add_argument("--markdown", action="store_true", help="print docs/configuration.md's table of the runtime: knobs")
-    add_speculative_flags(p)
+    add_flags(p)
     p.set_defaults(func=cmd_config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -9,10 +10,10 @@ from typing import Any, Dict, List, Optional
 from ..drafters import registry
 from ..drafters.base import Drafter, DraftTarget
 from ..hooks.api import (
-    Backend, CaptureRequest, DecodeBatch, DecodeState, Description, HostConfig, LoadedTarget, Metric, RowSnapshot,
-    StepOutput, check_supported, draft_backend, hookimpl, knobs,
+    Backend, CaptureRequest, DecodeBatch, DecodeState, DemoPart, Description, HostConfig, LoadedTarget, Metric,
+    RowSnapshot, StepOutput, check_supported, draft_backend, hookimpl, knobs, loading,
 )
-from . import cuda, draft, round
+from . import cuda, draft, flags, round
 from .costs import CostTable
 from .metrics import METRICS
 from .settings import SpeculativeSettings, resolve
@@ -132,6 +133,7 @@ def host_request_finished(state: DecodeState, discarded: int) -> None:
         req.stats.truncate_last(discarded)
         req.stats.finish(state.generated - discarded, after_failure, req.controller.plain_steps,
                          req.controller.pause_reason)
+        state.report[NAME] = req.stats.report()
 
 
 @hookimpl
@@ -186,3 +188,22 @@ def host_add_commands(subparsers: Any) -> None:
     from . import commands
 
     commands.add_commands(subparsers)
+
+
+@hookimpl
+def host_add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    if command in flags.COMMANDS:
+        flags.add_flags(parser)
+
+
+@hookimpl
+def host_overrides(args: argparse.Namespace, command: str) -> Optional[Dict[str, Dict[str, Any]]]:
+    return {"speculative": flags.overrides(args)} if command in flags.COMMANDS else None
+
+
+@hookimpl
+def host_demo(config: HostConfig) -> Optional[DemoPart]:
+    """The demo drafter, unless some speculative setting was given (or speculation was switched off)."""
+    if flags.configured(config):
+        return None
+    return DemoPart(f"drafter {loading.DEMO_DRAFTER!r}", {"speculative": {"draft_model": loading.DEMO_DRAFTER}})

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
-from ..hooks.api import Metric
+from ..hooks.api import DecodeReport, Metric, PlainTokens
 from .accept import RoundOutcome
 
 
@@ -113,14 +113,14 @@ class SpecStats:
         self.paused_steps, self.pause_reason = paused_steps, pause_reason
 
     @property
-    def plain_tokens(self) -> Dict[str, int]:
+    def plain_tokens(self) -> PlainTokens:
         """The request's tokens that came from one-token steps, by why: ``paused`` (the adaptive controller
         found rounds below break-even), ``fallback`` (after the drafter failed), ``other`` (the prefill's
         first token, steps with nothing left to draft)."""
         plain = max(0, self.generated - self.round_tokens)
         fallback = min(self.fallback_tokens, plain)
         paused = min(self.paused_steps, plain - fallback)
-        return {"paused": paused, "fallback": fallback, "other": plain - paused - fallback}
+        return PlainTokens(paused=paused, fallback=fallback, other=plain - paused - fallback)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -136,26 +136,20 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
+    def report(self) -> DecodeReport:
+        """The request's report for the host (``state.report[NAME]``), as it stands now."""
+        return DecodeReport(
+            kind=self.kind, rounds=self.rounds, draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens,
+            mean_acceptance_length=self.mean_acceptance_length, acceptance_rate=self.acceptance_rate,
+            accepted_per_position=list(self.accepted_per_position), rounds_by_acceptance=dict(self.rounds_by_acceptance),
+            block_sizes=list(self.block_sizes), plain_steps=self.plain_steps, round_tokens=self.round_tokens,
+            plain_tokens=self.plain_tokens, generated=self.generated, pause_reason=self.pause_reason or None,
+            verified_ahead=self.verified_ahead, fallback=self.fallback, seconds=self.seconds,
+            steps={k: self.steps[k] for k in ROUND_STEPS if k in self.steps},
+        )
+
     def to_dict(self) -> Dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "rounds": self.rounds,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "accepted_per_position": list(self.accepted_per_position),
-            "rounds_by_acceptance": dict(self.rounds_by_acceptance),
-            "block_sizes": list(self.block_sizes),
-            "plain_steps": self.plain_steps,
-            "round_tokens": self.round_tokens,
-            "plain_tokens": self.plain_tokens,
-            "pause_reason": self.pause_reason or None,
-            "verified_ahead": self.verified_ahead,
-            "fallback": self.fallback,
-            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
-            "steps": {k: round(self.steps[k], 6) for k in ROUND_STEPS if k in self.steps},
-        }
+        return self.report().to_dict()
 
     def record_steps(self, laps: Laps, *steps: str) -> None:
         """``steps`` of a round's ``laps`` (all where none are named) into ``steps``."""

@@ -89,7 +89,6 @@ def row_rounds(state: DecodeState, att: Any) -> Optional[RowRounds]:
             state.extras[NAME] = False
             return None
         stats = SpecStats(kind=att.drafter.kind)
-        state.report[NAME] = stats
         width_for = state.target.cache_policy.verify_width
         req = RowRounds(
             controller=BlockSizeController(cap=att.max_block or att.block_size, start=att.block_size,

@@ -20,7 +20,7 @@ if not os.environ.get("MLX_SPEC_CACHE"):  # what the tests make is theirs: not ~
     atexit.register(shutil.rmtree, TEST_CACHE, True)
 mx.set_default_device(mx.cpu)
 
-from mlx_speculative.hooks import tiny_models as tm  # noqa: E402
+from mlx_speculative.testing import tiny_models as tm  # noqa: E402
 from mlx_speculative.hooks.host import GenerationParams, Host  # noqa: E402
 from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
 from mlx_speculative.hooks.state import HostConfig  # noqa: E402

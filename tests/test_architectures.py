@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 import pytest
 
 from conftest import encode, greedy_reference, make_host, no_stop
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 
 pytestmark = pytest.mark.integration
 

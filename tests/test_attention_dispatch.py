@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_speculative.drafters.dflash.model import Attention as DFlashAttention, ModelArgs as DFlashArgs
 from mlx_speculative.hooks import attention as host_attention
 from mlx_speculative.hooks import recurrent, scoping
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.attention import MaskSpec, described
 from mlx_speculative.plugin import cuda
 from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, projections

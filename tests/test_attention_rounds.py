@@ -26,7 +26,7 @@ from mlx_lm import load
 from conftest import greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.hooks import attention as host_attention
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.plugin import cuda
 from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, projections

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlx_speculative.hooks import attention as host_attention
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.api import Backend, CachePolicy, DraftBackend, draft_backend
 from mlx_speculative.plugin.cuda import attention
 from mlx_speculative.plugin.cuda.backend import PaddedKVCache, RoutedKVCache, RoutedPolicy, ShapeStablePolicy

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from mlx_speculative.hooks import blas
-from mlx_speculative.plugin.bench import oracle
-from mlx_speculative.plugin.bench.methods import allocate_lengths
+from mlx_speculative.benchmarks import oracle
+from mlx_speculative.benchmarks.methods import allocate_lengths
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +108,7 @@ def test_bench_cost_keys(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # Progress and the [run] lines go to stderr, plain lines into a file or pipe (no \r, no escapes)
     assert "[run]" not in printed.out and re.search(r"^\[run\] fresh L=\d+ plugin draft_model b4 tau3: ", printed.err, re.M)
     assert "[bench] loading the target\n" in printed.err and "\r" not in printed.err and "\033" not in printed.err
-    from mlx_speculative.plugin.bench import _cost_keys
+    from mlx_speculative.benchmarks import _cost_keys
 
     assert _cost_keys(None) is None and _cost_keys("none") == [] and _cost_keys("8192, 16384") == [8192, 16384]
     for bad in ("0", "abc", "300,-1"):
@@ -122,7 +122,7 @@ def test_bench_switches_the_attention_kernel(capsys: pytest.CaptureFixture) -> N
     CUDA kernel's contract takes the kernel's place on the CPU; mlx-lm's methods keep mlx-lm's attention."""
     from mlx_speculative.hooks.cli import main
     from mlx_speculative.plugin.cuda import attention, projections
-    from mlx_speculative.plugin.bench.core import BenchSettings, run_bench
+    from mlx_speculative.benchmarks.core import BenchSettings, run_bench
     from test_attention_dispatch import StandIn
 
     kernel = StandIn()
@@ -226,7 +226,7 @@ def test_bench_ahead_modes_side_by_side(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_bench_plot_keeps_its_title_one_value_axes_and_method_colours() -> None:
     pytest.importorskip("matplotlib")
-    from mlx_speculative.plugin.bench import report as bench_report
+    from mlx_speculative.benchmarks import report as bench_report
 
     def row(name: str, kind: str, tau: float, speedup: float) -> dict:
         return {"name": name, "kind": kind, "family": "spec", "adaptive": False, "block": 4, "oracle_tau": tau,

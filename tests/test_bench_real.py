@@ -13,7 +13,7 @@ from conftest import PROMPTS
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
 from mlx_speculative.hooks.cli import main
-from mlx_speculative.plugin.bench import real
+from mlx_speculative.benchmarks import real
 
 pytestmark = pytest.mark.integration
 

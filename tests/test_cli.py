@@ -12,7 +12,7 @@ from typing import Dict, List
 
 import pytest
 
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 
 pytestmark = pytest.mark.integration
 

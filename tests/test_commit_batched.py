@@ -18,7 +18,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, make_prompt_cache
 
 from mlx_speculative.hooks import recurrent
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.transaction import CacheTransaction
 
 pytestmark = pytest.mark.unit

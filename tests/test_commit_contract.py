@@ -26,7 +26,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_speculative.hooks import recurrent
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.transaction import HANDLERS, CacheTransaction, UnsupportedCache, check_supported, handler_for
 
 pytestmark = pytest.mark.unit

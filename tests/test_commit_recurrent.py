@@ -19,7 +19,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList
 
 from mlx_speculative.hooks import recurrent, recurrent_state
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.transaction import CacheTransaction, UnsupportedCache, leaves
 from test_commit_contract import ARCHS, K, exact_state, model_for, prefilled, replay_for, same, tokens, view
 

@@ -20,7 +20,7 @@ from conftest import encode, greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
 from mlx_speculative.drafters.draft_model import DraftModelDrafter
 from mlx_speculative.hooks import recurrent, taps
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.specs import hookimpl
 from test_commit_contract import exact_state, same

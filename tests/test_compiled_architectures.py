@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_speculative.hooks import recurrent
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.batch import forward
 from mlx_speculative.plugin.cuda import backend as cuda_backend, compiled
 

@@ -16,7 +16,7 @@ import pytest
 
 import mlx.core as mx
 
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 
 pytestmark = pytest.mark.integration
 

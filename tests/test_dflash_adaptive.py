@@ -279,7 +279,7 @@ def test_a_stream_whose_rounds_pay_keeps_most_of_their_gain() -> None:
     # 16; rounds 10 ms, plain steps 4.7 ms: rounds alone run at 1.41x plain. An estimate over too few drafts
     # tried dips below break-even and pauses (1.17x over windows of 8 rounds); over 32 drafts 1.29x.
     import random
-    from mlx_speculative.plugin.bench.oracle import alpha_for_tau
+    from mlx_speculative.benchmarks.oracle import alpha_for_tau
     r, p, alpha, seconds, tokens = 0.010, 0.0047, alpha_for_tau(3.0, 16), 0.0, 0
     for seed in range(200):
         rng, c, left = random.Random(seed), _priced(True, round_s=r, plain_s=p), 256

@@ -17,7 +17,7 @@ from mlx_speculative.drafters.base import DrafterError, DraftTarget
 from mlx_speculative.drafters.dflash import check, detect
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.drafters.dflash.model import ModelArgs
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import pytest
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.base import Proposal
 from mlx_speculative.drafters.dflash import DFlashBatch, tiny
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 from test_dflash_rounds import qwen3_5_config
 

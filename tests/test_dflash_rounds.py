@@ -20,7 +20,7 @@ from mlx_speculative.drafters.base import Proposal
 from mlx_speculative.drafters.dflash import DFlashBatch, DFlashDrafter, tiny
 from mlx_speculative.drafters.dflash.features import target_features
 from mlx_speculative.hooks import taps
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.api import draft_backend
 from mlx_speculative.plugin.cuda.backend import PaddedKVCache, ShapeStablePolicy
 from mlx_speculative.plugin.cuda.compiled import CompiledForward

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.dflash import DFlashBatch, tiny
-from mlx_speculative.hooks import tiny_models as tm
-from mlx_speculative.hooks.tiny_models import corpus
+from mlx_speculative.testing import tiny_models as tm
+from mlx_speculative.testing.tiny_models import corpus
 
 pytestmark = pytest.mark.integration
 

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-LIBRARY = ("hooks", "plugin", "drafters")  # the packages whose environment reads must be documented
+LIBRARY = ("hooks", "plugin", "drafters", "benchmarks", "testing")  # the packages whose environment reads must be documented
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target); images are links too for our purpose
 # os.environ.get("X" / os.environ["X"] / getenv("X" / environ.get("X"; and NAME = "MLX_SPEC_X" constants
 ENV_READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["']([A-Z][A-Z0-9_]+)["']""")
 ENV_CONST = re.compile(r"""["']((?:MLX_SPEC|MLX_VLM)_[A-Z0-9_]*[A-Z0-9])["']""")
 # Backquoted repository paths in docs/architecture.md: `hooks/batch.py`, `plugin/round.py`, `drafters/dflash/`
-PATH = re.compile(r"`((?:hooks|plugin|drafters|demo|bench|tests|examples)/[A-Za-z0-9_./-]*)`")
+PATH = re.compile(r"`((?:hooks|plugin|drafters|demo|benchmarks|bench|testing|tests|examples)/[A-Za-z0-9_./-]*)`")
 # Every module one speculative round passes through (propose, verify, accept, commit): the architecture page
 # must name each, so that a reader can follow a round file by file.
 ROUND_FILES = ("hooks/backend.py", "hooks/batch.py", "hooks/scheduler.py", "hooks/specs.py", "hooks/state.py",

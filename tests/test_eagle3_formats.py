@@ -22,7 +22,7 @@ from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.base import DraftTarget
 from mlx_speculative.drafters.eagle3 import check, detect, tiny
 from mlx_speculative.drafters.eagle3.model import Model, ModelArgs
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ import pytest
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.base import Proposal
 from mlx_speculative.drafters.eagle3 import Eagle3Batch, tiny
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from test_engine_batch import ROWS, WatchedDrafter, _requests, _run_batch
 
 pytestmark = pytest.mark.integration

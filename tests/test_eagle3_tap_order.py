@@ -19,7 +19,7 @@ import pytest
 from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.eagle3 import tiny
 from mlx_speculative.drafters.eagle3.batch import Eagle3Batch
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
 pytestmark = pytest.mark.integration

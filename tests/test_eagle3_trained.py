@@ -17,9 +17,9 @@ from conftest import greedy_reference, make_host, no_stop
 from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.base import DraftTarget
 from mlx_speculative.drafters.eagle3 import tiny
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.cli import main
-from mlx_speculative.hooks.tiny_models import corpus
+from mlx_speculative.testing.tiny_models import corpus
 
 pytestmark = pytest.mark.integration
 

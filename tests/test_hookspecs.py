@@ -24,8 +24,9 @@ pytestmark = pytest.mark.integration
 
 hookimpl = specs.hookimpl
 ROOT = Path(__file__).resolve().parents[1]
-SPEC_NAMES = ["host_model_loaded", "host_cache_policy", "host_describe", "host_add_commands", "host_prefill_captures",
-              "host_decode_step", "host_request_finished", "host_save_row", "host_metrics"]
+SPEC_NAMES = ["host_model_loaded", "host_cache_policy", "host_describe", "host_add_commands", "host_add_arguments",
+              "host_overrides", "host_demo", "host_prefill_captures", "host_decode_step", "host_request_finished",
+              "host_save_row", "host_metrics"]
 
 
 def test_every_hookspec_is_documented_with_its_signature() -> None:
@@ -236,6 +237,42 @@ def test_request_finished_counts_tokens_cut_by_a_stop_token(llama_pair: Dict[str
     result = host.generate(target, prompt, params)
     assert result.tokens == ref[:j] and result.finish_reason == "stop"
     assert finished.calls == [(j + 2, 1)]
+
+
+class Reporting:
+    """A third-party plugin reporting its decode steps: the host reads the report by type, not by name."""
+
+    @hookimpl
+    def host_request_finished(self, state: DecodeState, discarded: int) -> None:
+        state.report["echo"] = specs.DecodeReport(kind="echo", rounds=3, draft_tokens=6, accepted_tokens=4,
+                                                  mean_acceptance_length=2.3333333, acceptance_rate=4 / 6,
+                                                  plain_tokens=specs.PlainTokens(paused=2, other=1),
+                                                  pause_reason="slow", steps={"draft": 0.0012345})
+
+
+def test_the_host_reads_a_plugins_decode_report(llama_pair: Dict[str, Any]) -> None:
+    from mlx_speculative.hooks.metrics import timings
+
+    host = Host(HostConfig(), pm=make_plugin_manager(False, [EchoSteps(), Reporting()]))
+    target = host.load(str(llama_pair["target"]))
+    states: List[DecodeState] = []
+    list(host.stream(target, encode(target, "the model token"), no_stop(6), state_out=states))
+    report = states[0].decode_report
+    assert report is states[0].report["echo"] and report.plain_tokens.total == 3
+    t = timings(3, 0.1, 6, 0.2, report)
+    assert (t["draft_kind"], t["draft_rounds"], t["draft_n"], t["draft_n_accepted"]) == ("echo", 3, 6, 4)
+    assert (t["mean_acceptance_length"], t["acceptance_rate"], t["draft_pause_reason"]) == (2.3333, 0.6667, "slow")
+    assert t["round_steps_ms"] == {"draft": 1.234} and t["draft_plain_steps"] == 0
+    d = report.to_dict()
+    assert d["plain_tokens"] == {"paused": 2, "fallback": 0, "other": 1} and d["steps"] == {"draft": 0.001234}
+    assert list(d) == ["kind", "rounds", "draft_tokens", "accepted_tokens", "mean_acceptance_length",
+                       "acceptance_rate", "accepted_per_position", "rounds_by_acceptance", "block_sizes",
+                       "plain_steps", "round_tokens", "plain_tokens", "pause_reason", "verified_ahead", "fallback",
+                       "seconds", "steps"]
+    plain = Host(HostConfig(), pm=make_plugin_manager(False))
+    states = []
+    list(plain.stream(plain.load(str(llama_pair["target"])), [1, 2], no_stop(2), state_out=states))
+    assert states[0].decode_report is None and "draft_kind" not in timings(2, 0.1, 2, 0.1, None)
 
 
 class Decline:

@@ -1,6 +1,6 @@
 """Plugins and drafters import the host only through its API module, ``hooks/api.py``.
 
-A check over the syntax tree of every .py file under plugin/, drafters/ and examples/: an import of a
+A check over the syntax tree of every .py file under plugin/, drafters/, benchmarks/, testing/ and examples/: an import of a
 host module other than ``hooks.api`` (absolute ``mlx_speculative.hooks.X``, relative ``..hooks.X``,
 ``from .. import hooks``, ``from ..hooks import X``; at module level or inside a function) is reported
 as file:line, and so is a private name read through the API (``from ..hooks.api import _x``,
@@ -22,7 +22,7 @@ import mlx_speculative.hooks.api as api
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("plugin", "drafters", "examples")
+SCANNED = ("plugin", "drafters", "benchmarks", "testing", "examples")
 HOST = "mlx_speculative.hooks"
 API = HOST + ".api"
 
@@ -31,7 +31,7 @@ def _package(path: Path) -> Optional[List[str]]:
     """The package a file under the repository belongs to (``drafters/dflash/model.py`` ->
     mlx_speculative.drafters.dflash); None outside the mlx_speculative packages (examples/)."""
     rel = path.relative_to(ROOT).parts
-    if rel[0] not in ("plugin", "drafters", "hooks"):
+    if rel[0] not in ("plugin", "drafters", "hooks", "benchmarks", "testing"):
         return None
     return ["mlx_speculative", *rel[:-1]]
 
@@ -111,9 +111,9 @@ def test_plugins_and_drafters_import_the_host_only_through_its_api() -> None:
     ("import mlx_speculative.hooks.state as s\n", None, "x.py:1: imports mlx_speculative.hooks.state"),
     ("from mlx_speculative.hooks.loading import read_config\n", None,
      "x.py:1: imports mlx_speculative.hooks.loading.read_config"),
-    ("from ...hooks.api import _LAZY\n", ["mlx_speculative", "plugin", "bench"], "x.py:1: imports the private _LAZY"),
-    ("from ...hooks.api import tiny_models as tm\nx = tm._secret(1)\n", ["mlx_speculative", "drafters", "mtp"],
-     "x.py:2: reads the private tm._secret"),
+    ("from ..hooks.api import _LAZY\n", ["mlx_speculative", "benchmarks"], "x.py:1: imports the private _LAZY"),
+    ("from ...hooks.api import knobs as k\nx = k._secret(1)\n", ["mlx_speculative", "drafters", "mtp"],
+     "x.py:2: reads the private k._secret"),
 ])
 def test_the_checker_reports_a_forbidden_import(source: str, package: Optional[List[str]], expected: str) -> None:
     found = violations(source, "x.py", package)

@@ -23,7 +23,7 @@ from mlx_speculative.drafters.base import DraftTarget, Proposal
 from mlx_speculative.drafters.mtp import deepseek, tiny
 from mlx_speculative.drafters.mtp.batch import HeadBatch
 from mlx_speculative.hooks import loading
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.kv_view import committed_kv
 from test_engine_batch import WatchedDrafter, _run_batch
 from test_mtp_qwen import ATOL, PLAN, forced, scratch

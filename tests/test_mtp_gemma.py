@@ -26,7 +26,7 @@ from mlx_speculative.drafters.mtp import gemma, tiny
 from mlx_speculative.drafters.mtp.assistant import AssistantBatch, masks
 from mlx_speculative.drafters.mtp.batch import draw
 from mlx_speculative.hooks import taps
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.kv_view import committed_kv
 from mlx_speculative.hooks.state import KeyStream, SamplingParams
 from test_engine_batch import WatchedDrafter, _run_batch

@@ -21,7 +21,7 @@ from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.base import DraftTarget, DrafterError, Proposal
 from mlx_speculative.drafters.mtp import tiny
 from mlx_speculative.drafters.mtp.batch import HeadBatch
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
 pytestmark = pytest.mark.integration

@@ -28,7 +28,7 @@ from mlx_speculative.drafters.mtp import qwen, tiny
 from mlx_speculative.drafters.mtp.qwen3_5_mtp import Model as Head
 from mlx_speculative.drafters.mtp.qwen3_5_mtp import ModelArgs as HeadArgs
 from mlx_speculative.drafters.training import TrainOptions, train
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 from test_mtp_qwen import batch_of_eight_is_exact, forced_rounds_are_exact
 from test_mtp_trained import prompts

@@ -24,7 +24,7 @@ from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.mtp import tiny
 from mlx_speculative.drafters.training import TrainOptions, train
 from mlx_speculative.hooks.cli import main
-from mlx_speculative.hooks.tiny_models import corpus
+from mlx_speculative.testing.tiny_models import corpus
 
 pytestmark = pytest.mark.integration
 

@@ -34,7 +34,7 @@ from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
 from mlx_speculative.hooks import recurrent
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.transaction import CacheTransaction
 

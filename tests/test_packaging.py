@@ -1,4 +1,5 @@
-"""Every subpackage under hooks/, plugin/, drafters/ and demo/ ships in the wheel, under mlx_speculative."""
+"""Every subpackage under hooks/, plugin/, drafters/, demo/, benchmarks/ and testing/ ships in the wheel, under
+mlx_speculative."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"hooks": "mlx_speculative.hooks", "plugin": "mlx_speculative.plugin", "drafters": "mlx_speculative.drafters",
-       "demo": "mlx_speculative.demo"}
+       "demo": "mlx_speculative.demo", "benchmarks": "mlx_speculative.benchmarks", "testing": "mlx_speculative.testing"}
 
 
 def test_pyproject_lists_every_subpackage() -> None:
@@ -52,10 +53,13 @@ def _imported_packages(path: Path) -> set:
 
 
 def test_no_import_cycle_between_hooks_drafters_and_plugin() -> None:
-    """The host never imports the plugin or the drafters (only the demo's folder names); the drafters never
-    import the plugin; the demo's build imports none of them (it runs `mlx-spec train-drafter`)."""
-    allowed = {"hooks": {"hooks", "demo"}, "drafters": {"hooks", "drafters"}, "plugin": {"hooks", "drafters", "plugin"},
-               "demo": {"demo"}}
+    """The host never imports the plugin, the drafters or the test fixtures (only the demo's folder names); the
+    drafters never import the plugin (their tiny.py fixtures build on testing/); the plugin never imports the test
+    fixtures nor the bench (a plugin of its own, benchmarks/, which drives the plugin); the demo's build imports none
+    of them (it runs `mlx-spec train-drafter`)."""
+    allowed = {"hooks": {"hooks", "demo"}, "drafters": {"hooks", "drafters", "testing"},
+               "plugin": {"hooks", "drafters", "plugin"}, "demo": {"demo"}, "testing": {"hooks", "testing"},
+               "benchmarks": {"hooks", "drafters", "plugin", "benchmarks"}}
     bad = []
     for folder in TOP:
         for path in sorted((ROOT / folder).rglob("*.py")):

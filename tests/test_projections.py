@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_speculative.hooks import attention as host_attention
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.plugin import cuda
 from mlx_speculative.plugin.cuda import backend as cuda_backend, cuda_matmul, projections
 

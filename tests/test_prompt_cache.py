@@ -26,7 +26,7 @@ from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
 from mlx_speculative.drafters.mtp import tiny as mtp_tiny
 from mlx_speculative.hooks import prompt_cache as pc
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.host import GenerationParams
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import SamplingParams

@@ -27,7 +27,7 @@ from mlx_lm import load
 from conftest import greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.base import Proposal
 from mlx_speculative.drafters.dflash import DFlashBatch, tiny
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.transaction import CacheTransaction
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import make_host, no_stop
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.batch import DecodeBatch
 from mlx_speculative.hooks.state import SamplingParams
 from mlx_speculative.plugin import accept
@@ -241,6 +241,7 @@ def host_tokens(pair: Dict[str, Any], temperature: float, samples: int, **specul
         while state.remaining > 0:
             tokens += [g.token for _, gens in decoder.step() for g in gens]
         out[seed] = tokens
+        host.finished(state)  # the request ends: the plugin writes its report
         for name, n in state.report["speculative"].rounds_by_acceptance.items():
             rounds[name] += n
     return out, rounds

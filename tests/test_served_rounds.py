@@ -17,7 +17,7 @@ import pytest
 
 from conftest import PROMPTS, encode, greedy_reference, make_host, price
 from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.api import CachePolicy
 from mlx_speculative.hooks.host import GenerationParams
 from mlx_speculative.hooks.scheduler import Scheduler

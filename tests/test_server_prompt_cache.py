@@ -21,7 +21,7 @@ import pytest
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
 from mlx_speculative.drafters.mtp import tiny as mtp_tiny
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from test_server import ServerProc, start_server
 
 openai = pytest.importorskip("openai")

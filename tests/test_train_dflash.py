@@ -16,7 +16,7 @@ from mlx.utils import tree_map
 from mlx_speculative.drafters.dflash import features, tiny
 from mlx_speculative.drafters.dflash.model import Model, ModelArgs
 from mlx_speculative.hooks import taps
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 
 pytestmark = pytest.mark.unit
 

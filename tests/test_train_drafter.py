@@ -18,7 +18,7 @@ import pytest
 from conftest import greedy_reference, make_host, no_stop
 from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.training import TrainOptions, loop, train
-from mlx_speculative.hooks import tiny_models as tm
+from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.cli import main
 
 pytestmark = pytest.mark.integration

@@ -1,7 +1,7 @@
 """Verifying ahead (plugin/cuda/verify_ahead.py): a round queues the next round's verify forward over the block
 drafted ahead, at the device offset its own outcome gives, before the host reads that outcome.
 
-The bench's oracle (plugin/bench/oracle.py) supplies the drafts, its draws scripted round by round so that
+The bench's oracle (benchmarks/oracle.py) supplies the drafts, its draws scripted round by round so that
 rounds accept nothing, part or all of their drafts: on the device for the verify queued ahead, on the host
 otherwise. The output must stay plain decoding's (mlx-lm's greedy tokens), alone (verified ahead) and in a
 batch (verified in place); a queued verify is used only where the row, its caches, its pending token and its
@@ -23,7 +23,7 @@ from conftest import no_stop
 from mlx_speculative.plugin import draft_ahead as draft_ahead_mod
 from mlx_speculative.plugin import round as round_mod
 from mlx_speculative.plugin.cuda import verify_ahead
-from mlx_speculative.plugin.bench import oracle as orc
+from mlx_speculative.benchmarks import oracle as orc
 from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
 from test_draft_ahead import CASES, VOCAB, by_acceptance, dflash_host, run
 

@@ -112,7 +112,7 @@ def train(
     to ``out_dir``; returns the first and last losses."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from ...hooks.api import corpus
+    from ...testing.tiny_models import corpus
     from ..training import TrainOptions
     from ..training import train as train_core
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ...hooks.api import tiny_models as tm
+from ...testing import tiny_models as tm
 from .qwen3_5_mtp import Model as QwenHead
 from .qwen3_5_mtp import ModelArgs as QwenArgs
 from .qwen3_5_mtp import text_config

@@ -20,10 +20,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ...hooks.api import Backend, LoadedTarget, draft_backend, route_policy, route_projections, taps, unroute_projections
-from .. import cuda
-from ..cuda import attention, backend as cuda_backend, compiled, projections
-from ..draft import ahead_modes
+from ..hooks.api import Backend, LoadedTarget, draft_backend, route_policy, route_projections, taps, unroute_projections
+from ..plugin import cuda
+from ..plugin.cuda import attention, backend as cuda_backend, compiled, projections
+from ..plugin.draft import ahead_modes
 from .methods import HostMethod, Method, MlxLmPlain, MlxLmSpec, Reference, Run, allocate_lengths, divergence, reference
 from .report import paired_medians, summarize
 from . import kernels, real, sharded, synthetic
@@ -105,7 +105,7 @@ def _load_target(s: BenchSettings) -> Tuple[LoadedTarget, Dict[str, Any], str]:
                          f"(allowed: {', '.join(synthetic.SPECS)})")
     from mlx_lm import load as mlx_load
 
-    from ...hooks.api import loading
+    from ..hooks.api import loading
 
     path = loading.resolve_path(s.model, "model")
     config = loading.read_config(path, "model")
@@ -115,8 +115,8 @@ def _load_target(s: BenchSettings) -> Tuple[LoadedTarget, Dict[str, Any], str]:
 
 def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any], policy: Optional[Backend]) -> Dict[str, Any]:
     """kind -> (drafter, draft LM module or None, description)."""
-    from ...drafters.draft_model import DraftModelDrafter
-    from ...drafters.ngram import family as ngram_family
+    from ..drafters.draft_model import DraftModelDrafter
+    from ..drafters.ngram import family as ngram_family
 
     out: Dict[str, Any] = {}
     kinds = ["dflash", "draft_model"] if s.kind == "auto" else [s.kind]
@@ -153,7 +153,7 @@ def load_drafters(s: BenchSettings, target: LoadedTarget, config: Dict[str, Any]
         drafter, edesc = synthetic.eagle3_drafter(target.model, config, seed=s.seed + 3, backend=policy)
         out["eagle3"] = (drafter, None, edesc + (", padded caches" if policy is not None else ""))
     if "ngram" in kinds:
-        from ...drafters.base import DraftTarget
+        from ..drafters.base import DraftTarget
 
         out["ngram"] = (ngram_family.load(None, {}, DraftTarget(config=config), {"ngram_n": 3}), None, "ngram (n=3)")
     return out
@@ -302,11 +302,11 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         if "draft_model" in drafters:
             cuda_backend.prewarm(drafters["draft_model"][1], max_len, [1, 2], s.bucket)
         if "dflash" in drafters:
-            from ...drafters.dflash import prewarm as prewarm_dflash
+            from ..drafters.dflash import prewarm as prewarm_dflash
 
             prewarm_dflash(drafters["dflash"][0], max_len, cap)
         if "eagle3" in drafters:
-            from ...drafters.eagle3 import prewarm as prewarm_eagle3
+            from ..drafters.eagle3 import prewarm as prewarm_eagle3
 
             prewarm_eagle3(drafters["eagle3"][0], max_len, cap)
         prewarm_s = time.perf_counter() - t

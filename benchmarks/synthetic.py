@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ...hooks.api import Backend, draft_backend
+from ..hooks.api import Backend, draft_backend
 
 SPECS: Dict[str, Dict[str, Any]] = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -81,9 +81,9 @@ def dflash_drafter(target: nn.Module, config: Dict[str, Any], block_size: int = 
     """A DFlash-shape drafter (``layers`` layers, the target's width, target_layer_ids spread over
     the target) with random weights, borrowing the target's embedding and head; its caches and compiled calls
     are ``backend``'s (None: the host's default), as drafters.dflash.load makes them."""
-    from ...drafters.dflash import DFlashDrafter
-    from ...drafters.target_parts import target_embedding_and_head
-    from ...drafters.dflash.model import Model, ModelArgs
+    from ..drafters.dflash import DFlashDrafter
+    from ..drafters.target_parts import target_embedding_and_head
+    from ..drafters.dflash.model import Model, ModelArgs
 
     mx.random.seed(seed)
     args = ModelArgs.from_dict({
@@ -111,10 +111,10 @@ def eagle3_drafter(target: nn.Module, config: Dict[str, Any], draft_vocab: int =
     """An EAGLE-3-shape drafter (one layer at the target's width, fc over the default three layers,
     a ``draft_vocab`` head mapped through a random d2t) with random weights, borrowing the target's
     embedding."""
-    from ...drafters.target_parts import target_embedding_and_head
-    from ...drafters.eagle3 import Eagle3Drafter
-    from ...drafters.eagle3.model import Model, ModelArgs
-    from ...drafters.eagle3.tiny import default_draft_ids
+    from ..drafters.target_parts import target_embedding_and_head
+    from ..drafters.eagle3 import Eagle3Drafter
+    from ..drafters.eagle3.model import Model, ModelArgs
+    from ..drafters.eagle3.tiny import default_draft_ids
 
     mx.random.seed(seed)
     vocab = config["vocab_size"]

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from ...hooks.api import LoadedTarget, distributed
+from ..hooks.api import LoadedTarget, distributed
 
 
 def shard_target(target: LoadedTarget, config: Dict[str, Any], cluster: distributed.Cluster) -> LoadedTarget:

@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ...hooks.api import forward
-from ..cuda import backend as cuda_backend
+from ..hooks.api import forward
+from ..plugin.cuda import backend as cuda_backend
 
 
 def timed(fn: Callable[[], Any], iters: int) -> float:

@@ -1,4 +1,4 @@
-"""``python -m mlx_speculative.plugin.bench``: the bench without the console script or entry points."""
+"""``python -m mlx_speculative.benchmarks``: the bench without the console script or entry points."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from . import add_command
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlx_speculative.plugin.bench")
+    parser = argparse.ArgumentParser(prog="python -m mlx_speculative.benchmarks")
     sub = parser.add_subparsers(dest="command")
     add_command(sub)
     args = parser.parse_args(["bench", *sys.argv[1:]])

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...drafters.base import DraftBatch, Drafter, Proposal, Unread, Verified
+from ..drafters.base import DraftBatch, Drafter, Proposal, Unread, Verified
 
 
 def expected_accepted(alpha: float, k: int) -> float:

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import knobs
+from ..hooks.api import knobs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 CHAT_TEMPLATE = (

@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ...hooks.api import Backend, CachePolicy, GenerationParams, Host, HostConfig, LoadedTarget, Scheduler, make_plugin_manager
-from .. import hookimpls
-from ..costs import CostTable
-from ..rank0_drafts import for_ranks
-from ..settings import SpeculativeSettings
+from ..hooks.api import Backend, CachePolicy, GenerationParams, Host, HostConfig, LoadedTarget, Scheduler, make_plugin_manager
+from ..plugin import hookimpls
+from ..plugin.costs import CostTable
+from ..plugin.rank0_drafts import for_ranks
+from ..plugin.settings import SpeculativeSettings
 from . import oracle as orc
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ...drafters import registry
-from ...hooks.api import Backend, LoadedTarget
-from ..hookimpls import draft_target
+from ..drafters import registry
+from ..hooks.api import Backend, LoadedTarget
+from ..plugin.hookimpls import draft_target
 
 
 @dataclass
@@ -82,8 +82,8 @@ def load_drafters(s: Any, target: LoadedTarget, policy: Optional[Backend]
                                  "family": resolution.family.name, "blocks": blocks,
                                  "default_block": int(drafter.default_block_size), "warnings": list(resolution.warnings)}
     if s.kind == "ngram":
-        from ...drafters.base import DraftTarget
-        from ...drafters.ngram import family as ngram_family
+        from ..drafters.base import DraftTarget
+        from ..drafters.ngram import family as ngram_family
 
         drafter = ngram_family.load(None, {}, DraftTarget(config=target.model_config), {"ngram_n": 3})
         blocks = blocks_for(None, s.block_sizes, drafter.default_block_size)
@@ -129,7 +129,7 @@ def read_prompts(path: str) -> List[str]:
 
 def tokenize(tokenizer: Any, prompts: List[str], path: str) -> List[List[int]]:
     """The target's tokenizer, no chat template (as ``mlx-spec generate --ignore-chat-template``)."""
-    from ...hooks.api import encode_prompt
+    from ..hooks.api import encode_prompt
 
     if tokenizer is None:
         raise ValueError("--prompts-file: the target has no tokenizer")

@@ -138,8 +138,8 @@ def add_command(subparsers: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..cuda.compiled import check_widths
-    from ..draft import ahead_modes
+    from ..plugin.cuda.compiled import check_widths
+    from ..plugin.draft import ahead_modes
     from .core import BenchSettings, run_bench
     from .report import format_table, plot, write_json
 
@@ -194,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_prompts=args.max_prompts, cost_keys=extra_keys, paired=args.paired, draft_ahead=args.draft_ahead,
     )
     check(settings)  # refused combinations, before anything loads
-    from ...hooks.api import distributed
+    from ..hooks.api import distributed
 
     if args.compare_unsharded and not args.distributed:
         raise ValueError("--compare-unsharded: given without --distributed; expected it on the sharded run "

@@ -11,9 +11,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ...hooks.api import blas_in_use
-from .. import cuda
-from ..metrics import ROUND_STEPS
+from ..hooks.api import blas_in_use
+from ..plugin import cuda
+from ..plugin.metrics import ROUND_STEPS
 from . import kernels
 from .methods import Method, Run
 
