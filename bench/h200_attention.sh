@@ -63,14 +63,14 @@ set -euo pipefail
 OUT=${OUT:-h200-out}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" /tmp/new/mlx_speculative
-for d in hooks plugin drafters; do ln -sfn "$PWD/$d" "/tmp/new/mlx_speculative/$d"; done
+for d in hooks plugin drafters benchmarks testing; do ln -sfn "$PWD/$d" "/tmp/new/mlx_speculative/$d"; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 py() { env PYTHONPATH="$SITE:/tmp/new" python3 "$@"; }
 py -c "import mlx.core as mx; assert mx.cuda.is_available(), 'MLX-CUDA is not staged'; print(mx.__version__, mx.device_info().get('device_name'))"
 
 FORWARDS=(bench/attention_forwards.py --synthetic-target llama-8b --keys 4096,16384 --widths 1,2,4,8,16,32
           --block 16 --dflash-layers 5 --iters 10 --kernel both)
-BENCH=(-m mlx_speculative.plugin.bench --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
+BENCH=(-m mlx_speculative.benchmarks --synthetic-target llama-8b --kind dflash --oracle-acceptance 6.5
        --adaptive-at 1 --block-sizes 16 --max-tokens 256 --no-mlx-lm-spec --paired "${PAIRED:-1}" --compiled-forward "${COMPILED:-auto}"
        --compiled-widths "${WIDTHS:-2,4,8,16,32}" --cost-keys "${COST_KEYS:-4096,8192,16384}" --seed "${SEED:-0}"
        --draft-ahead "${AHEAD:-on}")

@@ -6,7 +6,7 @@ set -uo pipefail
 name="$1"; shift
 out="${OUT:-./served-out}"; mkdir -p "$out"
 mkdir -p /tmp/new/mlx_speculative  # the package's folders under its import name (no install there)
-for d in hooks plugin drafters demo; do ln -sfn "$PWD/$d" "/tmp/new/mlx_speculative/$d"; done
+for d in hooks plugin drafters demo benchmarks testing; do ln -sfn "$PWD/$d" "/tmp/new/mlx_speculative/$d"; done
 export PYTHONPATH="${SITE:-/tmp/site}:/tmp/new" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/served-$name.gpu.txt"
 python3 bench/server_batching.py "$@" --json "$out/served-$name.json" 2>&1 | tee "$out/served-$name.log"

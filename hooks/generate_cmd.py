@@ -138,7 +138,7 @@ def fit_context(prompt: List[int], max_tokens: int, context: Optional[int], max_
 
 def speculative_off_reason(args: argparse.Namespace, config: Any, flags: Dict[str, Any]) -> str:
     """Why a run had no speculative decoding at all (its tokens all came from plain steps)."""
-    if args.no_speculative:
+    if getattr(args, "no_speculative", False):  # the plugin's flag: absent without it
         return "--no-speculative"
     if flags.get("enabled") is False:
         return "--num-draft-tokens 0"
@@ -194,7 +194,8 @@ def generate(args: argparse.Namespace, cluster: Any) -> int:
     from .state import SamplingParams
 
     pm = plugins(args)
-    config = load_host_config(args.config, plugin_overrides(pm, args, "generate"))
+    overrides = plugin_overrides(pm, args, "generate")
+    config = load_host_config(args.config, overrides)
     gen = generation_settings(args, config)
     max_kv = validate.optional("max_kv_size", args.max_kv_size, "--max-kv-size")
     step = validate.optional("prefill_step_size", args.prefill_step_size, "--prefill-step-size")
@@ -232,7 +233,7 @@ def generate(args: argparse.Namespace, cluster: Any) -> int:
     )
     mx.reset_peak_memory()
     run = Run(len(prompt))
-    run.off_reason = speculative_off_reason(args, config, overrides["speculative"])
+    run.off_reason = speculative_off_reason(args, config, overrides.get("speculative", {}))
     # Sharded, Ctrl-C ends the rank at once (a step left out on one rank only would set the ranks apart).
     with (Interrupt() if cluster is None else contextlib.nullcontext()) as interrupt:
         stop = (lambda: interrupt.hit) if interrupt is not None else (lambda: False)
