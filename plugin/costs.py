@@ -57,8 +57,8 @@ class CostTable:
         return expected / r < rows / p
 
     def report(self) -> Dict[str, float]:
-        return {f"{k}:{b}x{w}": round(self.get(k, b, w) * 1e3, 3) for (k, b, w) in sorted(self.least)
-                if self.get(k, b, w) is not None}
+        return {f"{k}:{b}x{w}": round(v * 1e3, 3) for (k, b, w), v in sorted(self.least.items())
+                if self.seen[(k, b, w)] > self.trust}
 
 
 def expected_tokens(alpha: float, drafts: int) -> float:
