@@ -74,8 +74,9 @@ def add_command(subparsers: Any) -> None:
                      help="block sizes (default 16; with --drafter: each drafter's own default block)")
     run.add_argument("--prompts-file", metavar="FILE",
                      help="real text prompts instead of random tokens (needs --model): a JSON list of strings, a JSON "
-                          "object {\"prompts\": [{\"prompt\": \"...\"}, ...]}, or plain text with one prompt per "
-                          "blank-line-separated paragraph; tokenized by the target's tokenizer, no chat template. "
+                          "object {\"prompts\": [{\"prompt\": \"...\", \"chat\": false}, ...]}, or plain text with one "
+                          "prompt per blank-line-separated paragraph; tokenized by the target's tokenizer, through "
+                          "its chat template where \"chat\" is true. "
                           "Every method decodes every prompt (fresh: the first pass, methods in an order rotated "
                           "from prompt to prompt; warm: replayed), so the fresh regime's rule below does not hold")
     run.add_argument("--max-prompts", type=int, default=None, metavar="N", help="use the first N prompts of --prompts-file")

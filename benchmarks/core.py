@@ -410,7 +410,7 @@ def run_bench(s: BenchSettings, on_progress: Callable[[str], None] = _progress,
         report["prompt_lengths"]["bases"] = [len(t) for t in tokens]
         report["regimes"].update({"fresh": real.FRESH_NOTE, "warm": real.WARM_NOTE})
         report["prompts"] = {"file": s.prompts_file, "count": len(tokens), "token_lengths": [len(t) for t in tokens],
-                             "tokenized": "the target's tokenizer, no chat template", "fresh_rule_holds": False,
+                             "tokenized": real.TOKENIZED, "chat": sum(t.chat for t in texts), "fresh_rule_holds": False,
                              "method_order": [[methods[i].name for i in row] for row in order]}
     return report
 

@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ..drafters import registry
 from ..hooks.api import Backend, LoadedTarget
@@ -95,9 +95,14 @@ def load_drafters(s: Any, target: LoadedTarget, policy: Optional[Backend]
 
 # -- prompts ----------------------------------------------------------------------------------------
 
-def read_prompts(path: str) -> List[str]:
-    """A JSON list of strings, a JSON object {"prompts": [strings or {"prompt": ...}]} (the demo's
-    prompts.json), or plain text: one prompt per blank-line-separated paragraph."""
+class TextPrompt(NamedTuple):
+    text: str
+    chat: bool  # through the target's chat template (``{"prompt": ..., "chat": true}`` in a JSON file)
+
+
+def read_prompts(path: str) -> List[TextPrompt]:
+    """A JSON list of strings, a JSON object {"prompts": [strings or {"prompt": ..., "chat": bool}]} (the demo's
+    prompts.json, bench/prompts/real_pair.json), or plain text: one prompt per blank-line-separated paragraph."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -116,30 +121,39 @@ def read_prompts(path: str) -> List[str]:
         prompts = []
         for i, item in enumerate(items):
             value = item.get("prompt") if isinstance(item, dict) else item
+            chat = item.get("chat", False) if isinstance(item, dict) else False
             if not isinstance(value, str):
                 raise ValueError(f"--prompts-file {path!r}: prompt {i} is {type(item).__name__} {str(item)[:60]!r}; {expected}")
-            prompts.append(value)
+            if not isinstance(chat, bool):
+                raise ValueError(f"--prompts-file {path!r}: prompt {i}'s \"chat\" is {chat!r}; expected true or false")
+            prompts.append(TextPrompt(value, chat))
     else:
-        prompts = [para.strip("\n") for para in text.replace("\r\n", "\n").split("\n\n")]
-    prompts = [x for x in prompts if x.strip()]
+        prompts = [TextPrompt(para.strip("\n"), False) for para in text.replace("\r\n", "\n").split("\n\n")]
+    prompts = [x for x in prompts if x.text.strip()]
     if not prompts:
         raise ValueError(f"--prompts-file {path!r}: no prompts found; {expected}")
     return prompts
 
 
-def tokenize(tokenizer: Any, prompts: List[str], path: str) -> List[List[int]]:
-    """The target's tokenizer, no chat template (as ``mlx-spec generate --ignore-chat-template``)."""
+def tokenize(tokenizer: Any, prompts: List[TextPrompt], path: str) -> List[List[int]]:
+    """The target's tokenizer; a chat prompt through its chat template (as ``mlx-spec generate`` does), the
+    others as raw text (as ``--ignore-chat-template``)."""
     from ..hooks.api import encode_prompt
 
     if tokenizer is None:
         raise ValueError("--prompts-file: the target has no tokenizer")
-    out = [encode_prompt(tokenizer, text, chat=False) for text in prompts]
+    if any(p.chat for p in prompts) and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"--prompts-file {path!r}: prompts marked \"chat\": true, but the target's tokenizer has no "
+                         "chat template")
+    out = [encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts]
     for i, ids in enumerate(out):
         if not ids:
-            raise ValueError(f"--prompts-file {path!r}: prompt {i} ({prompts[i][:40]!r}) has no tokens")
+            raise ValueError(f"--prompts-file {path!r}: prompt {i} ({prompts[i].text[:40]!r}) has no tokens")
     return out
 
 
+TOKENIZED = ("the target's tokenizer; prompts marked \"chat\": true through its chat template, the others as raw "
+             "text")
 FRESH_NOTE = ("first pass over the prompts; every method decodes every prompt (same text, comparable tau), so the "
               "rule that no method meets a key length another ran cannot hold: only the first method on a prompt "
               "meets its lengths new (the order rotates from prompt to prompt)")

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
+from mlx_lm.utils import load_tokenizer
 
 from conftest import PROMPTS
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
+from mlx_speculative.hooks.api import encode_prompt
 from mlx_speculative.hooks.cli import main
 from mlx_speculative.benchmarks import real
 
@@ -47,6 +49,9 @@ def test_bench_real_drafters(tmp_path: Path, llama_pair: Dict[str, Path], dflash
                              eagle3: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out.json"
     prompts = _demo_prompts(tmp_path / "prompts.json")
+    items = json.loads(prompts.read_text())
+    items["prompts"][0]["chat"] = True  # one prompt through the chat template
+    prompts.write_text(json.dumps(items))
     rc = main(["bench", "--model", str(llama_pair["target"]), "--drafter", f"{dflash}@4", "--drafter", f"{eagle3}@3", "--drafter",
                str(llama_pair["drafter"]), "--kind", "ngram", "--prompts-file", str(prompts), "--max-tokens", "16",
                "--cpu", "--json", str(out)])
@@ -60,6 +65,9 @@ def test_bench_real_drafters(tmp_path: Path, llama_pair: Dict[str, Path], dflash
     assert ckpts["draft_model"]["blocks"] == [ckpts["draft_model"]["default_block"]]  # no --block-sizes: its own
     assert report["prompts"]["count"] == 3 and report["prompts"]["fresh_rule_holds"] is False
     assert report["prompt_lengths"]["bases"] == report["prompts"]["token_lengths"]
+    tokenizer = load_tokenizer(llama_pair["target"])
+    assert report["prompts"]["chat"] == 1 and report["prompts"]["token_lengths"][:2] == [
+        len(encode_prompt(tokenizer, PROMPTS[0], chat=True)), len(encode_prompt(tokenizer, PROMPTS[1], chat=False))]
     b = ckpts["draft_model"]["default_block"]
     assert ckpts["eagle3"]["kind"] == "eagle3" and ckpts["eagle3"]["blocks"] == [3]
     spec = {"plugin dflash b4 real drafts", "plugin eagle3 b3 real drafts", f"plugin draft_model b{b} real drafts",
@@ -114,9 +122,14 @@ def test_bench_real_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
 
 def test_read_prompts(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps(["one", "two"]))
-    assert real.read_prompts(str(tmp_path / "a.json")) == ["one", "two"]
+    assert real.read_prompts(str(tmp_path / "a.json")) == [("one", False), ("two", False)]
     (tmp_path / "b.txt").write_text("first\nline two\n\n\nsecond\n")
-    assert real.read_prompts(str(tmp_path / "b.txt")) == ["first\nline two", "second"]
+    assert real.read_prompts(str(tmp_path / "b.txt")) == [("first\nline two", False), ("second", False)]
+    (tmp_path / "e.json").write_text(json.dumps({"prompts": [{"prompt": "hi", "chat": True}, "raw"]}))
+    assert real.read_prompts(str(tmp_path / "e.json")) == [("hi", True), ("raw", False)]
+    (tmp_path / "f.json").write_text(json.dumps({"prompts": [{"prompt": "hi", "chat": "yes"}]}))
+    with pytest.raises(ValueError, match="expected true or false"):
+        real.read_prompts(str(tmp_path / "f.json"))
     (tmp_path / "c.json").write_text(json.dumps({"prompts": [{"file": "x"}]}))
     with pytest.raises(ValueError, match="prompt 0 is dict"):
         real.read_prompts(str(tmp_path / "c.json"))
