@@ -161,8 +161,9 @@ def prepare(
     fingerprint = json.dumps({
         "target": str(target.path.resolve()), "data": digests, "heldout": digest_files(held_files),
         "prompts": hashlib.sha256(json.dumps([prompts, heldout_prompts]).encode()).hexdigest()[:16],
-        **{k: getattr(o, k) for k in ("prompt_tokens", "seq_len", "temperature", "seed", "sequences",
-                                       "heldout_sequences", "steps", "batch_size")},
+        **{k: getattr(o, k) for k in ("prompt_tokens", "seq_len", "temperature", "seed", "heldout_sequences")},
+        # the sequences asked for, not the steps: runs of other lengths (or families) over the same data share it
+        "sequences": o.sequences or o.steps * o.batch_size,
     }, sort_keys=True)
     if cache_file.is_file():
         arrays, meta = mx.load(str(cache_file), return_metadata=True)

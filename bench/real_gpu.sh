@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The real pair on the GPU machine: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B (draft LM), their GGUF
+# files staged into /tmp/real by bench/real_stage.sh, MLX-CUDA in /tmp/site (../shared/gpu/prepare-mlx-cuda.sh;
+# docs/gpu.md). The trained drafters stay on the machine: these commands rebuild them.
+#   bash bench/real_gpu.sh convert                 # GGUF -> /tmp/real/NAME-bf16 (mlx-spec convert)
+#   bash bench/real_gpu.sh train SECONDS [FLAGS]   # DFlash and EAGLE-3 for the 1.5B, side by side on the one GPU,
+#                                                  # on the target's greedy continuations of the Python stdlib
+#   bash bench/real_gpu.sh bench NAME [FLAGS]      # mlx-spec bench on bench/prompts/real_heldout.json -> $OUT/NAME.json
+#   bash bench/real_gpu.sh served NAME [FLAGS]     # bench/server_batching.py's real mode -> $OUT/served-NAME.json
+set -uo pipefail
+out="${OUT:-./real-out}"; real="${REAL_DIR:-/tmp/real}"; mkdir -p "$out" /tmp/new/mlx_speculative
+for d in hooks plugin drafters demo benchmarks testing; do ln -sfn "$PWD/$d" "/tmp/new/mlx_speculative/$d"; done
+export PYTHONPATH="${SITE:-/tmp/site}:/tmp/new" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# not installed there: its entry points (the plugins, the drafter families) from pyproject.toml as dist-info
+python3 - <<'PY'
+import pathlib, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+info = pathlib.Path("/tmp/new/mlx_speculative-0.0.0.dist-info"); info.mkdir(exist_ok=True)
+(info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-speculative\nVersion: 0.0.0\n")
+(info / "entry_points.txt").write_text("".join(
+    f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) for group, eps in project["entry-points"].items()))
+PY
+spec() { python3 -m mlx_speculative.hooks.cli "$@"; }
+target="$real/qwen2.5-coder-1.5b-instruct-bf16"; draft="$real/qwen2.5-coder-0.5b-instruct-bf16"
+what="$1"; shift
+case "$what" in
+  convert)
+    for name in qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct; do
+      [ -f "$real/$name.gguf" ] && [ ! -d "$real/$name-bf16" ] && spec convert "$real/$name.gguf" "$real/$name-bf16" --dtype bf16
+    done
+    ls "$real" ;;
+  train)
+    secs="$1"; shift
+    # the stdlib's own modules (no tests, UTF-8 only): the prompts; the held-out prompts never come from it
+    python3 - > /tmp/real-data.txt <<'PY'
+import pathlib, sysconfig
+skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
+for f in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+    try:
+        if not skip & set(f.parts) and f.read_text(encoding="utf-8").strip():
+            print(f)
+    except (UnicodeDecodeError, OSError):
+        pass
+PY
+    mapfile -t files < /tmp/real-data.txt; echo "train: ${#files[@]} stdlib files"
+    # one data set for both: the same target, text, --sequences, lengths and seed (docs/training.md)
+    common=(train-drafter --target "$target" --data "${files[@]}" --seq-len 256 --prompt-tokens 64 --sequences 8192
+            --heldout-sequences 32 --gen-batch 256 --batch-size 16 --steps 1200 --eval-every 200 --checkpoint-every 100000)
+    t0=$(date +%s)
+    spec "${common[@]}" --kind dflash --out "$real/dflash" --block-size 16 --num-layers 2 --loss-decay-gamma 7 \
+      --max-time "$secs" "$@" > "$out/train-dflash.log" 2>&1 &
+    first=$!
+    while [ ! -f "$real/dflash/training/data.safetensors" ] && kill -0 "$first" 2>/dev/null; do sleep 2; done
+    mkdir -p "$real/eagle3/training" && cp "$real/dflash/training/data.safetensors" "$real/eagle3/training/"
+    left=$(( secs - ($(date +%s) - t0) ))
+    spec "${common[@]}" --kind eagle3 --out "$real/eagle3" --block-size 8 --max-time "$left" "$@" \
+      > "$out/train-eagle3.log" 2>&1 &
+    wait
+    for k in dflash eagle3; do
+      cp "$real/$k/training/log.jsonl" "$out/train-$k.jsonl" 2>/dev/null; grep -E "eval|stopped|data:|rror" "$out/train-$k.log" | tail -12
+    done ;;
+  bench)
+    name="$1"; shift
+    spec bench --model "$target" --drafter "$draft@4" --drafter "$real/dflash@16" --drafter "$real/eagle3@8" \
+      --kind ngram --prompts-file bench/prompts/real_heldout.json --max-tokens 128 --json "$out/$name.json" "$@" 2>&1 |
+      tee "$out/$name.log" | tail -25 ;;
+  served)
+    name="$1"; shift
+    python3 bench/server_batching.py --model "$target" "$@" --json "$out/served-$name.json" 2>&1 | tee "$out/served-$name.log" ;;
+  *) echo "bench/real_gpu.sh: got ${what@Q}; expected convert, train, bench or served"; exit 2 ;;
+esac
