@@ -20,6 +20,19 @@ forward each), ms per decode step, rounds and tau, the round's steps (ms per rou
 
     python bench/server_batching.py --synthetic-target llama-8b --clients 1,2,4,8 --duration 30 \\
         --max-tokens 256 --prompt-words 256 --json bench/results/served/h100-llama8b.json
+
+A real model (``--model PATH``: a checkpoint folder or a .gguf file, loaded by the server as ``mlx-spec serve``
+loads it; bench/served_real.py) with real prompts (``--prompts-file``, default bench/prompts/real_heldout.json:
+raw prompts as /v1/completions, chat prompts as /v1/chat/completions) and real drafters: modes ``plain``
+(speculation off) and one per ``--drafter PATH[@B]`` (a DFlash/EAGLE-3 checkpoint or a draft LM, its kind read
+from the checkpoint or given by ``--draft-kind``; the mode is named by its kind), plus ``ngram`` with ``--kind
+ngram``. Each mode's server gets a ``speculative:`` section as a deployment's config would, and the plugin
+attaches the drafter itself. ``--quantize-target 4`` serves a 4-bit copy of the target.
+
+    python bench/server_batching.py --model ~/.cache/mlx-speculative/real/qwen2.5-coder-1.5b-instruct-f32 \\
+        --drafter ~/.cache/mlx-speculative/real/qwen2.5-coder-0.5b-instruct-f32@4 --kind ngram \\
+        --prompts-file bench/prompts/real_heldout.json --clients 1,4,8 --duration 20 --max-tokens 128 \\
+        --json bench/results/served/real-qwen1.5b.json
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,6 +62,9 @@ from mlx_speculative.plugin import cuda, hookimpls
 from mlx_speculative.benchmarks import oracle as orc
 from mlx_speculative.benchmarks import synthetic
 from mlx_speculative.plugin.settings import SpeculativeSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # served_real.py beside this file, however it is run
+import served_real  # noqa: E402
 
 MODES = ("plain", "mlx-lm", "plain-backend", "dflash", "dflash-tau1", "dflash-uncompiled-batches")
 
@@ -87,16 +103,26 @@ def metrics(server: Server) -> Dict[str, float]:
     return {n: float(v) for n, v in (l.rsplit(" ", 1) for l in text.splitlines() if l and not l.startswith("#"))}
 
 
-def one(url: str, prompt: str, max_tokens: int) -> Tuple[Tuple[str, int], Dict[str, Any]]:
-    """One completion (urllib: the GPU machine has no openai client): ((text, completion tokens), timings)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
+def one(url: str, prompt: Union[str, served_real.real.TextPrompt], max_tokens: int
+        ) -> Tuple[Tuple[str, int], Dict[str, Any]]:
+    """One completion (urllib: the GPU machine has no openai client): ((text, completion tokens), timings). A chat
+    prompt (``TextPrompt`` with ``chat``) goes to /chat/completions as one user message."""
+    chat = not isinstance(prompt, str) and prompt.chat
+    text = prompt if isinstance(prompt, str) else prompt.text
+    fields = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+    body = json.dumps({**fields, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(url + ("/chat/completions" if chat else "/completions"), body,
+                                 {"Content-Type": "application/json"})
     out = json.loads(urllib.request.urlopen(req, timeout=600).read())
-    return (out["choices"][0]["text"], out["usage"]["completion_tokens"]), out.get("timings") or {}
+    choice = out["choices"][0]
+    return (choice["message"]["content"] if chat else choice["text"], out["usage"]["completion_tokens"]), \
+        out.get("timings") or {}
 
 
-def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: int, duration: float,
-         max_tokens: int) -> Dict[str, Any]:
+def load(server: Server, reqs: List[Any], refs: List[Tuple[str, int]], clients: int, duration: float,
+         max_tokens: int, pool: Optional[int] = None, stride: int = 1) -> Dict[str, Any]:
+    """``clients`` threads for ``duration`` s; client i sends requests i, i + stride, ... modulo ``pool``
+    (default: the first ``clients`` requests, one after the other)."""
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     lock = threading.Lock()
     stats: Dict[str, Any] = {"requests": 0, "errors": 0, "mismatches": 0, "tokens": 0}
@@ -109,8 +135,8 @@ def load(server: Server, reqs: List[str], refs: List[Tuple[str, int]], clients: 
     def loop(i: int) -> None:
         k = i
         while time.monotonic() < stop_at:
-            j = k % clients  # client i sends prompts i, i + 1, ... of the first ``clients``
-            k += 1
+            j = k % (pool or clients)  # client i sends prompts i, i + 1, ... of the first ``clients`` (synthetic)
+            k += stride
             try:
                 got, timing = one(url, reqs[j], max_tokens)
             except Exception:  # noqa: BLE001
@@ -212,12 +238,14 @@ def ratios_of(results: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
     return ratios
 
 
-def write_report(args: argparse.Namespace, argv: Optional[List[str]], results: Dict[str, Any]) -> None:
-    """The JSON (``--json``) of the modes so far, with their ratios."""
+def write_report(args: argparse.Namespace, argv: Optional[List[str]], results: Dict[str, Any],
+                 real_fields: Optional[Dict[str, Any]] = None) -> None:
+    """The JSON (``--json``) of the modes so far, with their ratios (``real_fields``: a --model run's own keys)."""
+    fields = real_fields if real_fields is not None else {
+        "target": args.synthetic_target, "quantized_bits": args.quantize_target, "max_tokens": args.max_tokens,
+        "prompt_words": args.prompt_words, "tau": args.tau, "block": args.block}
     report = {"command": "python bench/server_batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "target": args.synthetic_target, "quantized_bits": args.quantize_target, "max_tokens": args.max_tokens,
-              "prompt_words": args.prompt_words, "tau": args.tau, "block": args.block,
-              "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
+              **fields, "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
               "results": results, "tokens_per_s_over_plain": ratios_of(results)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -226,28 +254,43 @@ def write_report(args: argparse.Namespace, argv: Optional[List[str]], results: D
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--synthetic-target", default="tiny", choices=list(synthetic.SPECS))
+    ap.add_argument("--synthetic-target", default=None, choices=list(synthetic.SPECS),
+                    help="the synthetic target (default tiny; instead of --model)")
     ap.add_argument("--quantize-target", type=int, default=None, choices=[4, 8], metavar="BITS")
     ap.add_argument("--clients", default="1,2,4,8", help="client counts, one load each per mode")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode and client count")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--prompt-words", type=int, default=256, help="length of the shortest prompt")
-    ap.add_argument("--tau", type=float, default=6.0, help="oracle mean acceptance length for dflash")
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--modes", default="plain,dflash,dflash-tau1", help=f"any of {', '.join(MODES)}")
+    ap.add_argument("--prompt-words", type=int, default=None, help="length of the shortest prompt (default 256)")
+    ap.add_argument("--tau", type=float, default=None, help="oracle mean acceptance length for dflash (default 6)")
+    ap.add_argument("--block", type=int, default=None, help="the oracle drafter's block (default 16)")
+    ap.add_argument("--modes", default=None, help=f"synthetic: any of {', '.join(MODES)} (default plain,dflash,"
+                    "dflash-tau1); --model: any of plain and the drafters' modes (default: all)")
     ap.add_argument("--warmup-tokens", type=int, default=None,
                     help="the server's warmup_tokens (keys its warm-up reaches; default: the server's, 2048)")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--json", type=Path)
+    served_real.add_arguments(ap)
     args = ap.parse_args(argv)
-    clients = [int(c) for c in args.clients.split(",")]
-    modes = args.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
-    if bad or not clients or min(clients) < 1:
-        ap.error(f"--modes: got {args.modes!r}; allowed: {', '.join(MODES)}" if bad else
-                 f"--clients: got {args.clients!r}; allowed: positive integers joined by commas")
+    served_real.check(args, ap.error)
+    try:
+        clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        clients = []
+    if not clients or min(clients) < 1:
+        ap.error(f"--clients: got {args.clients!r}; allowed: positive integers joined by commas")
     if args.cpu:
         mx.set_default_device(mx.cpu)
+    if args.model is not None:
+        return main_real(ap, args, argv, clients)
+    args.synthetic_target = args.synthetic_target or "tiny"
+    args.prompt_words = 256 if args.prompt_words is None else args.prompt_words
+    args.tau = 6.0 if args.tau is None else args.tau
+    args.block = 16 if args.block is None else args.block
+    args.modes = args.modes or "plain,dflash,dflash-tau1"
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: got {args.modes!r}; allowed: {', '.join(MODES)}")
     config = synthetic.config_for(args.synthetic_target)
     model = synthetic.build(config)
     if args.quantize_target:
@@ -281,9 +324,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             server.engine.stop()
             server.engine.thread.join(timeout=120)  # no MLX work left in flight when the process exits
             server.server_close()
+    return finish(results)
+
+
+def finish(results: Dict[str, Any]) -> int:
     print(json.dumps(ratios_of(results), indent=1))
     ok = all(r["errors"] == 0 and r["requests"] > 0 for m in results.values() for r in m["by_clients"].values())
     return 0 if ok else 1
+
+
+def main_real(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[List[str]],
+              clients: List[int]) -> int:
+    """``--model``: a real checkpoint served with its real drafters (bench/served_real.py)."""
+    try:
+        modes = served_real.select(served_real.modes_for(args), args.modes, ap.error)
+        fields = served_real.report_fields(args, modes)
+    except (ValueError, OSError) as e:  # a bad --drafter, --draft-kind, --model or --prompts-file
+        ap.error(str(e))
+    results = served_real.run(args, argv, clients, modes, load, one, plugin_counts,
+                              lambda res: write_report(args, argv, res, fields))
+    return finish(results)
 
 
 if __name__ == "__main__":
