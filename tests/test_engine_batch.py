@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
-from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
-from mlx_speculative.drafters.base import DraftBatch, Drafter, ForwardingDraftBatch, Proposal, Verified
+from conftest import PROMPTS, BareForwarding, encode, greedy_reference, make_host, no_stop
+from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.host import GenerationParams
@@ -30,14 +30,10 @@ FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 ROWS = 8
 
 
-class Watched(ForwardingDraftBatch):
+class Watched(BareForwarding):
     """A drafter's batch, watched: forwards per round, accepted per row per round; with ``truth``
     its proposals are replaced (after the drafter really ran) by each row's greedy continuation,
     corrupted at a random position, so that rows accept different counts."""
-
-    # Not the inner batch's (forwards are counted per round): no drafting ahead, no probing, no saved state.
-    drafts_ahead, worth_probing, export_row, restore_row = (DraftBatch.drafts_ahead, DraftBatch.worth_probing,
-                                                            DraftBatch.export_row, DraftBatch.restore_row)
 
     def __init__(self, inner: DraftBatch, log: Dict[str, List[Any]], truth: Dict[Tuple[int, ...], List[int]]):
         super().__init__(inner)

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
-from conftest import PROMPTS, encode, greedy_reference, make_host, price
-from mlx_speculative.drafters.base import DraftBatch, Drafter, ForwardingDraftBatch, Proposal
+from conftest import PROMPTS, BareForwarding, encode, greedy_reference, make_host, price
+from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal
 from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.api import CachePolicy
 from mlx_speculative.hooks.host import GenerationParams
@@ -39,13 +39,9 @@ class Unpriced(CostTable):
         return None
 
 
-class Forced(ForwardingDraftBatch):
+class Forced(BareForwarding):
     """A drafter's batch whose proposals (after the drafter really ran) are each row's greedy continuation,
     corrupted at the first draft (zero), mid-block (partial) or not at all (full); logs what each row drafts."""
-
-    # Not the inner batch's (its proposals are replaced): no drafting ahead, no probing, no saved state.
-    drafts_ahead, worth_probing, export_row, restore_row = (DraftBatch.drafts_ahead, DraftBatch.worth_probing,
-                                                            DraftBatch.export_row, DraftBatch.restore_row)
 
     def __init__(self, inner: DraftBatch, truth: Dict[Tuple[int, ...], Tuple[List[int], str]], log: List[Any]):
         super().__init__(inner)
