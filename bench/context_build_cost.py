@@ -44,7 +44,8 @@ from mlx_speculative.hooks.prompt_cache import arrays  # noqa: E402
 from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
 from mlx_speculative.plugin import cuda  # noqa: E402
 from mlx_speculative.benchmarks import synthetic  # noqa: E402
-from mlx_speculative.benchmarks.core import BenchSettings, load_target  # noqa: E402
+from mlx_speculative.benchmarks.core import BenchSettings  # noqa: E402
+from mlx_speculative.benchmarks.loaders import load_target  # noqa: E402
 
 
 def _ints(text: str) -> List[int]:

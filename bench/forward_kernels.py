@@ -161,7 +161,8 @@ def run(a: argparse.Namespace) -> List[Dict[str, Any]]:
     from mlx_speculative.hooks import attention as host_attention
     from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, compiled, projections
     from mlx_speculative.benchmarks import kernels, synthetic
-    from mlx_speculative.benchmarks.core import BenchSettings, load_target
+    from mlx_speculative.benchmarks.core import BenchSettings
+    from mlx_speculative.benchmarks.loaders import load_target
 
     disp = attention.Dispatcher(attention.cuda_kernel())
     target, config, _ = load_target(BenchSettings(synthetic_target=a.synthetic_target))

@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_speculative.hooks import attention as host_attention  # noqa: E402
 from mlx_speculative.plugin.cuda import attention, backend as cuda_backend, compiled, cuda_attention, cuda_matmul, projections  # noqa: E402
 from mlx_speculative.benchmarks import kernels, synthetic  # noqa: E402
-from mlx_speculative.benchmarks.core import BenchSettings, load_target  # noqa: E402
+from mlx_speculative.benchmarks.core import BenchSettings  # noqa: E402
+from mlx_speculative.benchmarks.loaders import load_target  # noqa: E402
 
 
 def _ints(text: str) -> List[int]:

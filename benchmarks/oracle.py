@@ -15,7 +15,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..drafters.base import DraftBatch, Drafter, Proposal, Unread, Verified
+from ..drafters.base import DraftBatch, Drafter, ForwardingDraftBatch, Proposal, Unread, Verified
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -108,30 +108,20 @@ class AheadDrafts(NamedTuple):
     drafts: mx.array  # [k]
 
 
-class OracleBatch(DraftBatch):
+class OracleBatch(ForwardingDraftBatch):
     """Any drafter's batch, wrapped: records how many tokens each round drafted (per-position
     acceptance), and with an ``oracle`` replaces the proposals by the oracle's after the drafter
     really ran (its cost counts; its tokens do not)."""
 
+    # Not the inner batch's: whether a paused row probes, the prompt cache's saved state (the defaults).
+    worth_probing, export_row, restore_row = DraftBatch.worth_probing, DraftBatch.export_row, DraftBatch.restore_row
+
     def __init__(self, inner: DraftBatch, drafted: List[int], oracle: Optional[Oracle]):
-        self.inner = inner
+        super().__init__(inner)
         self.drafted = drafted
         self.oracle = oracle
         self.inner_k: List[int] = []
         self.ahead: Optional[AheadDrafts] = None
-
-    @property
-    def forwards(self) -> int:  # type: ignore[override]
-        return self.inner.forwards
-
-    def sync(self, rows: Sequence[Any]) -> None:
-        self.inner.sync(rows)
-
-    def prepare(self, rows: Sequence[Any]) -> None:
-        self.inner.prepare(rows)
-
-    def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
-        return self.inner.cache_groups()
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         real = self.inner.propose(rows, max_drafts)
@@ -150,9 +140,6 @@ class OracleBatch(DraftBatch):
             out = [Proposal(self.oracle.drafts_for(r, m)) if m else Proposal([]) for r, m in zip(rows, max_drafts)]
         self.drafted.extend(len(p.tokens) for p in out if len(p.tokens))
         return out
-
-    def drafts_ahead(self, rows: Sequence[Any]) -> bool:
-        return self.inner.drafts_ahead(rows)
 
     def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
         self.ahead = None

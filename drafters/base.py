@@ -252,6 +252,51 @@ class SessionBatch(DraftBatch):
         return session is not None and session.worth_probing(row)
 
 
+class ForwardingDraftBatch(DraftBatch):
+    """Another ``DraftBatch`` (``inner``), wrapped: every method is the inner batch's, and a subclass overrides only
+    what it changes (e.g. a benchmark's oracle replaces the proposals after the drafter really ran)."""
+
+    def __init__(self, inner: DraftBatch):
+        self.inner = inner
+
+    @property
+    def forwards(self) -> int:  # type: ignore[override]
+        return self.inner.forwards
+
+    def sync(self, rows: Sequence[Any]) -> None:
+        self.inner.sync(rows)
+
+    def prepare(self, rows: Sequence[Any]) -> None:
+        self.inner.prepare(rows)
+
+    def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
+        return self.inner.propose(rows, max_drafts)
+
+    def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
+        return self.inner.cache_groups()
+
+    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
+        return self.inner.commit(rows, verified)
+
+    def worth_probing(self, row: Any) -> bool:
+        return self.inner.worth_probing(row)
+
+    def drafts_ahead(self, rows: Sequence[Any]) -> bool:
+        return self.inner.drafts_ahead(rows)
+
+    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
+        self.inner.draft_ahead(rows, unread, max_drafts)
+
+    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
+        return self.inner.ahead_drafts(rows, unread)
+
+    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
+        return self.inner.export_row(row, positions)
+
+    def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
+        return self.inner.restore_row(row, saved, n)
+
+
 class Drafter(abc.ABC):
     """A loaded drafter, shared by every request on one target."""
 

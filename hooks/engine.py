@@ -28,6 +28,7 @@ from . import prompt_cache as pc
 from . import warmup
 from .host import GenerationParams, Host, HostEvent, load_with_plugins
 from .metrics import HostCounters, timings
+from .openai_fields import APIError
 from .scheduler import Request, Scheduler
 from .server_settings import ServerSettings
 from .state import HostConfig, LoadedTarget
@@ -112,9 +113,9 @@ class Engine:
     def submit(self, job: Job) -> None:
         with self.cond:
             if self.stopping:
-                raise oc.APIError(503, "the server is shutting down", None, "shutting_down", "server_error")
+                raise APIError(503, "the server is shutting down", None, "shutting_down", "server_error")
             if len(self.waiting) >= self.settings.max_queue:
-                raise oc.APIError(503, f"the server is busy: {len(self.jobs)} requests running and {len(self.waiting)} "
+                raise APIError(503, f"the server is busy: {len(self.jobs)} requests running and {len(self.waiting)} "
                                   f"queued (server.max_queue = {self.settings.max_queue}); retry later",
                                   None, "server_busy", "server_error")
             self.waiting.append(job)

@@ -43,6 +43,7 @@ GENERATION_FLAGS = {
 GENERATION_DEFAULTS = {"max_tokens": 100, "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
                        "repetition_penalty": 0.0, "repetition_context_size": 20, "logit_bias": None}
 INTERRUPTED = "interrupted"
+NO_PLUGIN_STEPS = "the plugins drafted nothing for this request"  # no plugin said why (host_plain_reason)
 
 
 def add_generate(subparsers: Any) -> argparse.ArgumentParser:
@@ -136,20 +137,6 @@ def fit_context(prompt: List[int], max_tokens: int, context: Optional[int], max_
     return context - len(prompt)
 
 
-def speculative_off_reason(args: argparse.Namespace, config: Any, flags: Dict[str, Any]) -> str:
-    """Why a run had no speculative decoding at all (its tokens all came from plain steps)."""
-    if getattr(args, "no_speculative", False):  # the plugin's flag: absent without it
-        return "--no-speculative"
-    if flags.get("enabled") is False:
-        return "--num-draft-tokens 0"
-    enabled = config.section("speculative").get("enabled")
-    if enabled is not None and not validate.flag(enabled, "speculative.enabled"):
-        return f"{config.where('speculative.enabled')}speculative.enabled: false"
-    if not flags and not config.section("speculative"):
-        return "no --draft-model or --draft-kind given"
-    return "the plugins drafted nothing for this request"
-
-
 class Interrupt:
     """Ctrl-C during generation: the first ends the request after its current step (the output so far
     is reported), a second raises KeyboardInterrupt at once."""
@@ -233,7 +220,7 @@ def generate(args: argparse.Namespace, cluster: Any) -> int:
     )
     mx.reset_peak_memory()
     run = Run(len(prompt))
-    run.off_reason = speculative_off_reason(args, config, overrides.get("speculative", {}))
+    run.off_reason = pm.hook.host_plain_reason(args=args, config=config) or NO_PLUGIN_STEPS
     # Sharded, Ctrl-C ends the rank at once (a step left out on one rank only would set the ranks apart).
     with (Interrupt() if cluster is None else contextlib.nullcontext()) as interrupt:
         stop = (lambda: interrupt.hit) if interrupt is not None else (lambda: False)
@@ -273,7 +260,7 @@ class Run:
         self.stop = self.start
         self.peak_memory = 0.0
         self.distributed: Optional[Dict[str, Any]] = None  # ranks, backend, drafter: a target sharded over ranks
-        self.off_reason = ""  # why there was no speculative decoding, should the plugin report none
+        self.off_reason = ""  # why there was no speculative decoding, should the plugin report none (host_plain_reason)
 
     def event(self, event: Any) -> None:
         if self.first is None:

@@ -6,8 +6,9 @@ prompts built by the tokenizer's ``apply_chat_template`` (``convert_chat`` witho
 the same content-part handling, token-level stop sequences (``make_stop_sequences``) and text
 clean-up of stop words, reasoning and tool calls (``make_text_state_machine``,
 ``ToolCallFormatter``), and the same response shapes. On top of mlx-lm, every field it reads is
-checked and a bad one gets a 4xx answer in OpenAI's error shape naming the field; fields it does not
-read are ignored as mlx-lm ignores them, but for those that would change the answer (``REFUSED_FIELDS``).
+checked (``hooks.openai_fields``) and a bad one gets a 4xx answer in OpenAI's error shape naming the field;
+fields it does not read are ignored as mlx-lm ignores them, but for those that would change the answer
+(``REFUSED_FIELDS``).
 
 Tested with mlx-lm 0.32.2 (``TESTED_MLX_LM``); pyproject pins ``mlx-lm>=0.32.2,<0.33``. This module
 parses requests; ``hooks.openai_output`` builds what goes back (stop sequences, text clean-up,
@@ -19,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -28,6 +28,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.server import convert_chat, process_message_content
 
 from . import validate
+from .openai_fields import APIError, bad_value, checked, described, in_range, typed, unsupported
 from .state import LogitsProcessor, SamplingParams
 
 log = logging.getLogger("mlx_speculative.server")
@@ -45,22 +46,6 @@ def check_mlx_lm_version() -> Optional[str]:
         return (f"mlx-lm {version} is installed; the server's request semantics were tested with "
                 f"mlx-lm {', '.join(TESTED_MLX_LM)}")
     return None
-
-
-class APIError(Exception):
-    """A request the server refuses: HTTP status plus OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # Request fields ------------------------------------------------------------------------------
@@ -124,61 +109,6 @@ class ParsedRequest:
     ignored: Tuple[str, ...] = ()  # fields clients send that this server (as mlx-lm's) ignores
 
 
-_TYPE_NAMES = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
-               list: "array", dict: "object"}
-
-
-def _described(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return f"{_TYPE_NAMES.get(type(value), type(value).__name__)} {text[:60]}"
-
-
-def _is(value: Any, kind: str) -> bool:
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, {"bool": bool, "str": str, "list": list, "dict": dict}[kind])
-
-
-_EXPECTED = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
-             "list": "an array", "dict": "an object"}
-
-
-def _get(body: Dict[str, Any], name: str, kinds: Sequence[str], default: Any) -> Any:
-    """``body[name]`` checked against ``kinds``; ``default`` when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not any(_is(value, k) for k in kinds):
-        expected = " or ".join(_EXPECTED[k] for k in kinds)
-        raise APIError(400, f"{name}: expected {expected}, got {_described(value)}", name, "invalid_type")
-    return value
-
-
-def _bad_value(name: str, value: Any, allowed: str) -> APIError:
-    return APIError(400, f"{name}: got {_described(value)}; allowed: {allowed}", name, "invalid_value")
-
-
-def _in_range(name: str, value: float, lo: Optional[float] = None, hi: Optional[float] = None,
-              lo_open: bool = False, allowed: str = "") -> None:
-    if (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi):
-        raise _bad_value(name, value, allowed)
-
-
-def _checked(name: str, value: Any, rule: Optional[str] = None) -> Any:
-    """``value`` (already of the right JSON type) against the shared rule (hooks/validate.py)."""
-    try:
-        return validate.check(rule or name, value, name, text_ok=False)
-    except validate.SettingError as e:
-        raise _bad_value(name, value, e.allowed) from None
-
-
-def _unsupported(name: str, value: Any, allowed: str) -> APIError:
-    return APIError(400, f"{name}: {_described(value)} is not supported by this server; allowed: {allowed}",
-                    name, "unsupported_parameter")
-
-
 def parse_body(raw: bytes) -> Dict[str, Any]:
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -188,7 +118,7 @@ def parse_body(raw: bytes) -> Dict[str, Any]:
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {_described(body)}", None, "invalid_json")
+        raise APIError(400, f"the request body must be a JSON object, got {described(body)}", None, "invalid_json")
     found = validate.lone_surrogate(body)
     if found is not None:
         where, i, char = found
@@ -202,74 +132,74 @@ def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: Servi
     known = COMMON_FIELDS + (CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
     for name, what in REFUSED_FIELDS.items():
         if body.get(name) is not None:
-            raise _unsupported(name, body[name], what)
+            raise unsupported(name, body[name], what)
     ignored = tuple(name for name in body if name not in known)
     if ignored:
         log.debug("%s request: ignoring fields %s", kind, ", ".join(ignored))
 
-    model = _get(body, "model", ["str"], DEFAULT_MODEL_ALIAS)
+    model = typed(body, "model", ["str"], DEFAULT_MODEL_ALIAS)
     if model not in (limits.model_id, DEFAULT_MODEL_ALIAS):
         raise APIError(404, f"model: {model!r} is not served here; allowed: {limits.model_id!r} "
                        f"(or {DEFAULT_MODEL_ALIAS!r})", "model", "model_not_found")
 
-    stream = _get(body, "stream", ["bool"], False)
-    options = _get(body, "stream_options", ["dict"], {})
+    stream = typed(body, "stream", ["bool"], False)
+    options = typed(body, "stream_options", ["dict"], {})
     for name, value in options.items():
         if name != "include_usage":
-            raise _unsupported(f"stream_options.{name}", value, "include_usage")
+            raise unsupported(f"stream_options.{name}", value, "include_usage")
         if not isinstance(value, bool):
-            raise APIError(400, f"stream_options.include_usage: expected a boolean, got {_described(value)}",
+            raise APIError(400, f"stream_options.include_usage: expected a boolean, got {described(value)}",
                            "stream_options.include_usage", "invalid_type")
     include_usage = bool(options.get("include_usage", False))
 
     requested_max = body.get("max_completion_tokens")
     max_name = "max_completion_tokens" if requested_max is not None else "max_tokens"
-    max_tokens = _get(body, max_name, ["int"], None)
+    max_tokens = typed(body, max_name, ["int"], None)
     if max_tokens is not None:
-        max_tokens = _checked(max_name, max_tokens, "max_tokens")
+        max_tokens = checked(max_name, max_tokens, "max_tokens")
 
-    temperature = _checked("temperature", _get(body, "temperature", ["number"], limits.temperature), "temp")
-    top_p = _checked("top_p", _get(body, "top_p", ["number"], limits.top_p))
-    top_k = _checked("top_k", _get(body, "top_k", ["int"], limits.top_k))
-    min_p = _checked("min_p", _get(body, "min_p", ["number"], limits.min_p))
-    seed = _get(body, "seed", ["int"], limits.seed)
+    temperature = checked("temperature", typed(body, "temperature", ["number"], limits.temperature), "temp")
+    top_p = checked("top_p", typed(body, "top_p", ["number"], limits.top_p))
+    top_k = checked("top_k", typed(body, "top_k", ["int"], limits.top_k))
+    min_p = checked("min_p", typed(body, "min_p", ["number"], limits.min_p))
+    seed = typed(body, "seed", ["int"], limits.seed)
     if seed is not None:
-        seed = _checked("seed", seed)
+        seed = checked("seed", seed)
 
-    stop = _get(body, "stop", ["str", "list"], [])
+    stop = typed(body, "stop", ["str", "list"], [])
     stop_words = [stop] if isinstance(stop, str) else list(stop)
     for i, w in enumerate(stop_words):
         if not isinstance(w, str) or not w:
-            raise _bad_value(f"stop[{i}]", w, "a non-empty string")
+            raise bad_value(f"stop[{i}]", w, "a non-empty string")
 
     logits_args = _logits_args(body, limits)
 
-    logprobs = _get(body, "logprobs", ["bool"], False)
-    top_logprobs = _get(body, "top_logprobs", ["int"], 0)
+    logprobs = typed(body, "logprobs", ["bool"], False)
+    top_logprobs = typed(body, "top_logprobs", ["int"], 0)
     if top_logprobs != -1:  # mlx-lm's "off"
-        _in_range("top_logprobs", top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS, allowed=f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+        in_range("top_logprobs", top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS, allowed=f"an integer from 0 to {MAX_TOP_LOGPROBS}")
     top_logprobs = max(top_logprobs, 0)
 
     speculative = _speculative_choice(body, limits)
 
     for name, value in (("xtc_probability", 0.0), ("n", 1), ("best_of", 1)):
-        got = _get(body, name, ["number"], value)
+        got = typed(body, name, ["number"], value)
         if got != value:
-            raise _unsupported(name, got, f"{value} (or leave it out)")
+            raise unsupported(name, got, f"{value} (or leave it out)")
     if body.get("adapters") is not None:
-        raise _unsupported("adapters", body["adapters"], "null: adapters are not loaded by this server")
-    _get(body, "xtc_threshold", ["number"], 0.1)
-    if _get(body, "echo", ["bool"], False):
-        raise _unsupported("echo", True, "false")
+        raise unsupported("adapters", body["adapters"], "null: adapters are not loaded by this server")
+    typed(body, "xtc_threshold", ["number"], 0.1)
+    if typed(body, "echo", ["bool"], False):
+        raise unsupported("echo", True, "false")
     if body.get("suffix") is not None:
-        raise _unsupported("suffix", body["suffix"], "null")
-    response_format = _get(body, "response_format", ["dict"], {"type": "text"})
+        raise unsupported("suffix", body["suffix"], "null")
+    response_format = typed(body, "response_format", ["dict"], {"type": "text"})
     if response_format.get("type") != "text":
-        raise _unsupported("response_format", response_format, '{"type": "text"}')
+        raise unsupported("response_format", response_format, '{"type": "text"}')
     for name in ("user", "service_tier"):
-        _get(body, name, ["str"], None)
-    _get(body, "metadata", ["dict"], None)
-    _get(body, "store", ["bool"], None)
+        typed(body, name, ["str"], None)
+    typed(body, "metadata", ["dict"], None)
+    typed(body, "store", ["bool"], None)
 
     tools = None
     if kind == "chat":
@@ -280,7 +210,7 @@ def parse_request(kind: str, body: Dict[str, Any], tokenizer: Any, limits: Servi
         if text is None:
             raise APIError(400, "prompt: missing; expected a string", "prompt", "missing_field")
         if not isinstance(text, str):
-            raise APIError(400, f"prompt: expected a string (one prompt per request), got {_described(text)}",
+            raise APIError(400, f"prompt: expected a string (one prompt per request), got {described(text)}",
                            "prompt", "invalid_type")
         prompt, initial_state, prompt_field = list(tokenizer.encode(text)), "normal", "prompt"
     prompt = [int(t) for t in prompt]
@@ -316,35 +246,35 @@ def _logits_args(body: Dict[str, Any], limits: ServingLimits) -> Dict[str, Any]:
     values: Dict[str, Any] = {}
     for name, default in (("repetition_penalty", limits.repetition_penalty), ("presence_penalty", 0.0),
                           ("frequency_penalty", 0.0)):
-        values[name] = _checked(name, _get(body, name, ["number"], default))
+        values[name] = checked(name, typed(body, name, ["number"], default))
     for name, default in (("repetition_context_size", limits.repetition_context_size),
                           ("presence_context_size", 20), ("frequency_context_size", 20)):
-        values[name] = _checked(name, _get(body, name, ["int"], default))
-    bias = _get(body, "logit_bias", ["dict"], None)
+        values[name] = checked(name, typed(body, name, ["int"], default))
+    bias = typed(body, "logit_bias", ["dict"], None)
     if bias is None:
         bias = limits.logit_bias
     else:
         try:
             bias = validate.logit_bias(bias, "logit_bias", limits.vocab_size, text_ok=False)
         except validate.SettingError as e:
-            raise _bad_value("logit_bias", body["logit_bias"], e.allowed) from None
+            raise bad_value("logit_bias", body["logit_bias"], e.allowed) from None
     return dict(values, logit_bias=bias)
 
 
 def _speculative_choice(body: Dict[str, Any], limits: ServingLimits) -> Optional[bool]:
     """Per-request on/off: ``speculative`` (this server), ``draft_model``/``num_draft_tokens`` (mlx-lm)."""
-    choice = _get(body, "speculative", ["bool"], None)
-    draft = _get(body, "draft_model", ["str"], None)
+    choice = typed(body, "speculative", ["bool"], None)
+    draft = typed(body, "draft_model", ["str"], None)
     if draft is not None and draft != DEFAULT_MODEL_ALIAS and draft not in limits.drafter_names:
         allowed = ", ".join(repr(n) for n in (DEFAULT_MODEL_ALIAS,) + limits.drafter_names)
         raise APIError(400, f"draft_model: {draft!r} is not configured on this server; allowed: {allowed}",
                        "draft_model", "invalid_value")
-    n = _get(body, "num_draft_tokens", ["int"], None)
+    n = typed(body, "num_draft_tokens", ["int"], None)
     if n is not None:
         allowed = "0 (speculative off for this request)" + (
             f" or {limits.draft_tokens} (the configured block size - 1)" if limits.draft_tokens else "")
         if n != 0 and n != limits.draft_tokens:
-            raise _bad_value("num_draft_tokens", n, allowed)
+            raise bad_value("num_draft_tokens", n, allowed)
         if n == 0:
             choice = False if choice is None else choice
     return choice
@@ -355,28 +285,28 @@ def _chat_prompt(body: Dict[str, Any], tokenizer: Any, limits: ServingLimits) ->
     if messages is None:
         raise APIError(400, "messages: missing; expected an array of {role, content} objects", "messages", "missing_field")
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, f"messages: expected a non-empty array of {{role, content}} objects, got {_described(messages)}",
+        raise APIError(400, f"messages: expected a non-empty array of {{role, content}} objects, got {described(messages)}",
                        "messages", "invalid_type")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise APIError(400, f"messages[{i}]: expected an object, got {_described(m)}", f"messages[{i}]", "invalid_type")
+            raise APIError(400, f"messages[{i}]: expected an object, got {described(m)}", f"messages[{i}]", "invalid_type")
         if not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}].role: expected a string, got {_described(m.get('role'))}",
+            raise APIError(400, f"messages[{i}].role: expected a string, got {described(m.get('role'))}",
                            f"messages[{i}].role", "invalid_type")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise APIError(400, f"messages[{i}].content: expected a string or an array of content parts, got "
-                           f"{_described(content)}", f"messages[{i}].content", "invalid_type")
+                           f"{described(content)}", f"messages[{i}].content", "invalid_type")
         if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
             raise APIError(400, f"messages[{i}].content: every content part must be an object", f"messages[{i}].content",
                            "invalid_type")
-    tools = _get(body, "tools", ["list"], None) or None
+    tools = typed(body, "tools", ["list"], None) or None
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "auto", "none"):
-        raise _unsupported("tool_choice", tool_choice, "'auto' or 'none'")
-    _get(body, "parallel_tool_calls", ["bool"], None)
-    template_kwargs = _get(body, "chat_template_kwargs", ["dict"], None)
-    role_mapping = _get(body, "role_mapping", ["dict"], None)
+        raise unsupported("tool_choice", tool_choice, "'auto' or 'none'")
+    typed(body, "parallel_tool_calls", ["bool"], None)
+    template_kwargs = typed(body, "chat_template_kwargs", ["dict"], None)
+    role_mapping = typed(body, "role_mapping", ["dict"], None)
     messages = copy.deepcopy(messages)  # mlx-lm's helpers edit messages in place
 
     if not getattr(tokenizer, "has_chat_template", False):

@@ -4,8 +4,8 @@ Every token comes from the same scheduler ``mlx-spec generate`` runs (hooks/sche
 engine's generation thread: hooks/engine.py), so the speculative plugin (``speculative:`` in the
 host YAML, its variables and flags) applies exactly as there. What requests mean
 (parameters, chat templates, stop words, response shapes) is mlx-lm's, through
-``hooks.openai_compat`` (requests) and ``hooks.openai_output`` (responses), the two modules coupled
-to mlx-lm's server. This module is the HTTP side:
+``hooks.openai_compat`` (requests, their fields checked in ``hooks.openai_fields``) and ``hooks.openai_output``
+(responses), the two modules coupled to mlx-lm's server. This module is the HTTP side:
 routes, authentication, streaming, disconnects, and start-up (loading with the plugins: hooks/host.py).
 """
 
@@ -29,6 +29,7 @@ from . import prompt_cache as pc
 from .engine import Engine, Finished, Job, make_engine
 from .host import describe
 from .metrics import HostCounters, render
+from .openai_fields import APIError
 from .server_settings import ServerSettings, request_defaults
 from .state import HostConfig, LoadedTarget
 
@@ -100,7 +101,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
         self.wfile.flush()
 
-    def _send_error(self, e: oc.APIError) -> None:
+    def _send_error(self, e: APIError) -> None:
         try:
             self._send_json(e.status, e.to_dict())
         except OSError:
@@ -130,7 +131,7 @@ class Handler(BaseHTTPRequestHandler):
         got = self.headers.get("Authorization", "")
         if got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), key.encode()):
             return True
-        self._send_error(oc.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        self._send_error(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                      None, "invalid_api_key", "authentication_error"))
         return False
 
@@ -169,17 +170,17 @@ class Handler(BaseHTTPRequestHandler):
             if found:
                 self._send_json(200, found[0])
             else:
-                self._send_error(oc.APIError(404, f"model {name!r} is not served here; allowed: "
+                self._send_error(APIError(404, f"model {name!r} is not served here; allowed: "
                                              f"{self.server.limits.model_id!r}", "model", "model_not_found"))
         else:
-            self._send_error(oc.APIError(404, f"no route GET {path}; routes: /health, /metrics, /v1/models", None,
+            self._send_error(APIError(404, f"no route GET {path}; routes: /health, /metrics, /v1/models", None,
                                          "not_found"))
 
     def do_POST(self) -> None:  # noqa: N802
         path = self.path.split("?")[0].rstrip("/")
         endpoint = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text"}.get(path)
         if endpoint is None:
-            self._send_error(oc.APIError(404, f"no route POST {path}; routes: /v1/chat/completions, /v1/completions",
+            self._send_error(APIError(404, f"no route POST {path}; routes: /v1/chat/completions, /v1/completions",
                                          None, "not_found"))
             return
         if not self._authorized():
@@ -195,20 +196,20 @@ class Handler(BaseHTTPRequestHandler):
         try:
             length = self.headers.get("Content-Length")
             if length is None:
-                raise oc.APIError(411, "the Content-Length header is required", None, "length_required")
+                raise APIError(411, "the Content-Length header is required", None, "length_required")
             try:
                 n = int(length)
             except ValueError:
-                raise oc.APIError(400, f"Content-Length: got {length!r}; expected an integer", None, "invalid_header") from None
+                raise APIError(400, f"Content-Length: got {length!r}; expected an integer", None, "invalid_header") from None
             if not 0 <= n <= MAX_BODY_BYTES:
-                raise oc.APIError(413, f"the request body has {n} bytes; allowed: at most {MAX_BODY_BYTES}", None,
+                raise APIError(413, f"the request body has {n} bytes; allowed: at most {MAX_BODY_BYTES}", None,
                                   "body_too_large")
             body = oc.parse_body(self.rfile.read(n))
             request = oc.parse_request(endpoint, body, self.server.engine.target.tokenizer, self.server.limits)
             counters.ignored(request.ignored)
             job = Job(request, endpoint)
             self.server.engine.submit(job)
-        except oc.APIError as e:
+        except APIError as e:
             counters.request(endpoint, "rejected" if e.status == 503 else "invalid")
             log.info("%s request refused (%d): %s", endpoint, e.status, e.message)
             self._send_error(e)
@@ -216,7 +217,7 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - a bug reading a request: an answer, never a dropped connection
             log.exception("%s request failed while being read", endpoint)
             counters.request(endpoint, "error")
-            self._send_error(oc.APIError(500, f"the request could not be read: {type(e).__name__}: {e}", None,
+            self._send_error(APIError(500, f"the request could not be read: {type(e).__name__}: {e}", None,
                                          "internal_error", "server_error"))
             return
         try:
@@ -297,7 +298,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._chunk(body(*_text_parts(out.take())))
                 pending_lp = []
         if item.outcome == "error":
-            self._chunk(oc.APIError(500, f"generation failed: {item.error}", None, "generation_error",
+            self._chunk(APIError(500, f"generation failed: {item.error}", None, "generation_error",
                                     "server_error").to_dict())
         else:
             finish = out.finish(INTERRUPTED if item.outcome == INTERRUPTED else finish)
@@ -330,7 +331,7 @@ class Handler(BaseHTTPRequestHandler):
             if item.finish_reason is not None:
                 finish = item.finish_reason
         if item.outcome == "error":
-            self._send_error(oc.APIError(500, f"generation failed: {item.error}", None, "generation_error", "server_error"))
+            self._send_error(APIError(500, f"generation failed: {item.error}", None, "generation_error", "server_error"))
             return
         finish = out.finish(INTERRUPTED if item.outcome == INTERRUPTED else finish)
         text, reasoning, calls = out.take()

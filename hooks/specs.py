@@ -245,6 +245,15 @@ def host_demo(config: "HostConfig") -> Optional[DemoPart]:
     """
 
 
+@hookspec(firstresult=True)
+def host_plain_reason(args: argparse.Namespace, config: "HostConfig") -> Optional[str]:
+    """Called by ``mlx-spec generate`` before its request runs: should no plugin report a ``DecodeReport`` for it
+    (every token from the host's plain steps), why, in a few words naming the plugin's setting that turned its
+    decode steps off (e.g. ``"--no-speculative"``), or None (it did not). The first non-None wins; with none the
+    host says the plugins drafted nothing. The text goes to the stats line and ``--json``'s ``speculative_off``.
+    """
+
+
 @hookspec
 def host_prefill_captures(target: "LoadedTarget", state: "DecodeState") -> Optional["CaptureRequest"]:
     """Called before each request's prefill: what the ordinary forward must expose for it.

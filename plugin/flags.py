@@ -61,3 +61,19 @@ def configured(config: HostConfig, environ: Optional[Mapping[str, str]] = None) 
     return ("speculative" in config.sections
             or any(v is not None for v in config.overrides.get("speculative", {}).values())
             or any(k.startswith(ENV_PREFIX) and v.strip() for k, v in environ.items()))
+
+
+def off_reason(args: argparse.Namespace, config: HostConfig) -> Optional[str]:
+    """Why a run had no speculative decoding at all (its tokens all came from plain steps); None: no setting
+    turned it off (the drafter drafted nothing for this request)."""
+    spec = config.overrides.get("speculative", {})  # the flags' values and the demo drafter's
+    if getattr(args, "no_speculative", False):
+        return "--no-speculative"
+    if spec.get("enabled") is False:
+        return "--num-draft-tokens 0"
+    enabled = config.section("speculative").get("enabled")
+    if enabled is not None and not validate.flag(enabled, "speculative.enabled"):
+        return f"{config.where('speculative.enabled')}speculative.enabled: false"
+    if not spec and not config.section("speculative"):
+        return "no --draft-model or --draft-kind given"
+    return None

@@ -202,6 +202,11 @@ def host_overrides(args: argparse.Namespace, command: str) -> Optional[Dict[str,
 
 
 @hookimpl
+def host_plain_reason(args: argparse.Namespace, config: HostConfig) -> Optional[str]:
+    return flags.off_reason(args, config)
+
+
+@hookimpl
 def host_demo(config: HostConfig) -> Optional[DemoPart]:
     """The demo drafter, unless some speculative setting was given (or speculation was switched off)."""
     if flags.configured(config):

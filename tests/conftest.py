@@ -20,6 +20,7 @@ if not os.environ.get("MLX_SPEC_CACHE"):  # what the tests make is theirs: not ~
     atexit.register(shutil.rmtree, TEST_CACHE, True)
 mx.set_default_device(mx.cpu)
 
+from mlx_speculative.drafters.base import DraftBatch, ForwardingDraftBatch  # noqa: E402
 from mlx_speculative.testing import tiny_models as tm  # noqa: E402
 from mlx_speculative.hooks.host import GenerationParams, Host  # noqa: E402
 from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
@@ -120,3 +121,12 @@ def price(costs: Any, kind: str, rows: int, width: int, seconds: float) -> None:
     observation (the compile) and ``trust`` more."""
     for _ in range(costs.trust + 1):
         costs.observe(kind, rows, width, seconds)
+
+
+class BareForwarding(ForwardingDraftBatch):
+    """A drafter's batch, wrapped for a test that watches or replaces its rounds: forwarded but for what a round
+    may use beyond sync / prepare / propose / commit, which keeps ``DraftBatch``'s defaults (no drafting ahead, no
+    probing of paused rows, nothing saved for the prompt cache)."""
+
+    drafts_ahead, worth_probing = DraftBatch.drafts_ahead, DraftBatch.worth_probing
+    export_row, restore_row = DraftBatch.export_row, DraftBatch.restore_row

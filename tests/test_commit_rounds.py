@@ -16,7 +16,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import encode, greedy_reference, make_host, no_stop
+from conftest import BareForwarding, encode, greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
 from mlx_speculative.drafters.draft_model import DraftModelDrafter
 from mlx_speculative.hooks import recurrent, taps
@@ -30,14 +30,14 @@ pytestmark = pytest.mark.integration
 MAX_TOKENS = 30
 
 
-class FlakyBatch(DraftBatch):
+class FlakyBatch(BareForwarding):
     """A real draft-model batch that fails in round ``fail_at``: raising in ``propose`` after feeding
     its caches, proposing a token outside the vocabulary (a list, or lazily as an array), or raising in
     ``commit``. Records every capture it is handed."""
 
     def __init__(self, drafter: "FlakyDrafter"):
+        super().__init__(drafter.inner.new_batch())
         self.d = drafter
-        self.inner = drafter.inner.new_batch()
         self.calls = self.commits = 0
 
     def sync(self, rows: Sequence[Any]) -> None:
@@ -45,12 +45,6 @@ class FlakyBatch(DraftBatch):
             if row.captures:
                 self.d.handed.append(dict(row.captures))
         self.inner.sync(rows)
-
-    def prepare(self, rows: Sequence[Any]) -> None:
-        self.inner.prepare(rows)
-
-    def cache_groups(self) -> List[Any]:
-        return self.inner.cache_groups()
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         self.calls += 1

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
-from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
+from conftest import PROMPTS, BareForwarding, encode, greedy_reference, make_host, no_stop
 from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.testing import tiny_models as tm
@@ -30,28 +30,19 @@ FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 ROWS = 8
 
 
-class Watched(DraftBatch):
+class Watched(BareForwarding):
     """A drafter's batch, watched: forwards per round, accepted per row per round; with ``truth``
     its proposals are replaced (after the drafter really ran) by each row's greedy continuation,
     corrupted at a random position, so that rows accept different counts."""
 
     def __init__(self, inner: DraftBatch, log: Dict[str, List[Any]], truth: Dict[Tuple[int, ...], List[int]]):
-        self.inner, self.log, self.truth = inner, log, truth
+        super().__init__(inner)
+        self.log, self.truth = log, truth
         self.rng = random.Random(0)
-
-    @property
-    def forwards(self) -> int:  # type: ignore[override]
-        return self.inner.forwards
-
-    def sync(self, rows: Sequence[Any]) -> None:
-        self.inner.sync(rows)
 
     def prepare(self, rows: Sequence[Any]) -> None:
         self._before = self.inner.forwards
         self.inner.prepare(rows)
-
-    def cache_groups(self) -> List[Any]:
-        return self.inner.cache_groups()
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         out = self.inner.propose(rows, max_drafts)

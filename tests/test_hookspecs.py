@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 hookimpl = specs.hookimpl
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_NAMES = ["host_model_loaded", "host_cache_policy", "host_describe", "host_add_commands", "host_add_arguments",
-              "host_overrides", "host_demo", "host_prefill_captures", "host_decode_step", "host_request_finished",
+              "host_overrides", "host_demo", "host_plain_reason", "host_prefill_captures", "host_decode_step", "host_request_finished",
               "host_save_row", "host_metrics"]
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import greedy_reference
 from mlx_speculative.hooks.cli import build_parser
-from mlx_speculative.hooks.config import model_or_demo, plugin_overrides
+from mlx_speculative.hooks.config import load_host_config, model_or_demo, plugin_overrides
 from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.state import HostConfig
 
@@ -75,3 +75,23 @@ def test_the_demo_drafter_comes_from_the_plugin(monkeypatch: pytest.MonkeyPatch,
     model_or_demo(None, config, make_plugin_manager())
     assert config.overrides == {} and "drafter" not in capsys.readouterr().err
     assert model_or_demo("elsewhere", HostConfig(), make_plugin_manager()) == "elsewhere"
+
+
+def test_why_generate_decoded_plainly_is_the_plugins(tmp_path: Path) -> None:
+    """``host_plain_reason``: the plugin names the setting that turned speculation off; without it, or with none
+    given, nothing (the host then says the plugins drafted nothing)."""
+
+    def reason(argv: List[str], path: Any = None, pm: Any = None) -> Any:
+        pm = pm or make_plugin_manager()
+        args = build_parser(pm).parse_args(["generate", *argv])
+        config = load_host_config(path, plugin_overrides(pm, args, "generate"))
+        return pm.hook.host_plain_reason(args=args, config=config)
+
+    assert reason(["--no-speculative"]) == "--no-speculative"
+    assert reason(["--num-draft-tokens", "0"]) == "--num-draft-tokens 0"
+    assert reason([]) == "no --draft-model or --draft-kind given"
+    assert reason(["--draft-kind", "ngram"]) is None
+    off = tmp_path / "off.yaml"
+    off.write_text("speculative:\n  enabled: false\n")
+    assert reason([], off) == f"{off}:2: speculative.enabled: false"
+    assert reason([], None, make_plugin_manager(False)) is None

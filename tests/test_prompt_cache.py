@@ -20,8 +20,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from conftest import encode, make_host, no_stop
-from mlx_speculative.drafters.base import DraftBatch, Drafter, DraftState, Proposal, Verified
+from conftest import BareForwarding, encode, make_host, no_stop
+from mlx_speculative.drafters.base import DraftBatch, Drafter, DraftState, ForwardingDraftBatch, Proposal
 from mlx_speculative.drafters.dflash import tiny
 from mlx_speculative.drafters.eagle3 import tiny as eagle3_tiny
 from mlx_speculative.drafters.mtp import tiny as mtp_tiny
@@ -87,21 +87,15 @@ def drafter_states(inner: DraftBatch, rows: Sequence[Any]) -> List[Optional[mx.a
     return [None] * len(rows)
 
 
-class Recorded(DraftBatch):
+class Recorded(BareForwarding):
     """A drafter's batch, recorded: each row's proposals and drafter states (by its prompt) and the
-    rows per round. Forwards everything, the prompt cache's ``export_row`` / ``restore_row`` too."""
+    rows per round. Forwards the prompt cache's ``export_row`` / ``restore_row`` too."""
+
+    export_row = ForwardingDraftBatch.export_row
 
     def __init__(self, inner: DraftBatch, log: Dict[str, Any]):
-        self.inner, self.log = inner, log
-
-    def sync(self, rows: Sequence[Any]) -> None:
-        self.inner.sync(rows)
-
-    def prepare(self, rows: Sequence[Any]) -> None:
-        self.inner.prepare(rows)
-
-    def cache_groups(self) -> List[Any]:
-        return self.inner.cache_groups()
+        super().__init__(inner)
+        self.log = log
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         states = drafter_states(self.inner, rows)
@@ -113,12 +107,6 @@ class Recorded(DraftBatch):
             if state is not None:
                 self.log["states"].setdefault(tuple(row.tokens[: row.prompt_len]), []).append(state)
         return out
-
-    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
-        return self.inner.commit(rows, verified)
-
-    def export_row(self, row: Any, positions: int) -> Optional[DraftState]:
-        return self.inner.export_row(row, positions)
 
     def restore_row(self, row: Any, saved: DraftState, n: int) -> bool:
         done = self.inner.restore_row(row, saved, n)

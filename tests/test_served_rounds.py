@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
-from conftest import PROMPTS, encode, greedy_reference, make_host, price
-from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal, Verified
+from conftest import PROMPTS, BareForwarding, encode, greedy_reference, make_host, price
+from mlx_speculative.drafters.base import DraftBatch, Drafter, Proposal
 from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.api import CachePolicy
 from mlx_speculative.hooks.host import GenerationParams
@@ -39,25 +39,13 @@ class Unpriced(CostTable):
         return None
 
 
-class Forced(DraftBatch):
+class Forced(BareForwarding):
     """A drafter's batch whose proposals (after the drafter really ran) are each row's greedy continuation,
     corrupted at the first draft (zero), mid-block (partial) or not at all (full); logs what each row drafts."""
 
     def __init__(self, inner: DraftBatch, truth: Dict[Tuple[int, ...], Tuple[List[int], str]], log: List[Any]):
-        self.inner, self.truth, self.log = inner, truth, log
-
-    @property
-    def forwards(self) -> int:  # type: ignore[override]
-        return self.inner.forwards
-
-    def sync(self, rows: Sequence[Any]) -> None:
-        self.inner.sync(rows)
-
-    def prepare(self, rows: Sequence[Any]) -> None:
-        self.inner.prepare(rows)
-
-    def cache_groups(self) -> List[Any]:
-        return self.inner.cache_groups()
+        super().__init__(inner)
+        self.truth, self.log = truth, log
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         self.inner.propose(rows, max_drafts)
@@ -73,9 +61,6 @@ class Forced(DraftBatch):
             self.fed = getattr(self, "fed", 0) + 1 + (len(drafts) if m else 0)  # positions the verify will check
         self.log.append(drafted)
         return out
-
-    def commit(self, rows: Sequence[Any], verified: Sequence[Verified]) -> List[int]:
-        return self.inner.commit(rows, verified)
 
 
 class ForcedDrafter(Drafter):

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 import pytest
 
 from mlx_speculative.hooks import openai_compat as oc
+from mlx_speculative.hooks.openai_fields import APIError
 from mlx_speculative.hooks import validate
 from mlx_speculative.hooks.server_settings import ServerSettings, request_defaults, server_settings
 from mlx_speculative.hooks.state import HostConfig
@@ -179,7 +180,7 @@ REQUEST_CASES = [
 @pytest.mark.parametrize("body, param, rule", REQUEST_CASES, ids=[c[1] for c in REQUEST_CASES])
 def test_requests_use_the_same_rules(body: Dict[str, Any], param: str, rule: str) -> None:
     limits = oc.ServingLimits(model_id="m", vocab_size=384)
-    with pytest.raises(oc.APIError) as e:
+    with pytest.raises(APIError) as e:
         oc.parse_request("text", dict(body, prompt="x"), tokenizer=None, limits=limits)
     assert (e.value.status, e.value.param) == (400, param)
     assert e.value.message.startswith(f"{param}: got ") and e.value.message.endswith(
@@ -189,7 +190,7 @@ def test_requests_use_the_same_rules(body: Dict[str, Any], param: str, rule: str
 def test_request_logit_bias_and_yaml_defaults_reach_requests() -> None:
     limits = oc.ServingLimits(model_id="m", vocab_size=384)
     for bad, allowed in (({"x": 1}, validate.LOGIT_BIAS_ALLOWED), ({"400": 1}, "token ids from 0 to 383")):
-        with pytest.raises(oc.APIError, match="logit_bias: got") as e:
+        with pytest.raises(APIError, match="logit_bias: got") as e:
             oc.parse_request("text", {"prompt": "x", "logit_bias": bad}, tokenizer=None, limits=limits)
         assert allowed in e.value.message
     config = HostConfig(sections={"generation": {"temp": 0.5, "seed": 3, "repetition_penalty": 1.2,
