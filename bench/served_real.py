@@ -164,11 +164,10 @@ def requests(args: argparse.Namespace) -> List[real.TextPrompt]:
     return prompts[: args.max_prompts] if args.max_prompts else prompts
 
 
-def run(args: argparse.Namespace, argv: Optional[List[str]], clients: List[int], modes: List[Mode],
+def run(args: argparse.Namespace, prompts: List[real.TextPrompt], clients: List[int], modes: List[Mode],
         measure: Callable[..., Dict[str, Any]], one: Callable[..., Any], plugin_counts: Callable[[Any], Dict[str, Any]],
         write: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
     """Every mode against every client count (``measure``: server_batching's ``load``); the results by mode."""
-    prompts = requests(args)
     results: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="served-real-") as tmp:
         model = args.model
@@ -204,9 +203,8 @@ def run(args: argparse.Namespace, argv: Optional[List[str]], clients: List[int],
     return results
 
 
-def report_fields(args: argparse.Namespace, modes: List[Mode]) -> Dict[str, Any]:
+def report_fields(args: argparse.Namespace, modes: List[Mode], prompts: List[real.TextPrompt]) -> Dict[str, Any]:
     """The real run's own keys of the JSON (the synthetic run's target, tau, block... do not apply)."""
-    prompts = requests(args)  # ValueError: a bad file, before any model loads
     return {"model": args.model, "model_resolved": str(loading.resolve_path(args.model, "model")),
             "quantized_bits": args.quantize_target, "max_tokens": args.max_tokens,
             "drafters": {m.name: m.record for m in modes if m.name != "plain"},

@@ -338,10 +338,11 @@ def main_real(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Optio
     """``--model``: a real checkpoint served with its real drafters (bench/served_real.py)."""
     try:
         modes = served_real.select(served_real.modes_for(args), args.modes, ap.error)
-        fields = served_real.report_fields(args, modes)
+        prompts = served_real.requests(args)  # a bad file fails here, before any model loads
+        fields = served_real.report_fields(args, modes, prompts)
     except (ValueError, OSError) as e:  # a bad --drafter, --draft-kind, --model or --prompts-file
         ap.error(str(e))
-    results = served_real.run(args, argv, clients, modes, load, one, plugin_counts,
+    results = served_real.run(args, prompts, clients, modes, load, one, plugin_counts,
                               lambda res: write_report(args, argv, res, fields))
     return finish(results)
 

@@ -158,12 +158,13 @@ def prepare(
     o = options
     files, held_files = sources.files, sources.held_files
     digests = digest_files(files)
+    wanted = o.sequences or o.steps * o.batch_size  # the sequences asked for
     fingerprint = json.dumps({
         "target": str(target.path.resolve()), "data": digests, "heldout": digest_files(held_files),
         "prompts": hashlib.sha256(json.dumps([prompts, heldout_prompts]).encode()).hexdigest()[:16],
         **{k: getattr(o, k) for k in ("prompt_tokens", "seq_len", "temperature", "seed", "heldout_sequences")},
         # the sequences asked for, not the steps: runs of other lengths (or families) over the same data share it
-        "sequences": o.sequences or o.steps * o.batch_size,
+        "sequences": wanted,
     }, sort_keys=True)
     if cache_file.is_file():
         arrays, meta = mx.load(str(cache_file), return_metadata=True)
@@ -190,7 +191,7 @@ def prepare(
     else:
         # No held-out text: hold out up to a tenth of the prompts (none from a handful).
         held, windows = _pick(windows, min(o.heldout_sequences, len(windows) // 10), rng, p)
-    count = min(len(windows), o.sequences or o.steps * o.batch_size)
+    count = min(len(windows), wanted)
     train, _ = _pick(windows, count, rng, p)
     source = "given prompts" if prompts is not None else f"{len(files)} file(s)"
     log(f"data: {len(train)} training and {len(held)} held-out prompts of {p} tokens from {source}; "
