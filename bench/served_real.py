@@ -145,6 +145,14 @@ def serve(model: str, speculative: Dict[str, Any], over: Dict[str, Any]) -> Serv
     return server
 
 
+def stop(server: Server) -> None:
+    """End a server started by ``serve`` (or server_batching's synthetic one) and its engine thread."""
+    server.shutdown()
+    server.engine.stop()
+    server.engine.thread.join(timeout=120)  # no MLX work left in flight when the process exits
+    server.server_close()
+
+
 def attached(server: Server, mode: Mode) -> Dict[str, Any]:
     """What the plugin attached; a drafter mode whose drafter did not attach raises (it would measure plain)."""
     target = server.engine.target
@@ -196,10 +204,7 @@ def run(args: argparse.Namespace, prompts: List[real.TextPrompt], clients: List[
                 results[mode.name]["plugin"] = plugin_counts(server.engine.target)
                 write(results)  # after each mode: a run cut short keeps the modes it finished
             finally:
-                server.shutdown()
-                server.engine.stop()
-                server.engine.thread.join(timeout=120)  # no MLX work left in flight when the process exits
-                server.server_close()
+                stop(server)
     return results
 
 

@@ -320,10 +320,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             results[mode]["plugin"] = plugin_counts(server.engine.target or target)
             write_report(args, argv, results)  # after each mode: a run cut short keeps the modes it finished
         finally:
-            server.shutdown()
-            server.engine.stop()
-            server.engine.thread.join(timeout=120)  # no MLX work left in flight when the process exits
-            server.server_close()
+            served_real.stop(server)
     return finish(results)
 
 
