@@ -1,13 +1,16 @@
-"""Acceptance rate of ``acceptance: rejection`` (speculative sampling) vs ``exact`` (mlx-lm's token match).
+"""Acceptance rate of speculative sampling (``acceptance: rejection``), mlx-lm's token match (``exact``) and the
+coupled sampling seeded requests get.
 
 Not a test. On the tests' tiny pair (4-layer llama target, hidden 64, vocab 384, random weights
 with logit scale 3; drafter = its first 2 layers) and, for the dflash kind, a tiny z-lab-format
 DFlash drafter trained for a few hundred steps on the target's greedy continuations of the very
 prompts measured here (a tiny drafter generalises little; this measures the rules, not DFlash),
-it runs 16 seeded generations of 64 tokens per setting at each temperature (top-p 0.9) with a
-pinned block size and reports, summed over all prompts: rounds, draft tokens, accepted,
-acceptance rate (accepted / draft tokens) and mean acceptance length tau (tokens per round,
-bonus included). Temperature 0 is the greedy walk under both settings, shown for reference.
+it runs 16 generations of 64 tokens per setting at each temperature (top-p 0.9) with a pinned block
+size: unseeded for ``rejection`` and ``exact`` (mlx's global state seeded per prompt; the drafter's own
+stream from fresh entropy), with request seeds for ``coupled`` (the drafts drawn with the noise the target
+draws each position with, docs/lossless.md). It reports, summed over all prompts: rounds, draft tokens,
+accepted, acceptance rate (accepted / draft tokens) and mean acceptance length tau (tokens per round,
+bonus included). Temperature 0 is the greedy walk under every setting, shown for reference.
 
     python bench/acceptance_rate.py                                   # draft_model and dflash
     python bench/acceptance_rate.py --kinds draft_model --temperatures 0.7 1.0 --json out.json
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,15 +66,20 @@ def bench_prompts(tokenizer: Any) -> List[List[int]]:
     return [(tokenizer.encode(text, add_special_tokens=False) * 8)[:8] for text in tm.corpus(PROMPTS, seed=1)]
 
 
-def measure(pair: Dict[str, Path], kind: str, block: int, acceptance: str, temperature: float, top_p: float,
+SETTINGS = ("rejection", "exact", "coupled")
+
+
+def measure(pair: Dict[str, Path], kind: str, block: int, setting: str, temperature: float, top_p: float,
             prompts: List[List[int]], max_tokens: int) -> Dict[str, Any]:
+    acceptance = "exact" if setting == "exact" else "rejection"
     speculative = {"draft_model": str(pair[kind]), "kind": kind, "block_size": block, "acceptance": acceptance}
     host = Host(HostConfig(sections={"speculative": speculative}), pm=make_plugin_manager())
     target = host.load(str(pair["target"]))
     totals = {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "tokens": 0}
     start = time.perf_counter()
     for seed, prompt in enumerate(prompts):
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+        mx.random.seed(seed)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed if setting == "coupled" else None)
         result = host.generate(target, prompt, GenerationParams(max_tokens=max_tokens, sampling=sampling, stop_token_ids=[]))
         stats = result.report["speculative"]
         assert stats.fallback is None, stats.fallback
@@ -79,7 +88,7 @@ def measure(pair: Dict[str, Path], kind: str, block: int, acceptance: str, tempe
         totals["accepted_tokens"] += stats.accepted_tokens
         totals["tokens"] += len(result.tokens)
     return {
-        "kind": kind, "block_size": block, "acceptance": acceptance, "temperature": temperature, "top_p": top_p,
+        "kind": kind, "block_size": block, "acceptance": setting, "temperature": temperature, "top_p": top_p,
         **totals,
         "acceptance_rate": totals["accepted_tokens"] / max(totals["draft_tokens"], 1),
         "tau": 1 + totals["accepted_tokens"] / max(totals["rounds"], 1),
@@ -111,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for kind in args.kinds:
         block = args.block_draft_model if kind == "draft_model" else args.block_dflash
         for temperature in args.temperatures:
-            for acceptance in ("rejection", "exact"):
+            for acceptance in SETTINGS:
                 r = measure(pair, kind, block, acceptance, temperature, args.top_p, texts, args.max_tokens)
                 rows.append(r)
                 print(f"{kind:12} {block:>3} {temperature:>5} {acceptance:10} {r['rounds']:>7} {r['draft_tokens']:>8} "
@@ -120,6 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.json.write_text(json.dumps({
             "machine": platform.platform(), "mlx": mx.__version__, "prompts": PROMPTS,
             "max_tokens": args.max_tokens, "top_p": args.top_p, "results": rows,
+            "command": " ".join(["python", "bench/acceptance_rate.py", *(sys.argv[1:] if argv is None else argv)]),
         }, indent=1))
     return 0
 

@@ -21,8 +21,7 @@ from .batch import DecodeBatch, forward
 from .manager import make_plugin_manager
 from .backend import Backend
 from .specs import DecodeReport, Description
-from .state import (DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams,
-                    keyed_sampler)
+from .state import DecodeState, HostConfig, KeyStream, LoadedTarget, LogitsProcessor, SamplingParams
 from .step import BatchDecoder, PlainRun
 
 DEFAULT_PREFILL_STEP = 2048
@@ -130,11 +129,9 @@ class Host:
             options=dict(params.options),
         )
         if sampling.seed is not None:
-            # Per-request streams, not mx.random.seed: a seeded request then gives the same tokens
-            # whatever other requests draw meanwhile, and the drafter's draws never move the target's.
+            # Per-request keys by sequence position, not mx.random.seed: a seeded request then gives the
+            # same tokens whatever other requests draw meanwhile, and whether steps or rounds decode it.
             state.rng = KeyStream(sampling.seed, "target")
-            if not sampling.greedy:
-                state.sampler = keyed_sampler(sampling, state.next_key)
         layers: set[int] = set()
         for request in self.pm.hook.host_prefill_captures(target=target, state=state):
             if request is not None:

@@ -109,10 +109,11 @@ class SamplingParams:
 
 
 class KeyStream:
-    """A request's own random stream: draw n uses the key hash(seed, stream name, n).
+    """A request's own random keys, hashed from (seed, stream name, n): ``at(position)`` keys a seeded
+    request's draw for a sequence position, ``next()`` a stream's n-th draw.
 
-    Counter-based, so drawing touches neither mlx's global random state nor any other stream,
-    costs no evaluation, and a seeded request replays exactly. seed None: fresh entropy.
+    Counter-based, so drawing touches neither mlx's global random state nor any other stream and
+    costs no evaluation. seed None: fresh entropy.
     """
 
     def __init__(self, seed: Optional[int], name: str):
@@ -121,18 +122,24 @@ class KeyStream:
         self.draws = 0
 
     def next(self) -> mx.array:
-        material = f"{self.seed}:{self.name}:{self.draws}".encode()
         self.draws += 1
+        return self._key(self.draws - 1)
+
+    def at(self, position: int) -> mx.array:
+        return self._key(f"at{position}")
+
+    def _key(self, n: Any) -> mx.array:
+        material = f"{self.seed}:{self.name}:{n}".encode()
         return mx.random.key(int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "little"))
 
 
-def keyed_sampler(sampling: SamplingParams, next_key: Callable[[], Optional[mx.array]]) -> Sampler:
-    """mlx-lm's sampler drawing from a request's own stream instead of mlx's global random state."""
-
-    def sample(logprobs: mx.array) -> mx.array:
-        return mx.random.categorical(sampling.process(logprobs), key=next_key())
-
-    return sample
+def coupled_draw(logits: mx.array, keys: Sequence[mx.array]) -> mx.array:
+    """argmax(logits_i + g_i), g_i Gumbel noise from keys[i]: a draw from softmax(logits_i) (the Gumbel-max
+    trick). logits [n, V] -> [n]. With the noise keyed by sequence position, the token at a position is a
+    function of the seed and its context alone: one-token steps and speculative rounds of any block size draw
+    the same one, and a drafter drawing with the same noise proposes it whenever its q is close to p."""
+    noise = mx.stack([mx.random.gumbel(shape=(logits.shape[-1],), key=k) for k in keys])  # [n, V]
+    return mx.argmax(logits + noise, axis=-1)
 
 
 @dataclass
@@ -180,8 +187,10 @@ class DecodeState:
     pending_logprobs: Optional[mx.array] = None
     extras: Dict[str, Any] = field(default_factory=dict)
     report: Dict[str, DecodeReport] = field(default_factory=dict)
-    # The target's random stream for a seeded request (None: mlx's global random state, as in
-    # mlx-lm). The drafter draws from its own stream, so its draws never move the target's.
+    # A seeded request's keys (None: mlx's global random state, as in mlx-lm): the target draws
+    # the token at each sequence position with ``rng.at(position)``, and so does a drafter
+    # proposing that position (coupled sampling, ``draw_drafts``). An unseeded request's drafter draws
+    # from ``draft_rng``, its own stream, never the target's.
     rng: Optional[KeyStream] = None
     draft_rng: Optional[KeyStream] = None
     # The server's prompt cache (hooks/prompt_cache.py): prompt positions restored from an earlier
@@ -223,15 +232,31 @@ class DecodeState:
         for i, h in recorded.items():
             self.captures[i] = mx.concatenate([self.captures[i], h], axis=1) if i in self.captures else h
 
-    def next_key(self) -> Optional[mx.array]:
-        """A key for the target's next draw: None (global state) for an unseeded request."""
-        return None if self.rng is None else self.rng.next()
+    def position_keys(self, n: int, offset: int = 0) -> List[mx.array]:
+        """A seeded request's keys for the n sequence positions from ``offset`` past the pending token on."""
+        assert self.rng is not None, "position keys are a seeded request's"
+        return [self.rng.at(len(self.tokens) + offset + i) for i in range(n)]
 
-    def next_draft_key(self) -> mx.array:
-        """A key for the drafter's next draw, from its own stream (fresh entropy when unseeded)."""
+    def sample(self, logprobs: mx.array, offset: int = 0) -> mx.array:
+        """The target's tokens for n positions from ``offset`` past the pending token on: [n, V] log-probabilities
+        (logits processors applied) -> [n]. The request's sampler; a seeded sampling request draws each position
+        with that position's noise (``coupled_draw``), so one-token steps and a round's verify draw alike."""
+        if self.rng is None or self.sampling.greedy:
+            return self.sampler(logprobs)
+        return coupled_draw(self.sampling.process(logprobs), self.position_keys(logprobs.shape[0], offset))
+
+    def draw_drafts(self, logq: mx.array, offset: int = 0) -> mx.array:
+        """Draft tokens from log q: [V] -> [] or [n, V] -> [n], for the block's positions from ``offset`` on
+        (0: the position after the pending token). A seeded request's drafts use the noise the target draws
+        those positions with (``coupled_draw``): whatever the drafter proposes, the round emits the target's
+        own seeded tokens, and a drafter whose q is close to p proposes them. Else a draw from the drafter's
+        own stream (rejection sampling then keeps the emitted tokens distributed as p)."""
+        if self.rng is not None and not self.sampling.greedy:
+            rows = logq.reshape(-1, logq.shape[-1])  # [n, V]
+            return coupled_draw(rows, self.position_keys(rows.shape[0], offset)).reshape(logq.shape[:-1])
         if self.draft_rng is None:
             self.draft_rng = KeyStream(self.sampling.seed, "drafter")
-        return self.draft_rng.next()
+        return mx.random.categorical(logq, axis=-1, key=self.draft_rng.next())
 
     def logprobs(self, logits: mx.array, drafts: Sequence[int] = (), start: int = 0) -> mx.array:
         """Processed log-probabilities for each position of a forward over [pending, *drafts].

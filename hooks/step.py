@@ -63,7 +63,7 @@ class PlainRun:
                 last = row.apply_processors(history, last)
             lp = last - mx.logsumexp(last, axis=-1, keepdims=True)  # [1, V]
             logprobs.append(lp)
-            sampled.append(row.sampler(lp).reshape(1))
+            sampled.append(row.sample(lp, offset=0 if fed is None else 1).reshape(1))  # fed: not in tokens yet
         y = mx.concatenate(sampled) if len(sampled) > 1 else sampled[0]  # [B]
         # The captures too: left lazy, a run would leave a chain of concatenations for the next round.
         mx.async_eval(y, logprobs, [list(r.captures.values()) for r in rows])

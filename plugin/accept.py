@@ -102,20 +102,22 @@ def plan_rows(rows: Sequence[Any], proposals: Sequence[Proposal], drafts: Sequen
 
     drafts[b]: row b's draft tokens x as fed to the verify, [k_b] (k_b = 0: it drafted nothing), with
     their log q in proposals[b]; logprobs[b]: its processed log p [k_b+1, V]. Temperature 0: the greedy
-    walk; else ``rejection`` (speculative sampling with the row's own key) or ``exact`` (mlx-lm's token
+    walk. A seeded row (coupled sampling): the walk over its sampler's draws, each position's with that
+    position's noise, so it emits exactly the tokens its one-token steps would (the drafts drew with the same
+    noise, ``DecodeState.draw_drafts``). Else ``rejection`` (speculative sampling) or ``exact`` (mlx-lm's token
     match). A row that drafted nothing takes its one-token step here: its own sampler on position 0.
     """
     plans: List[Plan] = []
     for row, p, x, lp in zip(rows, proposals, drafts, logprobs):
         if not x.shape[0]:
-            plans.append(("step", (mx.argmax(lp[:1], axis=-1) if row.sampling.greedy else row.sampler(lp[:1]))))
+            plans.append(("step", (mx.argmax(lp[:1], axis=-1) if row.sampling.greedy else row.sample(lp[:1]))))
         elif row.sampling.greedy:
             plans.append(("walk", mx.argmax(lp, axis=-1)))  # y: [k+1]
-        elif acceptance == "rejection":
+        elif acceptance == "rejection" and row.rng is None:
             # p: the target's rows after the sampler's processing; q comes processed from the drafter.
-            plans.append(("rejection", rejection_accept(x, p.logprobs, row.sampling.process(lp), row.next_key())))
+            plans.append(("rejection", rejection_accept(x, p.logprobs, row.sampling.process(lp))))
         else:
-            plans.append(("walk", row.sampler(lp)))  # exact: y ~ p_i at every position
+            plans.append(("walk", row.sample(lp)))  # y_i ~ p_i at every position (seeded: coupled)
     return plans
 
 

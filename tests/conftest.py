@@ -96,6 +96,37 @@ def no_stop(max_tokens: int, **kw: Any) -> GenerationParams:
     return GenerationParams(max_tokens=max_tokens, stop_token_ids=[], **kw)
 
 
+def seeded_rounds(host: Host, target: Any, prompt: List[int], max_tokens: int, seed: int,
+                  monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
+    """A seeded sampling request through rounds (coupled sampling, docs/lossless.md): its tokens equal plain
+    one-token decoding with the same seed, and each round's drafts were drawn at block offsets 0, 1, ...
+    (where the target draws those positions; a drafter drawing elsewhere would only be accepted less, so
+    the offsets are checked themselves). Returns the rounds by acceptance."""
+    from mlx_speculative.hooks.state import DecodeState, SamplingParams
+
+    offsets: List[tuple] = []  # (offset, drafts drawn) per call
+    real = DecodeState.draw_drafts
+
+    def recording(self: DecodeState, logq: mx.array, offset: int = 0) -> mx.array:
+        offsets.append((offset, 1 if logq.ndim == 1 else logq.shape[0]))
+        return real(self, logq, offset)
+
+    monkeypatch.setattr(DecodeState, "draw_drafts", recording)
+    params = no_stop(max_tokens, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=seed))
+    result = host.generate(target, prompt, params)
+    assert result.tokens == make_host(None, plugins=False).generate(target, prompt, params).tokens
+    stats = result.report["speculative"]
+    assert stats.fallback is None and stats.rounds > 0, stats
+    blocks: List[int] = []  # drafts drawn per round, each block's from offset 0 on
+    for offset, n in offsets:
+        if offset == 0:
+            blocks.append(0)
+        assert blocks and offset == blocks[-1], offsets
+        blocks[-1] += n
+    assert 0 < len(blocks) <= stats.rounds and sum(blocks) >= stats.draft_tokens, (blocks, stats.rounds)
+    return dict(stats.rounds_by_acceptance)
+
+
 T = TypeVar("T")
 
 

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import encode, greedy_reference, make_host, no_stop
+from conftest import encode, greedy_reference, make_host, no_stop, seeded_rounds
 from mlx_speculative.drafters.base import Proposal
 from mlx_speculative.drafters.dflash import DFlashBatch, DFlashDrafter, tiny
 from mlx_speculative.drafters.dflash.features import target_features
@@ -367,3 +367,11 @@ def test_batched_contexts_are_exact(bucket: Optional[int], models: Dict[str, Pat
             got[request.id].append(event.token)
     assert [got[r.id] for r in submitted] == [refs[tuple(p)] for p in prompts]
     assert fast[0] > 3  # the rounds' contexts appended for all rows at once
+
+
+def test_seeded_sampling_is_one_token_decoding(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The block's k drafts drawn in one call at offsets 0..k-1, with the target's noise of those positions.
+    host = make_host({"draft_model": str(models["drafter"]), "block_size": BLOCK})
+    target = host.load(str(models["llama"]))
+    rounds = seeded_rounds(host, target, encode(target, "the cache layer block round target"), 30, 5, monkeypatch)
+    assert rounds["zero"] > 0, rounds

@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import mlx.core as mx
 import pytest
 
-from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
+from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop, seeded_rounds
 from mlx_speculative.drafters.base import Proposal
 from mlx_speculative.drafters.eagle3 import Eagle3Batch, tiny
 from mlx_speculative.testing import tiny_models as tm
@@ -154,3 +154,12 @@ def test_bench_runs_a_synthetic_eagle3_drafter(tmp_path: Path) -> None:
         spec = report["results"][regime]["plugin eagle3 b4 tau3"]
         assert spec["identical_share"] == 1.0 and 1.5 < spec["tau"] <= 4 and spec["rounds"] > 0
     assert set(report["kernel_costs"]["draft_ms"]["eagle3"]) == {"4"}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS)[:1])
+def test_seeded_sampling_is_one_token_decoding(layout: str, models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # q over the target's vocabulary (zero outside the draft vocabulary) takes the target's noise per position.
+    host = make_host({"draft_model": str(models[layout]), "kind": "auto", "block_size": BLOCK})
+    target = host.load(str(models["llama"]))
+    rounds = seeded_rounds(host, target, encode(target, PROMPTS[1]), 30, 6, monkeypatch)
+    assert rounds["zero"] > 0, rounds

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
+from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop, seeded_rounds
 from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.base import DraftTarget, Proposal
 from mlx_speculative.drafters.mtp import gemma, tiny
@@ -211,8 +211,8 @@ class Row:
     def __init__(self, sampling: SamplingParams):
         self.sampling, self.stream = sampling, KeyStream(7, "drafter")
 
-    def next_draft_key(self) -> mx.array:
-        return self.stream.next()
+    def draw_drafts(self, logq: mx.array, offset: int = 0) -> mx.array:
+        return mx.random.categorical(logq, axis=-1, key=self.stream.next())
 
 
 @pytest.mark.statistical  # also in the statistical group: a chi-square test
@@ -225,7 +225,7 @@ def test_sparse_q_is_what_the_drafter_samples_from(models: Dict[str, Path], samp
     row = Row(sampling)
     draws, qs = [], []
     for _ in range(1200):  # 6,000 draws
-        tokens, q = draw([row] * 5, mx.repeat(logits, 5, axis=0))
+        tokens, q = draw([row] * 5, mx.repeat(logits, 5, axis=0), 0)
         draws.append(tokens)
         qs.append(q[0])
     counts = np.bincount(np.array(mx.concatenate(draws)), minlength=logits.shape[-1])
@@ -236,3 +236,11 @@ def test_sparse_q_is_what_the_drafter_samples_from(models: Dict[str, Path], samp
     # The control: the dense distribution (a sentinel-free approximation would sit in between) is rejected.
     dense = np.array(mx.softmax(sampling.process(model.dense_logits(state) - mx.logsumexp(model.dense_logits(state))), axis=-1)[0])
     assert chisquare(counts, dense.astype(np.float64) / dense.sum())[2] < CAUGHT_P
+
+
+@pytest.mark.parametrize("head", ["sparse", "dense"])
+def test_seeded_sampling_is_one_token_decoding(head: str, models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    host = make_host({"draft_model": str(models[head]), "block_size": BLOCK})
+    target = host.load(str(models["target"]))
+    rounds = seeded_rounds(host, target, encode(target, PROMPT), 30, 8, monkeypatch)
+    assert rounds["zero"] > 0, rounds

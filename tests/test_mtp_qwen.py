@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop
+from conftest import PROMPTS, encode, greedy_reference, make_host, no_stop, seeded_rounds
 from mlx_speculative.drafters import registry
 from mlx_speculative.drafters.base import DraftTarget, Proposal
 from mlx_speculative.drafters.mtp import qwen, tiny
@@ -191,3 +191,11 @@ def test_depth_stops_recursing_while_it_does_not_pay() -> None:
     for _ in range(8):
         depth.record(2, 3)
     assert not depth.capped
+
+
+def test_seeded_sampling_is_one_token_decoding(models: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The head's recursive steps draw at offsets 0, 1, 2 of the block.
+    host = make_host({"draft_model": str(models["qwen3_5"]), "block_size": BLOCK})
+    target = host.load(str(models["qwen3_5"]))
+    rounds = seeded_rounds(host, target, encode(target, PROMPT), 30, 7, monkeypatch)
+    assert rounds["zero"] > 0, rounds

@@ -3,8 +3,8 @@
 16-token targets with their drafters: a Qwen3.5 target with its ``mtp.*`` head, and a Gemma 4 text
 target with a tiny assistant whose sparse head selects 2 of 4 clusters per step (its q is zero on
 half the vocabulary). As in test_sampling_distribution: the target's exact law of its first tokens
-under its own sampling (temperature, top-p 0.9) against seeded continuations through the real host,
-one continuation per seed, by Pearson's chi-square.
+under its own sampling (temperature, top-p 0.9) against unseeded continuations (speculative sampling)
+through the real host, by Pearson's chi-square.
 """
 
 from __future__ import annotations

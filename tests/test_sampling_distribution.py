@@ -13,6 +13,7 @@ every reachable context, one batched forward per position. Against it:
 - the real host with the speculative plugin (draft_model kind): fewer continuations (each costs
   ~10 ms here), the same test; and a check that every round hands ``rejection_accept`` exactly
   the target's and the drafter's processed distributions at the right contexts.
+- seeded requests (coupled sampling): the same test through the host, and the Gumbel-max draw itself.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 from conftest import make_host, no_stop
 from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.batch import DecodeBatch
-from mlx_speculative.hooks.state import SamplingParams
+from mlx_speculative.hooks.state import KeyStream, SamplingParams, coupled_draw
 from mlx_speculative.plugin import accept
 from mlx_speculative.plugin import round as round_mod
 from test_sampling_stats import CAUGHT_P, PASS_P, chisquare, tv
@@ -219,20 +220,27 @@ def test_rounds_keep_the_target_distribution(pair: Dict[str, Any], temperature: 
 # The real host -----------------------------------------------------------------------------------
 
 
-def host_tokens(pair: Dict[str, Any], temperature: float, samples: int, **speculative: Any) -> Tuple[np.ndarray, Dict[str, int]]:
-    """``samples`` seeded continuations (one seed each) through the host and the plugin: [n, POSITIONS].
+def host_tokens(pair: Dict[str, Any], temperature: float, samples: int, seeded: bool = False,
+                **speculative: Any) -> Tuple[np.ndarray, Dict[str, int]]:
+    """``samples`` continuations through the host and the plugin: [n, POSITIONS].
 
-    The prompt is one token, so there is nothing to prefill but the pending token itself: every
-    position comes from the host's decode loop, i.e. from rounds (a plain step where one token remains).
+    Unseeded (rejection sampling): continuation s draws the target from mlx's global state seeded with s
+    and the drafter from its own stream keyed by s, so that a run replays. ``seeded``: request seed s
+    (coupled sampling). The prompt is one token, so there is nothing to prefill but the pending token
+    itself: every position comes from the host's decode loop, i.e. from rounds (a plain step where one
+    token remains).
     """
     host = make_host({"draft_model": str(pair["drafter"]), "block_size": BLOCK, **speculative})
     target = host.load(str(pair["target"]))
     out = np.zeros((samples, POSITIONS), dtype=np.int64)
     rounds = {"zero": 0, "partial": 0, "full": 0}
     for seed in range(samples):
-        sampling = SamplingParams(temperature=temperature, top_p=TOP_P, seed=seed)
+        sampling = SamplingParams(temperature=temperature, top_p=TOP_P, seed=seed if seeded else None)
         params = no_stop(POSITIONS, sampling=sampling)
         state = host.new_state(target, PROMPT, params)
+        if not seeded:
+            mx.random.seed(seed)
+            state.draft_rng = KeyStream(seed, "drafter")
         state.pending_logprobs = mx.zeros((VOCAB,))  # what prefill leaves; the plugin reads its width
         batch = DecodeBatch(target, single=True)
         batch.join(state, host.new_caches(target, params))  # nothing fed yet: PROMPT is the pending token
@@ -273,6 +281,27 @@ def test_host_exact_rule_keeps_the_target_distribution(pair: Dict[str, Any]) -> 
     assert all(pv > PASS_P for _, pv, _ in results), results
 
 
+def test_host_coupled_rounds_keep_the_target_distribution(pair: Dict[str, Any]) -> None:
+    # Seeded requests: the target's Gumbel-max draw at each position, the drafts drawn with the same noise.
+    tokens, rounds = host_tokens(pair, 1.0, HOST_SAMPLES, seeded=True)
+    assert all(n > 0 for n in rounds.values()), rounds
+    exact = exact_distributions(pair["target_model"], SamplingParams(temperature=1.0, top_p=TOP_P))
+    results = fit(*tally(tokens), exact)
+    assert all(pv > PASS_P for _, pv, _ in results), results
+
+
+def test_coupled_draw_is_the_categorical_law() -> None:
+    # The Gumbel-max draw over 30,000 keys against p itself, and a biased noise (the control) caught.
+    logits = mx.random.normal((VOCAB,), key=mx.random.key(3)) * 1.5
+    logprobs = logits - mx.logsumexp(logits)
+    keys = [KeyStream(11, "target").at(i) for i in range(30_000)]
+    draws = np.array(coupled_draw(mx.broadcast_to(logprobs, (len(keys), VOCAB)), keys))
+    probs = np.exp(np.array(logprobs, dtype=np.float64))
+    assert chisquare(np.bincount(draws, minlength=VOCAB), probs)[2] > PASS_P
+    skewed = np.array(coupled_draw(mx.broadcast_to(logprobs * 1.3, (len(keys), VOCAB)), keys))
+    assert chisquare(np.bincount(skewed, minlength=VOCAB), probs)[2] < CAUGHT_P
+
+
 def test_rounds_hand_over_the_processed_p_and_q_of_the_right_contexts(pair: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """What makes the host's rounds match ``simulate``: each call of ``rejection_accept`` gets log p
     and log q equal to the target's and the drafter's processed distributions after the committed
@@ -295,7 +324,7 @@ def test_rounds_hand_over_the_processed_p_and_q_of_the_right_contexts(pair: Dict
     assert len(calls) == len(contexts) > 40
     sampling = SamplingParams(temperature=0.7, top_p=TOP_P)
     for context, (drafts, log_q, log_p, key) in zip(contexts, calls):
-        assert key is not None  # seeded: the request's own stream
+        assert key is None  # unseeded: mlx's global random state, as one-token decoding draws
         prefixes = [np.array([context[len(PROMPT):] + drafts[:i]], dtype=np.int64) for i in range(len(drafts) + 1)]
         p = np.concatenate([_score(pair["target_model"], s, sampling) for s in prefixes])  # [k+1, V]
         q = np.concatenate([_score(pair["drafter_model"], s, sampling) for s in prefixes[:-1]])  # [k, V]

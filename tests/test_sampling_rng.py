@@ -1,5 +1,6 @@
-"""Random streams: seeded requests replay exactly, alone or among others, and the drafter's draws
-never move the target's stream. Also: the processing the round applies is mlx-lm's sampler's."""
+"""Random streams: seeded requests replay exactly, alone or among others, and equal one-token decoding
+with the same seed whatever the drafter (coupled sampling); the drafter's draws never move the target's
+stream. Also: the processing the round applies is mlx-lm's sampler's."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def test_drafter_sampling_does_not_move_the_target_stream(llama_pair: Dict[str, 
             drafts.prepare([state])
             proposal = drafts.propose([state], [3])[0]
             assert proposal.logprobs is not None and proposal.logprobs.shape == (3, state.pending_logprobs.shape[-1])
-            assert state.draft_rng is not None and state.draft_rng.draws == 3
+            # Seeded: the drafts are coupled to the target's position keys (no stream of their own moves).
+            assert (state.draft_rng is None) if seed is not None else (state.draft_rng.draws == 3)
             # Neither the request's own target stream nor mlx's global state moved.
             np.testing.assert_array_equal(np.array(mx.random.state[0]), global_before)
             assert (state.rng.draws if state.rng is not None else None) == target_draws
@@ -112,14 +114,48 @@ def test_drafter_sampling_does_not_move_the_target_stream(llama_pair: Dict[str, 
     assert sampled[0] == sampled[1]
 
 
-def test_drafter_streams_differ_from_the_target_stream(llama_pair: Dict[str, Any]) -> None:
+def test_position_keys_depend_on_the_position_alone(llama_pair: Dict[str, Any]) -> None:
     host, target, prompt = _setup(llama_pair)
     state = _prefilled(host, target, prompt, 3)
-    target_keys = [np.array(state.next_key()).tolist() for _ in range(4)]
-    draft_keys = [np.array(state.next_draft_key()).tolist() for _ in range(4)]
-    assert not set(map(tuple, target_keys)) & set(map(tuple, draft_keys))
+    keys = [np.array(k).tolist() for k in state.position_keys(4)]
+    assert len(set(map(tuple, keys))) == 4
+    assert [np.array(k).tolist() for k in state.position_keys(2, offset=2)] == keys[2:]
     again = _prefilled(host, target, prompt, 3)
-    assert [np.array(again.next_draft_key()).tolist() for _ in range(4)] == draft_keys
+    assert [np.array(k).tolist() for k in again.position_keys(4)] == keys
+    other = _prefilled(host, target, prompt, 4)
+    assert not set(map(tuple, keys)) & {tuple(np.array(k).tolist()) for k in other.position_keys(4)}
+    unseeded = _prefilled(host, target, prompt, None)
+    unseeded.draw_drafts(mx.zeros((2, 8)))
+    assert unseeded.draft_rng is not None and unseeded.draft_rng.draws == 1  # its own stream, not position keys
+
+
+@pytest.mark.parametrize("drafter, speculative, acceptance", [
+    ("drafter", {}, "partial"),
+    ("drafter", {"acceptance": "exact", "block_size": 7}, "partial"),
+    ("random_drafter", {}, "zero"),
+    ("target", {"block_size": 6}, "full"),  # the target drafting for itself: q = p
+    ("drafter", {"kind": "ngram", "block_size": 6}, None),
+])
+def test_seeded_sampling_is_one_token_decoding(llama_pair: Dict[str, Any], drafter: str,
+                                               speculative: Dict[str, Any], acceptance: Optional[str]) -> None:
+    """A seeded request's tokens are those of plain one-token decoding with the same seed, whatever drafts."""
+    plain = make_host(None, plugins=False)
+    host = make_host({"draft_model": str(llama_pair[drafter]), "block_size": 4, **speculative})
+    target = host.load(str(llama_pair["target"]))
+    whole = plain.load(str(llama_pair["target"]))
+    rounds = {"zero": 0, "partial": 0, "full": 0}
+    for seed, text in enumerate(["the model token draft verify accept commit", "one two three one two three"]):
+        prompt = encode(target, text)
+        result = host.generate(target, prompt, _sampled(seed, n=40))
+        assert result.tokens == plain.generate(whole, prompt, _sampled(seed, n=40)).tokens
+        report = result.report["speculative"]
+        assert report.rounds > 0
+        for name, n in report.rounds_by_acceptance.items():
+            rounds[name] += n
+    if acceptance == "full":
+        assert rounds["full"] > 0 and rounds["zero"] == rounds["partial"] == 0, rounds
+    elif acceptance is not None:
+        assert rounds[acceptance] > 0 and rounds["zero"] + rounds["partial"] > 0, rounds
 
 
 def test_unseeded_plain_decoding_is_mlx_lm_generate_step(llama_pair: Dict[str, Any]) -> None:

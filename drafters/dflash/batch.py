@@ -204,7 +204,7 @@ class DFlashBatch(DraftBatch):
                 # Drafts must be drawn from the q handed back, or rejection sampling is not lossless;
                 # q goes through the request's sampling filters as the target's p does.
                 logq = row.sampling.process(logits[b] - mx.logsumexp(logits[b], axis=-1, keepdims=True))  # [k, V]
-                drawn.append(mx.random.categorical(logq, axis=-1, key=row.next_draft_key()))
+                drawn.append(row.draw_drafts(logq))  # [k]: the block's positions 0..k-1
                 qs.append(logq)
             tokens = mx.stack(drawn)  # [B, k]
         # Queued, not awaited: the round builds its verify forward while the GPU drafts.

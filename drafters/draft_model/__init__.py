@@ -131,12 +131,12 @@ class DraftModelBatch(DraftBatch):
 
     def _draw(self, row: Any, logits: mx.array, history: List[int], j: int, qs: List[mx.array]) -> mx.array:
         """Row's draft j: q after the target's processing (logits processors on the same history,
-        the sampler's filters and temperature), drawn from the drafter's own key stream."""
+        the sampler's filters and temperature), drawn by ``DecodeState.draw_drafts`` at block position j."""
         if row.sampling.greedy:
             return mx.argmax(row.logprobs(logits, history, start=j), axis=-1)  # [1]
         logq = row.sampling.process(row.logprobs(logits, history, start=j))  # [1, V]
         qs.append(logq)
-        return mx.random.categorical(logq, key=row.next_draft_key())  # [1]
+        return row.draw_drafts(logq, offset=j)  # [1]
 
     def cache_groups(self) -> List[Tuple[List[Any], List[int]]]:
         return [(self.cache, list(range(len(self.rows))))]

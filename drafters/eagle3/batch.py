@@ -190,7 +190,7 @@ class Eagle3Batch(DraftBatch):
                 out.append(d.targets[mx.argmax(logits[b])])
                 continue
             logq = row.sampling.process(full[b] - mx.logsumexp(full[b], axis=-1, keepdims=True))  # [V]
-            out.append(mx.random.categorical(logq, key=row.next_draft_key()))
+            out.append(row.draw_drafts(logq, offset=len(qs[b])))  # qs[b]: one q per earlier step
             qs[b].append(logq)
         return mx.stack(out).astype(mx.uint32)
 

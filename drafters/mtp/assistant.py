@@ -84,7 +84,7 @@ class AssistantBatch(RowBook):
             x = mx.concatenate([d.embed(token[:, None]).astype(d.dtype), h], axis=-1)  # [B, 1, 2 * Ht]
             h, state = d.model(x, shared, mask, pending)
             self.forwards += 1
-            token, q = draw(rows, d.model.logits(state)[:, 0])  # [B]
+            token, q = draw(rows, d.model.logits(state)[:, 0], len(steps))  # [B]
             steps.append((token, q))
             token = token.astype(mx.uint32)
         return proposals(steps, counts)

@@ -121,10 +121,10 @@ class RowBook(DraftBatch):
             raise RuntimeError("MTP rows must keep the batch's order")
 
 
-def draw(rows: Sequence[Any], logits: mx.array) -> Tuple[mx.array, List[Optional[mx.array]]]:
+def draw(rows: Sequence[Any], logits: mx.array, offset: int) -> Tuple[mx.array, List[Optional[mx.array]]]:
     """One draft token per row from logits [B, V]: greedy rows take the argmax; sampling rows draw
-    from q, the softmax of the logits through the request's sampling filters (``SamplingParams.process``),
-    with the drafter's own key stream. Returns (tokens [B], per row log q [V] or None)."""
+    from q, the softmax of the logits through the request's sampling filters (``SamplingParams.process``), by
+    ``DecodeState.draw_drafts`` at block position ``offset``. Returns (tokens [B], per row log q [V] or None)."""
     logits = logits.astype(mx.float32)
     if all(r.sampling.greedy for r in rows):
         return mx.argmax(logits, axis=-1), [None] * len(rows)
@@ -135,7 +135,7 @@ def draw(rows: Sequence[Any], logits: mx.array) -> Tuple[mx.array, List[Optional
             qs.append(None)
             continue
         logq = row.sampling.process(logits[b] - mx.logsumexp(logits[b], axis=-1, keepdims=True))  # [V]
-        tokens.append(mx.random.categorical(logq, key=row.next_draft_key()))
+        tokens.append(row.draw_drafts(logq, offset))
         qs.append(logq)
     return mx.stack(tokens), qs
 
@@ -251,7 +251,7 @@ class HeadBatch(RowBook):
             if i:  # the head again, on its own output and the draft it just made (position P + i - 1)
                 h = d.model(d.embed(steps[-1][0][:, None].astype(mx.uint32)).astype(dtype), h, self.cache)
                 self.forwards += 1
-            steps.append(draw(rows, d.logits(h)[:, 0]))  # logits [B, V]
+            steps.append(draw(rows, d.logits(h)[:, 0], i))  # logits [B, V]
         return proposals(steps, counts)
 
     # the prompt cache -----------------------------------------------------------------------------
