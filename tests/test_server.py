@@ -381,6 +381,8 @@ def test_sampling_with_speculative(servers: Dict[str, ServerProc]) -> None:
         assert t["draft_rounds"] > 0
     seeded = [_completion(spec, PROMPTS[1], temperature=0.8, seed=11)["choices"][0]["text"] for _ in range(2)]
     assert seeded[0] == seeded[1]
+    # Coupled sampling: the text the server without speculation samples with the same seed.
+    assert seeded[0] == _completion(servers["plain"], PROMPTS[1], temperature=0.8, seed=11)["choices"][0]["text"]
 
 
 def test_env_overrides_change_the_drafter(llama_pair: Dict[str, Path], tmp_path: Path) -> None:
