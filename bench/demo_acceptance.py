@@ -17,8 +17,8 @@ template: the target is a base LM), encoded as ``mlx-spec generate --ignore-chat
    defines them, summed over the requests (tau = 1 + accepted / rounds), and the prompts whose
    tokens equal plain decoding's (any mismatch: prompt index, first differing position).
    The target runs in --dtype (default float32: exactness is defined in fp32).
-2. Sampling at --temp (default 0.7) with seeds --seed + prompt index, rejection acceptance (the
-   plugin's default): acceptance rate and tau only (its exactness is the tests' business).
+2. Sampling at --temp (default 0.7) with seeds --seed + prompt index (coupled sampling, docs/lossless.md):
+   acceptance rate and tau only (its exactness is the tests' business).
 3. The target's held-out bits per byte: -log2 p(reference | prompt) summed over all prompts / UTF-8
    bytes scored (``bits_per_byte``).
 4. Parse share of the greedy completions (``PARSE_RULE``).
@@ -94,7 +94,7 @@ def attach(target: LoadedTarget, kind: str, drafter_dir: Optional[Path], block: 
 def decode(host: Host, target: LoadedTarget, prompts: Sequence[List[int]], max_tokens: int, batch: int,
            temp: float = 0.0, seed: int = 0) -> List[Tuple[List[int], Optional[SpecStats]]]:
     """Each prompt's tokens (no stop token: exactly ``max_tokens``) and its plugin report, ``batch`` at a time.
-    Sampled requests are seeded (seed + index): the scheduler decodes each in a batch of its own."""
+    Sampled requests are seeded (seed + index): their tokens do not depend on the batch."""
     out: List[Tuple[List[int], Optional[SpecStats]]] = []
     for start in range(0, len(prompts), batch):
         scheduler = Scheduler(host, target)

@@ -6,7 +6,7 @@ and cancels the same, then takes the same ``Scheduler.step()``: the same rows in
 While rank 0 is idle it sends an empty step every ``HEARTBEAT_S`` seconds, so that a rank that died is noticed
 within that time; a failed exchange ends the rank at once (``distributed.failed``), and with it the others.
 
-A sampling request without a seed gets one from rank 0 (so it decodes in a batch of its own, as seeded requests do).
+A sampling request without a seed gets one from rank 0, so that every rank draws the same tokens.
 A message is a length (one int32 broadcast), then, if anything is to be said, the pickled bytes (a uint8 broadcast).
 The ranks trust each other (as mx.distributed's ring connections do).
 """

@@ -5,8 +5,8 @@ Each ``step()``:
 
 1. rows whose prefill finished join a batch: the main batch (one target forward per decode step
    for all its rows) when their caches merge, else a batch of their own. Seeded sampling requests
-   always decode in a batch of their own: a batched forward rounds differently from a forward of
-   one row, and a seeded request must give the same tokens whatever runs beside it.
+   batch like greedy ones: each position's draw is keyed by the seed and the position alone
+   (docs/lossless.md), so what runs beside a row changes its tokens no more than a greedy row's.
 2. requests still prefilling feed their prompts, oldest first, in chunks of ``prefill_step_size``
    tokens until one chunk's worth was fed this step (several short prompts start in one step; a
    long prompt feeds one chunk), so a long prompt never stalls the rows that are decoding;
@@ -211,8 +211,7 @@ class Scheduler:
         return main
 
     def _batchable(self, request: Request) -> bool:
-        sampling = request.state.sampling
-        return self.batching and mergeable(request.caches) and (sampling.greedy or sampling.seed is None)
+        return self.batching and mergeable(request.caches)
 
     def _join_ready(self) -> None:
         waiting = []

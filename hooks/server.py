@@ -390,7 +390,7 @@ def build_server(config: HostConfig, model: str, settings: ServerSettings, pm: O
              model, limits.model_id, ctx, settings.max_active, settings.max_queue,
              "; API key required" if settings.api_key else "")
     log.info("scheduling: %s", "requests share decode steps (one target forward per step for the rows of a batch; "
-             "per-row acceptance and cache commits; seeded sampling requests decode alone; long prompts prefilled "
+             "per-row acceptance and cache commits; long prompts prefilled "
              f"in chunks of {settings.prefill_step_size} between decode steps)" if settings.batching
              else "each request decodes in a batch of its own (server.batching is false)")
     log.info("prompt cache: %s", pc.describe(engine.prompt_cache, settings.prompt_cache_bytes is not None,

@@ -3,7 +3,7 @@
 A batch of 8 greedy requests (different prompts and lengths) with draft_model, ngram and dflash
 drafters on llama and qwen3_5 targets: every request's tokens equal mlx-lm's generate_step; rows
 accept different counts in the same step; each draft step is one drafter forward for all rows.
-Seeded sampling requests give the same tokens with other requests beside them. A long prompt is
+Seeded sampling requests give the same tokens in the main batch, other requests beside them. A long prompt is
 prefilled in chunks between the decode steps of the rows already running.
 """
 
@@ -148,13 +148,16 @@ def test_seeded_sampling_reproduces_beside_other_requests(models: Dict[str, Path
     mine = scheduler.submit(prompt, GenerationParams(max_tokens=30, stop_token_ids=[], sampling=seeded))
     got: List[int] = []
     main_rows: List[int] = []
+    beside: List[int] = []  # rows in the seeded request's batch, per step
     while scheduler.busy:
         main_rows.append(max((len(b) for b in scheduler.batches() if not b.single), default=0))
+        if mine.state.batch is not None:
+            beside.append(len(mine.state.batch.rows))
         for request, event in scheduler.step():
             if request is mine:
                 got.append(event.token)
     assert got == alone
-    assert max(main_rows) >= 2  # the others shared a batch meanwhile
+    assert max(main_rows) >= 2 and max(beside) >= 2  # it shared the main batch with the others
     assert all(r.done for r in others)
 
 
