@@ -120,10 +120,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for kind in args.kinds:
         block = args.block_draft_model if kind == "draft_model" else args.block_dflash
         for temperature in args.temperatures:
-            for acceptance in SETTINGS:
-                r = measure(pair, kind, block, acceptance, temperature, args.top_p, texts, args.max_tokens)
+            for setting in SETTINGS:
+                r = measure(pair, kind, block, setting, temperature, args.top_p, texts, args.max_tokens)
                 rows.append(r)
-                print(f"{kind:12} {block:>3} {temperature:>5} {acceptance:10} {r['rounds']:>7} {r['draft_tokens']:>8} "
+                print(f"{kind:12} {block:>3} {temperature:>5} {setting:10} {r['rounds']:>7} {r['draft_tokens']:>8} "
                       f"{r['accepted_tokens']:>9} {r['acceptance_rate']:>6.3f} {r['tau']:>6.2f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({

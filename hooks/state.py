@@ -232,6 +232,11 @@ class DecodeState:
         for i, h in recorded.items():
             self.captures[i] = mx.concatenate([self.captures[i], h], axis=1) if i in self.captures else h
 
+    @property
+    def coupled(self) -> bool:
+        """A seeded sampling request: coupled sampling (its draws keyed by position, ``position_keys``)."""
+        return self.rng is not None and not self.sampling.greedy
+
     def position_keys(self, n: int, offset: int = 0) -> List[mx.array]:
         """A seeded request's keys for the n sequence positions from ``offset`` past the pending token on."""
         assert self.rng is not None, "position keys are a seeded request's"
@@ -241,7 +246,7 @@ class DecodeState:
         """The target's tokens for n positions from ``offset`` past the pending token on: [n, V] log-probabilities
         (logits processors applied) -> [n]. The request's sampler; a seeded sampling request draws each position
         with that position's noise (``coupled_draw``), so one-token steps and a round's verify draw alike."""
-        if self.rng is None or self.sampling.greedy:
+        if not self.coupled:
             return self.sampler(logprobs)
         return coupled_draw(self.sampling.process(logprobs), self.position_keys(logprobs.shape[0], offset))
 
@@ -251,11 +256,11 @@ class DecodeState:
         those positions with (``coupled_draw``): whatever the drafter proposes, the round emits the target's
         own seeded tokens, and a drafter whose q is close to p proposes them. Else a draw from the drafter's
         own stream (rejection sampling then keeps the emitted tokens distributed as p)."""
-        if self.rng is not None and not self.sampling.greedy:
+        if self.coupled:
             rows = logq.reshape(-1, logq.shape[-1])  # [n, V]
             return coupled_draw(rows, self.position_keys(rows.shape[0], offset)).reshape(logq.shape[:-1])
         if self.draft_rng is None:
-            self.draft_rng = KeyStream(self.sampling.seed, "drafter")
+            self.draft_rng = KeyStream(None, "drafter")  # an unseeded request's: fresh entropy
         return mx.random.categorical(logq, axis=-1, key=self.draft_rng.next())
 
     def logprobs(self, logits: mx.array, drafts: Sequence[int] = (), start: int = 0) -> mx.array:

@@ -113,7 +113,7 @@ def plan_rows(rows: Sequence[Any], proposals: Sequence[Proposal], drafts: Sequen
             plans.append(("step", (mx.argmax(lp[:1], axis=-1) if row.sampling.greedy else row.sample(lp[:1]))))
         elif row.sampling.greedy:
             plans.append(("walk", mx.argmax(lp, axis=-1)))  # y: [k+1]
-        elif acceptance == "rejection" and row.rng is None:
+        elif acceptance == "rejection" and not row.coupled:
             # p: the target's rows after the sampler's processing; q comes processed from the drafter.
             plans.append(("rejection", rejection_accept(x, p.logprobs, row.sampling.process(lp))))
         else:
