@@ -3,15 +3,18 @@
 # files staged into /tmp/real by bench/real_stage.sh, MLX-CUDA in /tmp/site (../shared/gpu/prepare-mlx-cuda.sh;
 # docs/gpu.md). The trained drafters stay on the machine: these commands rebuild them.
 #   bash bench/real_gpu.sh convert                 # GGUF -> /tmp/real/NAME-bf16 (mlx-spec convert)
-#   bash bench/real_gpu.sh train SECONDS [FLAGS]   # DFlash, then EAGLE-3 for the 1.5B (half the time each),
-#                                                  # on the target's greedy continuations of the Python stdlib
+#   bash bench/real_gpu.sh train KIND SECONDS [FLAGS]  # KIND dflash or eagle3 for the 1.5B, on the target's greedy
+#                                                  # continuations of the Python stdlib; stops after SECONDS with a
+#                                                  # checkpoint, and the same command again resumes it (a device
+#                                                  # call lasts at most 10 minutes)
 #   bash bench/real_gpu.sh bench NAME [FLAGS]      # mlx-spec bench on bench/prompts/real_heldout.json -> $OUT/NAME.json
 #   bash bench/real_gpu.sh served NAME [FLAGS]     # bench/server_batching.py's real mode -> $OUT/served-NAME.json
 set -uo pipefail
 out="${OUT:-./real-out}"; real="${REAL_DIR:-/tmp/real}"; mkdir -p "$out" /tmp/new/mlx_speculative
 for d in hooks plugin drafters demo benchmarks testing; do ln -sfn "$PWD/$d" "/tmp/new/mlx_speculative/$d"; done
 # the gguf reader is pure Python and not in MLX-CUDA's site: carry it as .gpu/gguf (docs/gpu.md)
-[ -d .gpu/gguf/gguf ] && ln -sfn "$PWD/.gpu/gguf/gguf" /tmp/new/gguf
+# (copied once: a later call need not carry it again)
+[ -d .gpu/gguf/gguf ] && [ ! -d /tmp/new/gguf ] && cp -r .gpu/gguf/gguf /tmp/new/gguf
 export PYTHONPATH="${SITE:-/tmp/site}:/tmp/new" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 # not installed there: its entry points (the plugins, the drafter families) from pyproject.toml as dist-info
 python3 - <<'PY'
@@ -32,7 +35,12 @@ case "$what" in
     done
     ls "$real" ;;
   train)
-    secs="$1"; shift
+    kind="$1"; secs="$2"; shift 2
+    case "$kind" in
+      dflash) flags=(--block-size 16 --num-layers 2 --loss-decay-gamma 7) ;;
+      eagle3) flags=(--block-size 8) ;;
+      *) echo "bench/real_gpu.sh train: got kind ${kind@Q}; expected dflash or eagle3"; exit 2 ;;
+    esac
     # the stdlib's own modules (no tests, UTF-8 only): the prompts; the held-out prompts never come from it
     python3 - > /tmp/real-data.txt <<'PY'
 import pathlib, sysconfig
@@ -45,19 +53,21 @@ for f in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         pass
 PY
     mapfile -t files < /tmp/real-data.txt; echo "train: ${#files[@]} stdlib files"
-    # one data set for both: the same target, text, --sequences, lengths and seed (docs/training.md)
-    common=(train-drafter --target "$target" --data "${files[@]}" --seq-len 256 --prompt-tokens 64 --sequences 8192
-            --heldout-sequences 32 --gen-batch 256 --batch-size 16 --steps 4000 --eval-every 500 --checkpoint-every 100000)
-    # one after the other: side by side, EAGLE-3's step ran out of memory on an 80 GB H100 next to DFlash's
-    t0=$(date +%s)
-    spec "${common[@]}" --kind dflash --out "$real/dflash" --block-size 16 --num-layers 2 --loss-decay-gamma 7 \
-      --max-time "$(( secs / 2 ))" "$@" > "$out/train-dflash.log" 2>&1
-    mkdir -p "$real/eagle3/training" && cp "$real/dflash/training/data.safetensors" "$real/eagle3/training/"
-    spec "${common[@]}" --kind eagle3 --out "$real/eagle3" --block-size 8 --max-time "$(( secs - ($(date +%s) - t0) ))" "$@" \
-      > "$out/train-eagle3.log" 2>&1
-    for k in dflash eagle3; do
-      cp "$real/$k/training/log.jsonl" "$out/train-$k.jsonl" 2>/dev/null; grep -E "eval|stopped|data:|rror" "$out/train-$k.log" | tail -12
-    done ;;
+    # one data set for both: the same target, text, --sequences, lengths and seed (docs/training.md); the second
+    # family reuses the first's continuations. One family at a time: side by side, EAGLE-3's step ran out of memory
+    # on an 80 GB H100 next to DFlash's.
+    for other in dflash eagle3; do
+      if [ "$other" != "$kind" ] && [ -f "$real/$other/training/data.safetensors" ] && [ ! -f "$real/$kind/training/data.safetensors" ]; then
+        mkdir -p "$real/$kind/training" && cp "$real/$other/training/data.safetensors" "$real/$kind/training/"
+      fi
+    done
+    resume=(); [ -f "$real/$kind/training/state.json" ] && resume=(--resume)
+    spec train-drafter --target "$target" --data "${files[@]}" --seq-len 256 --prompt-tokens 64 --sequences 8192 \
+      --heldout-sequences 32 --gen-batch 256 --batch-size 16 --steps 4000 --eval-every 500 --checkpoint-every 500 \
+      --kind "$kind" --out "$real/$kind" "${flags[@]}" --max-time "$secs" "${resume[@]}" "$@" >> "$out/train-$kind.log" 2>&1
+    echo "exit $?"
+    cp "$real/$kind/training/log.jsonl" "$out/train-$kind.jsonl" 2>/dev/null
+    grep -E "eval|stopped|data:|rror|checkpoint" "$out/train-$kind.log" | tail -14 ;;
   bench)
     name="$1"; shift
     spec bench --model "$target" --drafter "$draft@4" --drafter "$real/dflash@16" --drafter "$real/eagle3@8" \
