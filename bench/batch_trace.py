@@ -26,14 +26,16 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import round_trace as rt  # noqa: E402
+from mlx_speculative.hooks import taps  # noqa: E402
 from mlx_speculative.hooks.host import GenerationParams, Host  # noqa: E402
+from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
 from mlx_speculative.hooks.manager import make_plugin_manager  # noqa: E402
 from mlx_speculative.hooks.scheduler import Scheduler  # noqa: E402
 from mlx_speculative.hooks.state import HostConfig, LoadedTarget  # noqa: E402
@@ -48,24 +50,75 @@ def prompts(n: int, vocab: int, base: int) -> List[List[int]]:
     return [[rng.randrange(3, vocab) for _ in range(base + 37 * i)] for i in range(n)]
 
 
-def plain_steps(host: Host, target: LoadedTarget, reqs: List[List[int]], max_tokens: int) -> Dict[str, Any]:
-    """Median ms per synchronised plain step of ``len(reqs)`` rows decoding together (after the first 4)."""
+def plain_steps(host: Host, target: LoadedTarget, reqs: List[List[int]], max_tokens: int,
+                capture: Sequence[int] = (), synced: bool = True) -> Dict[str, Any]:
+    """Median ms per plain step of ``len(reqs)`` rows decoding together (after the first 4): synchronised after
+    each, or (``synced`` False) a whole pipelined run's wall clock over its steps, as a server takes them.
+    ``capture``: every row records these layers' outputs, as rows feeding a drafter do during a pause."""
     scheduler = Scheduler(host, target)
-    for p in reqs:
-        scheduler.submit(p, GenerationParams(max_tokens=max_tokens, stop_token_ids=[]))
+    handles = [scheduler.submit(p, GenerationParams(max_tokens=max_tokens, stop_token_ids=[])) for p in reqs]
     while scheduler.prefilling:
         scheduler.step()
+    if capture:
+        taps.install_taps(target.model, capture)
+        for h in handles:
+            h.state.capture_layers = sorted(capture)
     times = []
+    t_run = time.perf_counter()
     while scheduler.busy:
-        mx.synchronize()
+        if synced:
+            mx.synchronize()
         t = time.perf_counter()
         scheduler.step()
-        mx.synchronize()
+        if synced:
+            mx.synchronize()
         if scheduler.decoded and scheduler.decoded[0] == len(reqs):
             times.append((time.perf_counter() - t) * 1e3)
+    if not synced:
+        per = (time.perf_counter() - t_run) * 1e3 / max(1, len(times))
+        return {"rows": len(reqs), "steps": len(times), "pipelined_ms": round(per, 3), "capture": list(capture)}
     rest = times[4:] or times
     return {"rows": len(reqs), "steps": len(times), "median_ms": round(statistics.median(rest), 3),
-            "first_ms": [round(x, 1) for x in times[:4]], "max_ms": round(max(rest), 2)}
+            "first_ms": [round(x, 1) for x in times[:4]], "max_ms": round(max(rest), 2), "capture": list(capture)}
+
+
+def verify_forwards(host: Host, target: LoadedTarget, reqs: List[List[int]], width: int, policy: Any,
+                    repeats: int = 20) -> List[Dict[str, Any]]:
+    """Median ms of one synchronised verify forward of ``len(reqs)`` rows x ``width`` positions, rolled back after
+    each, with the projection kernel taking 2..32-row calls, 2..16-row calls, and none."""
+    scheduler = Scheduler(host, target)
+    for p in reqs:
+        scheduler.submit(p, GenerationParams(max_tokens=64, stop_token_ids=[]))
+    while scheduler.prefilling or scheduler.ready:
+        scheduler.step()
+    batch = scheduler.decoders[0].batch
+    assert len(batch.rows) == len(reqs), (len(batch.rows), len(reqs))
+    inputs = mx.array([[(7 * b + j) % 1000 + 3 for j in range(width)] for b in range(len(reqs))], dtype=mx.uint32)
+    proj = getattr(policy, "projections", None)
+    out = []
+    for label, rows in (("kernel 2..32", (2, 32)), ("kernel 2..16", (2, 16)), ("mlx", None)):
+        if proj is None and rows is not None:
+            continue
+        if proj is not None:
+            proj.enabled, kept = rows is not None, proj.rows
+            proj.rows = rows or kept
+        times = []
+        for _ in range(repeats + 3):
+            tx = CacheTransaction(batch.cache).begin()
+            mx.synchronize()
+            t = time.perf_counter()
+            logits, _ = batch.forward(inputs)
+            mx.eval(logits)
+            times.append((time.perf_counter() - t) * 1e3)
+            tx.abort()
+        if proj is not None:
+            proj.enabled, proj.rows = True, kept
+        out.append({"rows": len(reqs), "width": width, "projections": label,
+                    "median_ms": round(statistics.median(times[3:]), 3)})
+        print(f"verify {out[-1]}", flush=True)
+    while scheduler.busy:
+        scheduler.step()
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -77,6 +130,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--prompt-length", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--kernel-all", action="store_true")
+    ap.add_argument("--served-steps", action="store_true",
+                    help="also: pipelined plain steps with and without the drafter's captures, verify forwards by "
+                         "projection kernel rows")
+    ap.add_argument("--no-rounds", action="store_true", help="skip the traced DFlash rounds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
@@ -122,6 +179,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                               reqs[:b], args.max_tokens)
             report["plain"].append({"caches": f"policy ({variant})", **row})
             print(f"plain policy {variant} {row}", flush=True)
+            if args.served_steps:
+                layers = tuple(sorted(set(drafter.capture_layers())))
+                for cap in ((), layers):
+                    row = plain_steps(Host(HostConfig(), pm=make_plugin_manager(False, [hookimpls])),
+                                      _plain_target(target, policy), reqs[:b], args.max_tokens, cap, synced=False)
+                    report["plain"].append({"caches": f"policy ({variant}), pipelined", **row})
+                    print(f"plain policy pipelined {row}", flush=True)
+                report.setdefault("verify", []).extend(verify_forwards(
+                    Host(HostConfig(), pm=make_plugin_manager(False, [hookimpls])), _plain_target(target, policy),
+                    reqs[:b], args.block, policy))
+            if args.no_rounds:
+                continue
             for regime in ("fresh", "warm"):
                 rt.TRACE.clear()
                 scheduler = Scheduler(host, target)
