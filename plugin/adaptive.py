@@ -19,7 +19,9 @@ average over rounds, so that one bad round after good ones does not shrink the b
   that collapses again doubles the pause (up to ``max_pause``); a round that paid for itself (``paid``)
   resets it. Once both costs are measured a pause is at least long enough that its probe
   round costs no more than ``probe_budget`` of it: (round / plain step - 1) / probe_budget steps.
-  No probe when fewer tokens are left than the pause before it (``skip_probe``).
+  No probe when fewer tokens are left than the pause before it (``skip_probe``). In a batch on a
+  shape-stable target a paused row drafts in the rounds the other rows run (plugin/round.py ``_ride``); such a
+  round that paid ends its pause.
 
 Costs come from the loaded target's ``CostTable`` (plugin/costs.py): a round of each (rows, verify width) and a
 plain step of each row count, each priced by its least observation (not a running average of wall clock, so
@@ -225,6 +227,7 @@ class BlockSizeController:
         collapsed = self.recent_rate < self.collapse_rate
         if paid:
             self.pause = 0  # the next pause starts short again
+            self.paused_left = 0  # a paused row drafting in its batch's round (plugin/round.py ``_ride``)
         if self.decide_by_costs:
             self._by_costs(collapsed, accepted, rate)
         elif collapsed and rate < self.collapse_rate and (self.size == self.floor or accepted == 0):

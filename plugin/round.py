@@ -135,6 +135,24 @@ def _plan(row: DecodeState, req: RowRounds, draft: DraftBatch) -> Optional[int]:
     return min(c.size - 1, row.remaining - 1)
 
 
+RIDE_TOKENS = 1.5  # a paused row's expected tokens a round (bonus included) from which it drafts in others' rounds
+
+
+def _ride(row: DecodeState, req: RowRounds) -> Optional[int]:
+    """Draft tokens a paused row proposes in a round its batch runs anyway (None: it takes its one token).
+
+    On shape-stable targets the verify forward is [rows, widest block] whatever each row drafts, so a paused row
+    drafting in it costs only its drafter's share, and its acceptance is measured afresh. Rows pausing on their
+    own would otherwise each pay a whole batch's round for their probe and keep each other back: two served
+    clients at tau 6 on an H100 ran 99 rounds against 2468 paused steps, 0.90x plain batching."""
+    c = req.controller
+    if req.to_end or not c.paused_left or row.remaining <= 1 or not c.adaptive:
+        return None
+    if expected_tokens(c.alpha, c.size - 1) < RIDE_TOKENS:
+        return None  # drafts it would not accept: no drafter work for them
+    return c.size - 1
+
+
 def _grant(row: DecodeState, req: RowRounds, probes: bool) -> Optional[int]:
     """Plain steps the host may take for a row that does not draft (None: any number); ``probes``: the drafter
     tells when a probe is worth it (``DraftBatch.worth_probing``), so it is asked again every few steps."""
@@ -187,6 +205,8 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     for req in on_reqs:
         req.synced = True
     plans = [_plan(r, q, br.draft) for r, q in zip(on_rows, on_reqs)]
+    if any(plans) and batch.target.cache_policy.shape_stable:
+        plans = [k if k else _ride(r, q) for r, q, k in zip(on_rows, on_reqs, plans)]
     loses = _batch_loses(batch, att, on_reqs, plans) if any(plans) else ""
     if loses:
         for req, k in zip(on_reqs, plans):
