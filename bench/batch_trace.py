@@ -94,7 +94,7 @@ def verify_forwards(host: Host, target: LoadedTarget, reqs: List[List[int]], wid
     batch = scheduler.decoders[0].batch
     assert len(batch.rows) == len(reqs), (len(batch.rows), len(reqs))
     inputs = mx.array([[(7 * b + j) % 1000 + 3 for j in range(width)] for b in range(len(reqs))], dtype=mx.uint32)
-    proj = getattr(policy, "projections", None)
+    proj = policy.projections if policy is not None else None
     out = []
     for label, rows in (("kernel 2..32", (2, 32)), ("kernel 2..16", (2, 16)), ("mlx", None)):
         if proj is None and rows is not None:
