@@ -83,9 +83,10 @@ def plain_steps(host: Host, target: LoadedTarget, reqs: List[List[int]], max_tok
 
 
 def verify_forwards(host: Host, target: LoadedTarget, reqs: List[List[int]], width: int, policy: Any,
-                    repeats: int = 20) -> List[Dict[str, Any]]:
+                    repeats: int = 20) -> Dict[str, Any]:
     """Median ms of one synchronised verify forward of ``len(reqs)`` rows x ``width`` positions, rolled back after
-    each, with the projection kernel taking 2..32-row calls, 2..16-row calls, and none."""
+    each. The projection kernel takes the rows its dispatcher's bounds give when the model was routed (compare
+    with ``MLX_SPEC_PROJECTION_KERNEL=off`` in another process)."""
     scheduler = Scheduler(host, target)
     for p in reqs:
         scheduler.submit(p, GenerationParams(max_tokens=64, stop_token_ids=[]))
@@ -94,28 +95,20 @@ def verify_forwards(host: Host, target: LoadedTarget, reqs: List[List[int]], wid
     batch = scheduler.decoders[0].batch
     assert len(batch.rows) == len(reqs), (len(batch.rows), len(reqs))
     inputs = mx.array([[(7 * b + j) % 1000 + 3 for j in range(width)] for b in range(len(reqs))], dtype=mx.uint32)
+    times = []
+    for _ in range(repeats + 3):
+        tx = CacheTransaction(batch.cache).begin()
+        mx.synchronize()
+        t = time.perf_counter()
+        logits, _ = batch.forward(inputs)
+        mx.eval(logits)
+        times.append((time.perf_counter() - t) * 1e3)
+        tx.abort()
     proj = policy.projections if policy is not None else None
-    out = []
-    for label, rows in (("kernel 2..32", (2, 32)), ("kernel 2..16", (2, 16)), ("mlx", None)):
-        if proj is None and rows is not None:
-            continue
-        if proj is not None:
-            proj.enabled, kept = rows is not None, proj.rows
-            proj.rows = rows or kept
-        times = []
-        for _ in range(repeats + 3):
-            tx = CacheTransaction(batch.cache).begin()
-            mx.synchronize()
-            t = time.perf_counter()
-            logits, _ = batch.forward(inputs)
-            mx.eval(logits)
-            times.append((time.perf_counter() - t) * 1e3)
-            tx.abort()
-        if proj is not None:
-            proj.enabled, proj.rows = True, kept
-        out.append({"rows": len(reqs), "width": width, "projections": label,
-                    "median_ms": round(statistics.median(times[3:]), 3)})
-        print(f"verify {out[-1]}", flush=True)
+    out = {"rows": len(reqs), "width": width, "projections": None if proj is None or not proj.enabled else
+           {"rows": list(proj.rows), "quantized_rows": list(proj.quantized_rows)},
+           "median_ms": round(statistics.median(times[3:]), 3)}
+    print(f"verify {out}", flush=True)
     while scheduler.busy:
         scheduler.step()
     return out
@@ -131,8 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--kernel-all", action="store_true")
     ap.add_argument("--served-steps", action="store_true",
-                    help="also: pipelined plain steps with and without the drafter's captures, verify forwards by "
-                         "projection kernel rows")
+                    help="also: pipelined plain steps with and without the drafter's captures, synchronised "
+                         "verify forwards")
     ap.add_argument("--no-rounds", action="store_true", help="skip the traced DFlash rounds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -186,7 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                       _plain_target(target, policy), reqs[:b], args.max_tokens, cap, synced=False)
                     report["plain"].append({"caches": f"policy ({variant}), pipelined", **row})
                     print(f"plain policy pipelined {row}", flush=True)
-                report.setdefault("verify", []).extend(verify_forwards(
+                report.setdefault("verify", []).append(verify_forwards(
                     Host(HostConfig(), pm=make_plugin_manager(False, [hookimpls])), _plain_target(target, policy),
                     reqs[:b], args.block, policy))
             if args.no_rounds:

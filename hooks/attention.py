@@ -25,7 +25,7 @@ Projections: a policy may also hand a dispatcher ``(x, weight) -> x @ weight.T o
 (``Backend.projections``). ``route_projections(model, dispatcher)`` gives every ``nn.Linear``
 instance of THAT model (exactly that class: quantized and other layers keep theirs) a subclass whose
 ``__call__`` asks the dispatcher first, for inputs of ``dispatcher.rows`` = (min, max) rows where it has
-that attribute, and runs ``nn.Linear.__call__`` when it answers None; the bias is added after the
+that attribute (``dispatcher.quantized_rows`` for quantized layers, where it has that), and runs ``nn.Linear.__call__`` when it answers None; the bias is added after the
 dispatcher's product. A dispatcher with ``many(x, weights)`` also gets sibling layers multiplying the
 same x (q/k/v, gate/up: learned from the calls, see ``_Learner``; or named by model code, ``project_all``) in
 one launch. A dispatcher whose
@@ -276,6 +276,7 @@ def route_projections(model: nn.Module, dispatcher: Optional[Projections]) -> in
     cls = _routed_linear(dispatcher)
     qcls = _routed_quantized(dispatcher) if getattr(dispatcher, "routes_quantized", False) else None
     lo, hi = getattr(dispatcher, "rows", (1, 1 << 40))
+    qlo, qhi = getattr(dispatcher, "quantized_rows", (lo, hi))
     n = 0
     for m in model.modules():
         quantized = isinstance(m, nn.QuantizedLinear) and (type(m) is nn.QuantizedLinear or _routed(m))
@@ -289,7 +290,7 @@ def route_projections(model: nn.Module, dispatcher: Optional[Projections]) -> in
             k = m["weight"].shape[1]
         else:
             continue
-        m._spec_min_size, m._spec_max_size = lo * k, hi * k  # ints: plain instance attributes
+        m._spec_min_size, m._spec_max_size = (qlo if quantized else lo) * k, (qhi if quantized else hi) * k  # ints
         m._spec_sib = _Siblings()
         m.__class__ = qcls if quantized else cls
         n += 1

@@ -124,7 +124,7 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "a non-negative integer (keys)", "key length from which the kernel takes a call; one number sets both",
          *_MIN_KEYS),
     Knob("projection_kernel", "MLX_SPEC_PROJECTION_KERNEL", "auto", "`auto`", "auto, on, off",
-         "the verify-width bf16/fp16 matmul kernel for 2..32 rows", _MODE_ENV, _MODE_YAML,
+         "the verify-width bf16/fp16 matmul kernel for 2..16 rows", _MODE_ENV, _MODE_YAML,
          "gpu.md#verify-width-projection-kernel"),
     Knob("quantized_kernel", "MLX_SPEC_QUANTIZED_KERNEL", "auto", "`auto`", "auto, on, off",
          "the verify-width 4-bit matmul kernel", _MODE_ENV, _MODE_YAML, "gpu.md#verify-width-4-bit-kernel"),

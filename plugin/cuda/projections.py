@@ -2,7 +2,7 @@
 
 The host routes a loaded model's ``nn.Linear`` layers through ``CachePolicy.projections``
 (hooks/attention.py ``route_projections``), so each call ``layer(x)`` asks ``Projections(x, weight)``
-first. It answers x @ weight.T from plugin/cuda/cuda_matmul.py's kernel when the call has 2..32 rows
+first. It answers x @ weight.T from plugin/cuda/cuda_matmul.py's kernel when the call has 2..16 rows
 (verify forwards, drafter blocks, a round's new context) in bfloat16 or float16 with K a multiple of
 8, and None otherwise: the layer then runs mlx's own code (one-token steps keep MLX's gemv, prefill
 chunks cuBLAS). Biases are added by the routed layer. ``many(x, weights)`` multiplies the same x by
@@ -62,7 +62,12 @@ class Projections:
         self.routes_quantized = planner_quantized is not None  # the host routes nn.QuantizedLinear too
         self.max_weights = cuda_matmul.MAX_WEIGHTS
         self.name = name
-        self.rows = (2, cuda_matmul.MAX_ROWS)  # the routed layers ask only for inputs of these many rows
+        # The routed layers ask only for inputs of these many rows. bf16/f16 up to 16: at 32 rows (a batch of two
+        # 16-position verifies) the kernel's forward of an 8B llama took 12.2 ms on an H100 against 9.3 with MLX's
+        # own matmuls (9.0 against 9.1 at 16 rows; bench/results/served/h100-batch-steps*.json), and 2-client
+        # served rounds paid it. 4-bit layers keep 2..32 (MLX's quantized matmul is the slow one there).
+        self.rows = (2, 16)
+        self.quantized_rows = (2, cuda_matmul.MAX_ROWS)
         self.enabled = True
         self.counts: Counter = Counter()
 
