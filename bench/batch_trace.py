@@ -1,6 +1,6 @@
 """Where a batched decode step's time goes: plain steps and DFlash rounds of 1..8 rows, phase by phase.
 
-    python bench/batch_trace.py [--rows 1,2,4,8] [--tau 6.0] [--max-tokens 96] [--json out.json]
+    python bench/batch_trace.py [--rows 1,2,4,8] [--tau 6.0] [--max-tokens 96] [--served-steps] [--profile] [--json out.json]
 
 Not a test; run it on the GPU machine. The synthetic Llama-3-8B-shape target (benchmarks/synthetic.py) with
 the plugin's cache policy (padded caches; rows of a batch at their own lengths, compiled forwards, the
@@ -12,6 +12,10 @@ the host's scheduler together (no HTTP):
 - dflash: rounds with a DFlash-shape drafter whose proposals are replaced by each request's reference
   continuation with errors injected (oracle tau), each round phase by phase with the device synchronised
   between phases (bench/round_trace.py's traced round), the first rounds (fresh shapes) apart from the rest.
+
+``--served-steps`` adds pipelined plain steps with and without the drafter's captures (as a server takes them
+during a pause) and synchronised verify forwards; ``--profile`` the plugin's own rounds under cProfile (the
+functions with the most host time a step); ``--no-rounds`` skips the traced rounds.
 
 ``--kernel-all`` also runs each with the attention kernel taking every 1..32-query call of a batch at any key
 length (MLX's attention compiles per shape).
@@ -114,6 +118,43 @@ def verify_forwards(host: Host, target: LoadedTarget, reqs: List[List[int]], wid
     return out
 
 
+def profiled_rounds(host: Host, target: LoadedTarget, reqs: List[List[int]], max_tokens: int, top: int = 25) -> Dict[str, Any]:
+    """The plugin's own rounds (not traced) for ``len(reqs)`` rows decoding together, twice (the first compiles),
+    the second under cProfile: wall ms per decode step and the functions with the most own time (host work;
+    device waits show up in whatever synchronises)."""
+    import cProfile
+    import pstats
+
+    out: Dict[str, Any] = {"rows": len(reqs)}
+    for run in ("warm-up", "profiled"):
+        scheduler = Scheduler(host, target)
+        for p in reqs:
+            scheduler.submit(p, GenerationParams(max_tokens=max_tokens, stop_token_ids=[]))
+        while scheduler.prefilling or scheduler.ready:
+            scheduler.step()
+        prof, steps = cProfile.Profile(), 0
+        mx.synchronize()
+        t = time.perf_counter()
+        if run == "profiled":
+            prof.enable()
+        while scheduler.busy:
+            scheduler.step()
+            steps += 1
+        mx.synchronize()
+        prof.disable()
+        out[f"{run}_ms_per_step"] = round((time.perf_counter() - t) * 1e3 / max(1, steps), 3)
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+    out["steps"] = steps
+    out["own_ms_per_step"] = [{"function": f"{Path(f).name}:{line} {name}", "calls_per_step": round(nc / max(1, steps), 2),
+                               "own_ms": round(tt * 1e3 / max(1, steps), 3), "cumulative_ms": round(ct * 1e3 / max(1, steps), 3)}
+                              for (f, line, name), (_, nc, tt, ct, _) in rows]
+    print(f"profile rows {len(reqs)}: {out['profiled_ms_per_step']} ms a step", flush=True)
+    for r in out["own_ms_per_step"][:12]:
+        print(f"   {r['own_ms']:8.3f} ms own {r['cumulative_ms']:8.3f} cum {r['calls_per_step']:7.2f} calls  {r['function']}")
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--synthetic-target", default="llama-8b", choices=list(synthetic.SPECS))
@@ -127,6 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also: pipelined plain steps with and without the drafter's captures, synchronised "
                          "verify forwards")
     ap.add_argument("--no-rounds", action="store_true", help="skip the traced DFlash rounds")
+    ap.add_argument("--profile", action="store_true", help="also: the plugin's own rounds (adaptive) under cProfile")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
@@ -182,6 +224,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 report.setdefault("verify", []).append(verify_forwards(
                     Host(HostConfig(), pm=make_plugin_manager(False, [hookimpls])), _plain_target(target, policy),
                     reqs[:b], args.block, policy))
+            if args.profile:
+                prof_target = LoadedTarget(model=model, tokenizer=None, path=Path("synthetic"), model_config=config, name="prof")
+                prof_target.cache_policy = target.cache_policy
+                prof_target.attachments[hookimpls.NAME] = hookimpls.Attachment(
+                    settings=SpeculativeSettings(enabled=True, kind="dflash", block_size=args.block), drafter=orc.WrappedDrafter(drafter, ora),
+                    block_size=args.block, policy=policy)
+                report.setdefault("profile", []).append(profiled_rounds(
+                    Host(HostConfig(), pm=make_plugin_manager(False, [hookimpls])), prof_target, reqs[:b], args.max_tokens))
             if args.no_rounds:
                 continue
             for regime in ("fresh", "warm"):
