@@ -280,6 +280,9 @@ class Scheduler:
         if keep and request.batch is not None:
             # A plain run queued its next step: the caches already hold the pending token too.
             ahead = any(d.batch is request.batch and d.in_run for d in self.decoders)
+            for decoder in self.decoders:
+                if decoder.batch is request.batch:
+                    decoder.hand_over(state)  # what a plain run under way captured for it
             held = len(state.tokens) - (0 if ahead else 1)
             self._keep(request, request.batch.row_caches(state), held, len(state.tokens) - discarded, request.batch)
         elif keep and request.caches:

@@ -72,6 +72,16 @@ class PlainRun:
         mx.async_eval(y, logprobs, list(captured.values()))
         self._queued = (rows, y, logprobs)
 
+    def hand_over_row(self, row: DecodeState) -> None:
+        """The run's tapped outputs so far to ``row``, which leaves mid-run (it finished): the prompt cache saves
+        what its drafter holds, captures included, before the run ends (``_hand_over`` skips it then)."""
+        if not row.capture_layers:
+            return
+        for rows, captured in self._captured:
+            b = next((b for b, r in enumerate(rows) if r is row), None)
+            if b is not None:
+                row.add_captures({i: captured[i][b : b + 1] for i in row.capture_layers if i in captured})
+
     def _hand_over(self) -> None:
         """The run's tapped outputs to each row still in the batch, in step order: steps with the same rows joined
         per layer first ([B, n, H]), then one slice per row and layer."""
@@ -137,6 +147,11 @@ class BatchDecoder:
     def in_run(self) -> bool:
         """A plain step is queued: the caches are one token ahead; rows may not join now."""
         return self.run is not None
+
+    def hand_over(self, row: DecodeState) -> None:
+        """``row`` leaves mid-run: its captures of the run so far (``PlainRun.hand_over_row``)."""
+        if self.run is not None:
+            self.run.hand_over_row(row)
 
     def emptied(self) -> None:
         """The batch's last row left: a step queued for it has no one to serve."""

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
+import mlx.core as mx
 import pytest
 
 from conftest import PROMPTS, BareForwarding, encode, greedy_reference, make_host, no_stop
@@ -259,3 +260,58 @@ def test_sliding_windows_that_wrap_batch_exactly(kind: str, models: Dict[str, Pa
     att.drafter = WatchedDrafter(att.drafter, log, {})
     assert _run_batch(host, target, requests) == refs
     assert any(len(a) > 1 and max(a) > 0 for a in log["accepted"])  # rounds of several rows that accepted
+
+
+def test_plain_runs_hand_every_row_its_captures(llama_pair: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain run keeps the batch's tapped outputs and hands them over once (hooks/step.py): the rows still in
+    the batch at the run's end, and a row that finishes mid-run before the prompt cache saves it, each get one
+    [1, n, H] per layer covering exactly the positions the run fed for it (its queued step included), the
+    values of its own row of each step's forward."""
+    from mlx_speculative.hooks import prompt_cache as pc
+    from mlx_speculative.hooks import step, taps
+
+    host = make_host(None, plugins=False)
+    target = host.load(str(llama_pair["target"]))
+    layers = [1, 2]
+    taps.install_taps(target.model, layers)
+    starts: Dict[int, int] = {}  # id(row) -> positions in its caches when the latest run began
+    steps: List[Tuple[List[int], Dict[int, Any]]] = []  # each step's rows and tapped outputs, as fed
+    init, queue = step.PlainRun.__init__, step.PlainRun._queue
+
+    def recording_init(self: Any, batch: Any, limit: Any) -> None:
+        init(self, batch, limit)
+        starts.update({id(r): len(r.tokens) - 1 for r in batch.rows})
+
+    def recording_queue(self: Any, rows: Any, fed: Any) -> None:
+        queue(self, rows, fed)
+        if self._captured:
+            steps.append(([id(r) for r in rows], dict(self._captured[-1][1])))
+
+    monkeypatch.setattr(step.PlainRun, "__init__", recording_init)
+    monkeypatch.setattr(step.PlainRun, "_queue", recording_queue)
+    saved: Dict[int, Tuple[int, Dict[int, Any]]] = {}
+    keep = Scheduler._keep
+
+    def recording_keep(self: Any, request: Any, caches: Any, held: int, own: int, batch: Any) -> None:
+        if batch is not None:
+            saved[id(request.state)] = (held, dict(request.state.captures))
+        keep(self, request, caches, held, own, batch)
+
+    monkeypatch.setattr(Scheduler, "_keep", recording_keep)
+    scheduler = Scheduler(host, target, prompt_cache=pc.PromptCache(1 << 30))
+    prompts = [encode(target, PROMPTS[i]) for i in range(3)]
+    requests = [scheduler.submit(p, no_stop(n)) for p, n in zip(prompts, (6, 11, 17))]
+    for r in requests:
+        r.state.capture_layers = layers
+    while scheduler.busy:
+        scheduler.step()
+    assert len(saved) == 3 and len(steps) > 10
+    for r in requests:
+        held, captures = saved[id(r.state)]
+        n = held - starts[id(r.state)]
+        assert n > 0 and sorted(captures) == layers
+        for i in layers:
+            assert captures[i].shape[:2] == (1, n), (r.state.max_tokens, i, captures[i].shape, n)
+            # The row's own slice of the run's last n steps that fed it.
+            mine = [h[i][ids.index(id(r.state))] for ids, h in steps if id(r.state) in ids][-n:]
+            assert mx.array_equal(captures[i][0], mx.concatenate(mine, axis=0)).item()
