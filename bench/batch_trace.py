@@ -54,6 +54,16 @@ def prompts(n: int, vocab: int, base: int) -> List[List[int]]:
     return [[rng.randrange(3, vocab) for _ in range(base + 37 * i)] for i in range(n)]
 
 
+def started(host: Host, target: LoadedTarget, reqs: List[List[int]], max_tokens: int) -> Scheduler:
+    """A scheduler with ``reqs`` submitted (greedy, no stop tokens), prefilled and joined to its batch."""
+    scheduler = Scheduler(host, target)
+    for p in reqs:
+        scheduler.submit(p, GenerationParams(max_tokens=max_tokens, stop_token_ids=[]))
+    while scheduler.prefilling or scheduler.ready:
+        scheduler.step()
+    return scheduler
+
+
 def plain_steps(host: Host, target: LoadedTarget, reqs: List[List[int]], max_tokens: int,
                 capture: Sequence[int] = (), synced: bool = True) -> Dict[str, Any]:
     """Median ms per plain step of ``len(reqs)`` rows decoding together (after the first 4): synchronised after
@@ -61,7 +71,7 @@ def plain_steps(host: Host, target: LoadedTarget, reqs: List[List[int]], max_tok
     ``capture``: every row records these layers' outputs, as rows feeding a drafter do during a pause."""
     scheduler = Scheduler(host, target)
     handles = [scheduler.submit(p, GenerationParams(max_tokens=max_tokens, stop_token_ids=[])) for p in reqs]
-    while scheduler.prefilling:
+    while scheduler.prefilling:  # the rows' joining step is timed with the rest
         scheduler.step()
     if capture:
         taps.install_taps(target.model, capture)
@@ -91,11 +101,7 @@ def verify_forwards(host: Host, target: LoadedTarget, reqs: List[List[int]], wid
     """Median ms of one synchronised verify forward of ``len(reqs)`` rows x ``width`` positions, rolled back after
     each. The projection kernel takes the rows its dispatcher's bounds give when the model was routed (compare
     with ``MLX_SPEC_PROJECTION_KERNEL=off`` in another process)."""
-    scheduler = Scheduler(host, target)
-    for p in reqs:
-        scheduler.submit(p, GenerationParams(max_tokens=64, stop_token_ids=[]))
-    while scheduler.prefilling or scheduler.ready:
-        scheduler.step()
+    scheduler = started(host, target, reqs, 64)
     batch = scheduler.decoders[0].batch
     assert len(batch.rows) == len(reqs), (len(batch.rows), len(reqs))
     inputs = mx.array([[(7 * b + j) % 1000 + 3 for j in range(width)] for b in range(len(reqs))], dtype=mx.uint32)
@@ -127,11 +133,7 @@ def profiled_rounds(host: Host, target: LoadedTarget, reqs: List[List[int]], max
 
     out: Dict[str, Any] = {"rows": len(reqs)}
     for run in ("warm-up", "profiled"):
-        scheduler = Scheduler(host, target)
-        for p in reqs:
-            scheduler.submit(p, GenerationParams(max_tokens=max_tokens, stop_token_ids=[]))
-        while scheduler.prefilling or scheduler.ready:
-            scheduler.step()
+        scheduler = started(host, target, reqs, max_tokens)
         prof, steps = cProfile.Profile(), 0
         mx.synchronize()
         t = time.perf_counter()

@@ -25,8 +25,8 @@ Projections: a policy may also hand a dispatcher ``(x, weight) -> x @ weight.T o
 (``Backend.projections``). ``route_projections(model, dispatcher)`` gives every ``nn.Linear``
 instance of THAT model (exactly that class: quantized and other layers keep theirs) a subclass whose
 ``__call__`` asks the dispatcher first, for inputs of ``dispatcher.rows`` = (min, max) rows where it has
-that attribute (``dispatcher.quantized_rows`` for quantized layers, where it has that), and runs ``nn.Linear.__call__`` when it answers None; the bias is added after the
-dispatcher's product. A dispatcher with ``many(x, weights)`` also gets sibling layers multiplying the
+that attribute (``dispatcher.quantized_rows`` for quantized layers, where it has that), and runs
+``nn.Linear.__call__`` when it answers None; the bias is added after the dispatcher's product. A dispatcher with ``many(x, weights)`` also gets sibling layers multiplying the
 same x (q/k/v, gate/up: learned from the calls, see ``_Learner``; or named by model code, ``project_all``) in
 one launch. A dispatcher whose
 ``routes_quantized`` is true also gets the model's ``nn.QuantizedLinear`` instances (exactly that class):

@@ -278,11 +278,11 @@ class Scheduler:
         state = request.state
         keep = self.prompt_cache is not None and reason != "error"
         if keep and request.batch is not None:
+            decoder = next((d for d in self.decoders if d.batch is request.batch), None)
             # A plain run queued its next step: the caches already hold the pending token too.
-            ahead = any(d.batch is request.batch and d.in_run for d in self.decoders)
-            for decoder in self.decoders:
-                if decoder.batch is request.batch:
-                    decoder.hand_over(state)  # what a plain run under way captured for it
+            ahead = decoder is not None and decoder.in_run
+            if decoder is not None:
+                decoder.hand_over(state)  # what a plain run under way captured for it
             held = len(state.tokens) - (0 if ahead else 1)
             self._keep(request, request.batch.row_caches(state), held, len(state.tokens) - discarded, request.batch)
         elif keep and request.caches:
