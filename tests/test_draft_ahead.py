@@ -50,26 +50,36 @@ def dflash_host(monkeypatch: pytest.MonkeyPatch, models: Dict[str, Any], ahead: 
 def force(monkeypatch: pytest.MonkeyPatch, refs: Dict[Tuple[int, ...], List[int]], cases: Iterator[str],
           seen: Dict[str, int]) -> None:
     """Proposals replaced, after the drafter ran, by each row's reference continuation, corrupted at position
-    0 (zero), 2 (partial) or nowhere (full), the case cycling round by round."""
+    0 (zero), 2 (partial) or nowhere (full): the case cycling round by round, row b of a batch b cases on (rows
+    of one round accept different counts). ``seen["log"]``: per round (rows, drafted ahead?, the rows' ids,
+    whether every row drafted); ``seen["drafted"]``: per round, each row's tokens as the drafter proposed them."""
     original = DFlashBatch.propose
 
     def propose(self: DFlashBatch, rows: List[Any], max_drafts: List[int]) -> List[Proposal]:
         used = self.ahead_used
-        original(self, rows, max_drafts)
+        drafted = original(self, rows, max_drafts)
+        seen.setdefault("drafted", []).append([list(p.tokens.tolist() if isinstance(p.tokens, mx.array) else p.tokens)
+                                               for p in drafted])
         seen["ahead_used"] += self.ahead_used - used
         seen["rounds"] += 1
-        seen.setdefault("log", []).append((len(rows), self.ahead_used - used))  # (rows, drafted ahead?)
-        case = next(cases)
+        seen.setdefault("log", []).append((len(rows), self.ahead_used - used, tuple(id(r) for r in rows),
+                                           all(k > 0 for k in max_drafts)))
+        case = CASES.index(next(cases))
         out = []
-        for row, k in zip(rows, max_drafts):
+        for b, (row, k) in enumerate(zip(rows, max_drafts)):
             ref = refs[tuple(row.tokens[: row.prompt_len])]
             g = len(row.tokens) - row.prompt_len
             truth = (ref[g : g + k] + [0] * k)[:k]
-            j = {"zero": 0, "partial": 2, "full": k}[case]
+            j = {"zero": 0, "partial": 2, "full": k}[CASES[(case + b) % len(CASES)]]
             out.append(Proposal([(t + 1) % VOCAB if i == j else t for i, t in enumerate(truth)] if k else []))
         return out
 
     monkeypatch.setattr(DFlashBatch, "propose", propose)
+
+
+def ahead_expected(log: List[Tuple[int, int, Tuple[int, ...], bool]]) -> List[bool]:
+    """Per round: whether its blocks were drafted ahead, the round before drafting for the same rows, each of them."""
+    return [i > 0 and log[i - 1][2] == ids and log[i - 1][3] for i, (_, _, ids, _) in enumerate(log)]
 
 
 def run(host: Any, target: Any, prompts: List[List[int]], batch: bool, params: Any = None,
@@ -121,10 +131,33 @@ def test_forced_rounds_equal_plain_decoding(batch: bool, models: Dict[str, Any],
     assert all(s.report["speculative"].fallback is None for s in states)
     assert totals["zero"] > 0 and totals["partial"] > 0 and totals["full"] > 0, totals
     counts = target.cache_policy.forward.counts
-    if batch:  # batches take the plain forward and draft in place
-        assert seen["ahead_used"] == 0 and counts["compiled dflash draft ahead"] == 0, counts
-    else:  # every round but each request's first drafts its block during the round before
+    log = seen["log"]
+    # every round drafts its blocks during the round before, where that one drafted for the same rows (a batch:
+    # one compiled call for all, each row past its own accepted count)
+    assert [bool(used) for _, used, _, _ in log] == ahead_expected(log), log
+    if batch:
+        assert max(n for n, used, _, _ in log if used) == len(PROMPTS), log
+    else:
         assert seen["ahead_used"] == totals["rounds"] - len(PROMPTS) > 0, (seen, totals)
+
+
+def test_batched_blocks_drafted_ahead_are_the_blocks_drafted_in_place(models: Dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's rows accepting different counts (zero, partial, full in one round): the blocks one call drafts
+    ahead, each row past its own accepted count, are the drafter's own blocks drafted after the host read the
+    outcome, row by row and round by round."""
+    m = models["llama"]
+    drafted = {}
+    for mode in ("on", "off"):
+        host, target = dflash_host(monkeypatch, models, ahead=mode)
+        seen = {"ahead_used": 0, "rounds": 0}
+        force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+        tokens, _ = run(host, target, PROMPTS, batch=True)
+        assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
+        assert (seen["ahead_used"] > 0) == (mode == "on"), seen["log"]
+        drafted[mode] = seen["drafted"]
+        monkeypatch.undo()
+    assert drafted["on"] == drafted["off"] and any(len(r) == len(PROMPTS) for r in drafted["on"])
 
 
 def test_a_joining_row_drops_the_block_drafted_ahead(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,11 +168,13 @@ def test_a_joining_row_drops_the_block_drafted_ahead(models: Dict[str, Any], mon
     tokens, _ = run(host, target, PROMPTS[:2], batch=False, join_after=3)
     assert tokens == [m["refs"][tuple(p)] for p in PROMPTS[:2]]
     log = seen["log"]  # alone, both rows, then the second alone once the first is done
-    rows = [n for n, _ in log]
+    rows = [n for n, _, _, _ in log]
     assert rows[:2] == [1, 1] and rows.count(2) >= 2 and rows[-1] == 1, log
-    # alone the rounds after the first drafted ahead; joined (the block drafted ahead dropped), in place;
-    # alone again, the first round in place (the batch's rows changed), then ahead again
-    assert all(used == (n == 1 and i > 0 and rows[i - 1] == 1) for i, (n, used) in enumerate(log)), log
+    # alone the rounds after the first drafted ahead; joined (the block drafted ahead dropped), in place, then
+    # ahead for both; alone again, the first round in place (the batch's rows changed), then ahead again
+    assert [bool(used) for _, used, _, _ in log] == ahead_expected(log), log
+    joined = rows.index(2)
+    assert not log[joined][1] and log[joined + 1][1] and rows[joined + 1] == 2, log
 
 
 def test_plain_steps_between_rounds_drop_it(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,23 +225,27 @@ def test_more_drafts_wanted_than_drafted_ahead(models: Dict[str, Any], monkeypat
     assert counts["compiled dflash draft ahead"] > 0  # drafted, its context kept, its one token not enough
 
 
+@pytest.mark.parametrize("batch", [False, True])
 @pytest.mark.parametrize("wrong", ["accepted", "bonus"])
-def test_an_outcome_other_than_assumed_is_not_used(wrong: str, models: Dict[str, Any],
+def test_an_outcome_other_than_assumed_is_not_used(wrong: str, batch: bool, models: Dict[str, Any],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     m = models["llama"]
     host, target = dflash_host(monkeypatch, models)
     real = accept.unread_outcome
 
+    made = {"n": 0}
+
     def skewed(plan: Any, drafts: mx.array) -> Any:
         u = real(plan, drafts)
-        if u is None:
-            return None
+        made["n"] += 1
+        if u is None or (batch and made["n"] % len(PROMPTS) != 2):
+            return u  # a batch: one row's assumption wrong, the others' right
         return (u[0] + 1, u[1]) if wrong == "accepted" else (u[0], (u[1] + 1) % VOCAB)
 
     monkeypatch.setattr(draft_ahead_mod, "unread_outcome", skewed)
     seen = {"ahead_used": 0, "rounds": 0}
     force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
-    tokens, states = run(host, target, PROMPTS, batch=False)
+    tokens, states = run(host, target, PROMPTS, batch=batch)
     assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
     assert seen["ahead_used"] == 0 and target.cache_policy.forward.counts["compiled dflash draft ahead"] > 0
 

@@ -87,9 +87,9 @@ class DFlashDrafter(Drafter):
     def draft(self, caches: List[Any], tokens: mx.array, widths: Optional[mx.array] = None,
               feats: Optional[mx.array] = None, shift: Optional[mx.array] = None) -> Optional[mx.array]:
         """Greedy drafts [B, T - 1] in one compiled call: the head's argmax over the block's positions
-        1.. (``block`` and the head in one graph). With ``feats`` [1, W, taps*H] (drafting ahead): their context
-        K/V first written right past the context in ``caches``, whose offsets stay (the host keeps some of them
-        later), and the block run ``shift`` (a device scalar <= W) positions past the context. Compiled calls
+        1.. (``block`` and the head in one graph). With ``feats`` [B, W, taps*H] (drafting ahead): their context
+        K/V first written right past each row's context in ``caches``, whose offsets stay (the host keeps some of
+        them later), and the block run ``shift`` (a device scalar <= W, or [B]: each row's) positions past it. Compiled calls
         only; None: declined.
 
         ``staged`` (the default): the call's context writes, then each layer, queued to the device one after
@@ -97,7 +97,7 @@ class DFlashDrafter(Drafter):
         100 operations or 1000 MB of arrays (MLX-CUDA), so one graph of the whole draft (~200 operations,
         3.4 GB at the Llama-3-8B shape) first reaches the device after about two layers' encoding; in stages
         the device starts after the context writes' and runs while the host encodes the rest."""
-        if self.compiler is None or (feats is not None and tokens.shape[0] != 1):
+        if self.compiler is None:
             return None
         arrays = [tokens] + ([] if widths is None else [widths]) + ([] if feats is None else [feats, shift])
         past = 0 if feats is None else feats.shape[1]

@@ -28,14 +28,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class Ahead:
-    """The next round's block, drafted before the host read this round's outcome (``draft_ahead``)."""
+    """The next round's blocks, drafted before the host read this round's outcome (``draft_ahead``)."""
 
-    row: Any
-    context: int  # the row's context positions when queued; the W positions after them hold the round's features
+    rows: List[Any]  # the drafter's rows, in its cache order
+    context: List[int]  # each row's context positions when queued; the W positions after them hold the round's features
     width: int  # W
-    unread: Unread  # the outcome it assumed (device scalars, read by the host by the time it is used)
-    tokens: mx.array  # [k]: the draft tokens
-    taken: bool = False  # ``prepare`` kept its context: its tokens serve the next ``propose``
+    unread: List[Unread]  # the outcomes it assumed (device scalars, read by the host by the time it is used)
+    tokens: List[mx.array]  # [k_b] per row: the draft tokens
+    taken: bool = False  # ``prepare`` kept their context: their tokens serve the next ``propose``
+
+    def serves(self, rows: Sequence[Any]) -> bool:
+        return len(rows) == len(self.rows) and all(a is b for a, b in zip(rows, self.rows))
 
 
 class DFlashBatch(DraftBatch):
@@ -58,7 +61,7 @@ class DFlashBatch(DraftBatch):
         self.context_chunk: Optional[int] = None  # the longest context append (None: CONTEXT_CHUNK)
 
     def sync(self, rows: Sequence[Any]) -> None:
-        if self.ahead is not None and ([id(r) for r in rows] != [id(self.ahead.row)] or rows[0].captures):
+        if self.ahead is not None and (not self.ahead.serves(rows) or any(r.captures for r in rows)):
             self.ahead = None  # other rows, or plain steps since: its context is stale
         present = {id(r) for r in rows}
         keep = [b for b, r in enumerate(self.rows) if id(r) in present]
@@ -166,11 +169,11 @@ class DFlashBatch(DraftBatch):
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
         d = self.drafter
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.taken and [id(r) for r in rows] == [id(ahead.row)] \
-                and max_drafts[0] <= ahead.tokens.shape[0]:
+        if ahead is not None and ahead.taken and ahead.serves(rows) \
+                and all(m <= t.shape[0] for m, t in zip(max_drafts, ahead.tokens)):
             self.ahead_used += 1
-            m = max_drafts[0]  # the tokens themselves where all are wanted: a slice would be read behind queued work
-            return [Proposal(ahead.tokens if m == ahead.tokens.shape[0] else ahead.tokens[:m]) if m else Proposal([])]
+            # the tokens themselves where all are wanted: a slice would be read behind queued work
+            return [Proposal(t if m == t.shape[0] else t[:m]) if m else Proposal([]) for m, t in zip(max_drafts, ahead.tokens)]
         k = max(max_drafts)
         W = k + 1
         # Shape-stable caches (CUDA): the block too is padded to a power of two, so adaptive sizes
@@ -213,59 +216,74 @@ class DFlashBatch(DraftBatch):
                 for b, m in enumerate(max_drafts)]
 
     def drafts_ahead(self, rows: Sequence[Any]) -> bool:
-        return self.drafter.compiler is not None and len(rows) == 1 and rows[0].sampling.greedy
+        calls = self.drafter.compiler
+        return calls is not None and (len(rows) == 1 or calls.batches) and all(r.sampling.greedy for r in rows)
 
     def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
-        """One greedy row over the backend's compiled calls: the round's W verified positions appended to its
-        context past the committed ones (the host's offsets unchanged), then the next block at the device's
-        offset context + a + 1, its first token the bonus. ``prepare`` keeps the a + 1 positions the host
-        committed, ``propose`` serves the tokens where the rows and the outcome are as assumed."""
+        """Greedy rows over the backend's compiled calls: the round's W verified positions appended to each row's
+        context past its committed ones (the host's lengths unchanged), then the next blocks at the device's
+        offsets context_b + a_b + 1, each one's first token its bonus. ``prepare`` keeps the a_b + 1 positions the
+        host committed, ``propose`` serves the tokens where the rows and the outcomes are as assumed. Every row of
+        the drafter's batch, in its order, must have drafted this round (one call drafts them all)."""
         self.ahead = None
         d = self.drafter
-        if not self.drafts_ahead(rows) or len(self.rows) != 1 or self.rows[0] is not rows[0] or self.fresh \
-                or unread[0] is None or max_drafts[0] < 1:
+        if not self.drafts_ahead(rows) or not rows or self.fresh or len(rows) != len(self.rows) \
+                or any(a is not b for a, b in zip(rows, self.rows)) or min(max_drafts) < 1:
             return
-        row, o, k = rows[0], unread[0], max_drafts[0]
-        if self.pending.get(id(row)) or not o.captures:
+        if any(u is None or not u.captures or self.pending.get(id(r)) for r, u in zip(rows, unread)):
             return
-        feats = target_features(o.captures, d.capture_layers(), d.final_norm)  # [1, W, taps*H]
+        layers = d.capture_layers()
+        one = len(rows) == 1
+        captures = unread[0].captures if one else {i: mx.concatenate([u.captures[i] for u in unread]) for i in layers}
+        feats = target_features(captures, layers, d.final_norm)  # [B, W, taps*H]
+        k = max(max_drafts)
         width = 1 << k.bit_length()  # k + 1 positions, padded to a power of two as ``propose`` pads them
-        block = mx.concatenate([o.bonus.reshape(1).astype(mx.uint32),
-                                mx.full((width - 1,), d.mask_token_id, dtype=mx.uint32)])[None]  # [1, width]
-        drafted = d.draft(self.cache, block, None if width == k + 1 else mx.array([k + 1]), feats, o.accepted + 1)
+        bonus = unread[0].bonus.reshape(1, 1) if one else mx.stack([u.bonus.reshape(()) for u in unread])[:, None]
+        block = mx.concatenate([bonus.astype(mx.uint32), mx.full((len(rows), width - 1), d.mask_token_id, dtype=mx.uint32)],
+                               axis=1)  # [B, width]
+        widths = None if width == k + 1 and min(max_drafts) == k else mx.array([m + 1 for m in max_drafts])
+        # one row: a scalar shift (its traces as before); a batch: [B], each row's
+        shift = unread[0].accepted + 1 if one else mx.stack([u.accepted.reshape(()) for u in unread]) + 1
+        drafted = d.draft(self.cache, block, widths, feats, shift)  # [B, width - 1]
         if drafted is None:
             return
         self.forwards += 1
-        tokens = drafted[0] if width == k + 1 else drafted[0, :k]  # [k]
+        tokens = [drafted[0] if width == k + 1 else drafted[0, :k]] if one else [drafted[b, :m] for b, m in enumerate(max_drafts)]
         mx.async_eval(tokens)
-        self.ahead = Ahead(row, self.context[0], feats.shape[1], o, tokens)
+        self.ahead = Ahead(list(rows), list(self.context), feats.shape[1], list(unread), tokens)
 
     def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
         ahead = self.ahead
-        if ahead is None or ahead.taken or [id(r) for r in rows] != [id(ahead.row)]:
+        if ahead is None or ahead.taken or len(rows) != 1 or not ahead.serves(rows):
             return None
-        return [ahead.tokens]
+        return ahead.tokens
 
     def _take_ahead(self) -> None:
-        """The positions the host committed out of those ``draft_ahead`` appended, kept: the row's pending
-        features are then exactly those (its captures at the round's a + 1 committed positions)."""
+        """The positions the host committed out of those ``draft_ahead`` appended, kept: each row's pending
+        features are then exactly those (its captures at the round's a_b + 1 committed positions)."""
         ahead = self.ahead
         if ahead is not None and ahead.taken:
             return  # taken by an earlier prepare of this step
-        if ahead is None or len(self.rows) != 1 or self.rows[0] is not ahead.row or self.fresh \
-                or self.context[0] != ahead.context:
+        if ahead is None or self.fresh or not ahead.serves(self.rows) or self.context != ahead.context:
             self.ahead = None
             return
-        parts = self.pending.get(id(ahead.row), [])
-        n = next(iter(parts[0].values())).shape[1] if len(parts) == 1 and parts[0] else 0
-        if not 0 < n <= ahead.width or int(ahead.unread.accepted.item()) + 1 != n \
-                or int(ahead.unread.bonus.item()) != ahead.row.pending:
-            self.ahead = None  # not the outcome it assumed: draft as usual
-            return
-        del self.pending[id(ahead.row)]
+        counts = []
+        for row, o in zip(ahead.rows, ahead.unread):
+            parts = self.pending.get(id(row), [])
+            n = next(iter(parts[0].values())).shape[1] if len(parts) == 1 and parts[0] else 0
+            if not 0 < n <= ahead.width or int(o.accepted.item()) + 1 != n or int(o.bonus.item()) != row.pending:
+                self.ahead = None  # not the outcome it assumed: draft as usual
+                return
+            counts.append(n)
+        for row in ahead.rows:
+            del self.pending[id(row)]
+            self.sources.pop(id(row), None)
+        self.context = [c + n for c, n in zip(ahead.context, counts)]
         for c in self.cache:
-            c.offset = ahead.context + n
-        self.context[0] += n
+            if len(self.rows) == 1:
+                c.offset = self.context[0]
+            else:
+                c.set_lengths(self.context)  # RaggedBatchKVCache: the compiled calls' batched caches
         ahead.taken = True
 
     # the prompt cache -----------------------------------------------------------------------------
