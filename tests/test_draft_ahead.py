@@ -78,21 +78,27 @@ def force(monkeypatch: pytest.MonkeyPatch, refs: Dict[Tuple[int, ...], List[int]
 
 
 def ahead_expected(log: List[Tuple[int, int, Tuple[int, ...], bool]]) -> List[bool]:
-    """Per round: whether its blocks were drafted ahead, the round before drafting for the same rows, each of them."""
-    return [i > 0 and log[i - 1][2] == ids and log[i - 1][3] for i, (_, _, ids, _) in enumerate(log)]
+    """Per round: whether its blocks were drafted ahead: the round before drafted for each of its rows, and for
+    the same rows or, rows having left since, for at least two of them."""
+    def served(before: Tuple[int, ...], ids: Tuple[int, ...]) -> bool:
+        return ids == before or (len(ids) >= 2 and ids == tuple(r for r in before if r in ids))
+
+    return [i > 0 and log[i - 1][3] and served(log[i - 1][2], ids) for i, (_, _, ids, _) in enumerate(log)]
 
 
 def run(host: Any, target: Any, prompts: List[List[int]], batch: bool, params: Any = None,
         join_after: Optional[int] = None, at_join: Callable[[], None] = lambda: None) -> Tuple[List[List[int]], List[Any]]:
     """Tokens per prompt (each alone, or all in one batch; ``join_after``: the second prompt joins the first
-    after that many steps, ``at_join`` called then) and the requests' states."""
+    after that many steps, ``at_join`` called then) and the requests' states; ``params``: the requests', or
+    a list of each prompt's."""
     groups = [prompts] if batch or join_after is not None else [[p] for p in prompts]
     tokens: List[List[int]] = []
     states: List[Any] = []
     for group in groups:
         scheduler = Scheduler(host, target)
         first = group if join_after is None else group[:1]
-        requests = [scheduler.submit(p, params or no_stop(MAX_TOKENS)) for p in first]
+        each = params if isinstance(params, list) else [params or no_stop(MAX_TOKENS)] * len(prompts)
+        requests = [scheduler.submit(p, each[prompts.index(p)]) for p in first]
         got: Dict[int, List[int]] = {r.id: [] for r in requests}
         steps = 0
         while scheduler.busy:
@@ -158,6 +164,22 @@ def test_batched_blocks_drafted_ahead_are_the_blocks_drafted_in_place(models: Di
         drafted[mode] = seen["drafted"]
         monkeypatch.undo()
     assert drafted["on"] == drafted["off"] and any(len(r) == len(PROMPTS) for r in drafted["on"])
+
+
+def test_rows_leaving_keep_the_others_blocks(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests of different lengths in one batch: as each ends, the blocks drafted ahead for the rows that stay
+    serve them (two or more); the last row alone drafts in place once, then ahead again."""
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models)
+    seen = {"ahead_used": 0, "rounds": 0}
+    force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+    lengths = [6, MAX_TOKENS, 12]
+    tokens, _ = run(host, target, PROMPTS, batch=True, params=[no_stop(n) for n in lengths])
+    assert tokens == [m["refs"][tuple(p)][:n] for p, n in zip(PROMPTS, lengths)]
+    log = seen["log"]
+    assert [bool(used) for _, used, _, _ in log] == ahead_expected(log), log
+    steps = [(a[0], b[0], bool(b[1])) for a, b in zip(log, log[1:]) if a[0] != b[0]]
+    assert (3, 2, True) in steps and (2, 1, False) in steps, log
 
 
 def test_a_joining_row_drops_the_block_drafted_ahead(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ following, so the first round drafts with the full context."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 
@@ -40,6 +40,19 @@ class Ahead:
     def serves(self, rows: Sequence[Any]) -> bool:
         return len(rows) == len(self.rows) and all(a is b for a, b in zip(rows, self.rows))
 
+    def keep(self, present: Set[int]) -> bool:
+        """Whether the blocks still serve once only the rows whose ids are ``present`` stay (no new ones): the
+        rows leaving dropped from them. Down to one row they do not: its cache is then extracted to its own
+        positions (``hooks.batch.keep_rows``), without the ones drafted ahead past them."""
+        keep = [b for b, r in enumerate(self.rows) if id(r) in present]
+        if len(keep) == len(self.rows):
+            return len(present) == len(keep)
+        if len(keep) < 2 or len(present) != len(keep) or self.taken:
+            return False
+        self.rows, self.context = [self.rows[b] for b in keep], [self.context[b] for b in keep]
+        self.unread, self.tokens = [self.unread[b] for b in keep], [self.tokens[b] for b in keep]
+        return True
+
 
 class DFlashBatch(DraftBatch):
     """The rows of one batch drafting with a DFlash drafter: their context caches and the target
@@ -61,9 +74,9 @@ class DFlashBatch(DraftBatch):
         self.context_chunk: Optional[int] = None  # the longest context append (None: CONTEXT_CHUNK)
 
     def sync(self, rows: Sequence[Any]) -> None:
-        if self.ahead is not None and (not self.ahead.serves(rows) or any(r.captures for r in rows)):
-            self.ahead = None  # other rows, or plain steps since: its context is stale
         present = {id(r) for r in rows}
+        if self.ahead is not None and (any(r.captures for r in rows) or not self.ahead.keep(present)):
+            self.ahead = None  # new rows, or plain steps since: its context is stale
         keep = [b for b, r in enumerate(self.rows) if id(r) in present]
         if len(keep) < len(self.rows):
             self.cache = keep_rows(self.cache, keep, len(self.rows))
