@@ -187,7 +187,8 @@ class DraftBatch(abc.ABC):
         """Optional: queue the next round's drafting now, after the verify and before the host reads its
         outcome, so that the device drafts while the host commits, emits and builds the next verify.
 
-        Called after ``propose`` with the same rows (``unread[b]`` None: row b drafted nothing) and
+        Called after ``propose`` with the same rows (``max_drafts[b]`` 0: row b drafted nothing; its
+        ``unread[b]`` is then 0 accepted and its one token as the bonus; None: its outcome is not known) and
         before ``commit``. Whatever it writes to its caches must stay invisible until the next
         ``prepare``/``propose`` take it up, and those must check that the rows are what it assumed (the
         same rows, nothing fed in between, the outcome the host read, no more than ``max_drafts``

@@ -129,12 +129,12 @@ def accepted_prefix(drafts: mx.array, target: mx.array) -> Tuple[mx.array, mx.ar
     return a, mx.take(target, a)
 
 
-def unread_outcome(plan: Plan, drafts: mx.array) -> Optional[Tuple[mx.array, mx.array]]:
+def unread_outcome(plan: Plan, drafts: mx.array) -> Tuple[mx.array, mx.array]:
     """(accepted a [], bonus []) of a row's plan before the host reads it (drafting ahead starts from
-    them); None for a row that drafted nothing."""
+    them); a row that drafted nothing: (0, its one token)."""
     how, x = plan
     if how == "step":
-        return None
+        return mx.zeros((), mx.int32), x.reshape(-1)[0]
     return x if how == "rejection" else accepted_prefix(drafts, x)
 
 

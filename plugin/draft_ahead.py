@@ -31,7 +31,7 @@ class DraftAhead:
                  plans: Sequence[Plan], drafts: Sequence[mx.array]) -> None:
         self.drafter, self.verify_ahead = drafter, att.verify_ahead
         self.on = att.ahead and lazy and drafter.drafts_ahead(rows)
-        # Each row's (accepted a [], bonus []) still on the device; None for a row that drafted nothing.
+        # Each row's (accepted a [], bonus []) still on the device (a row that drafted nothing: 0, its token).
         self.unread: List[Optional[Tuple[mx.array, mx.array]]] = (
             [unread_outcome(plan, x) for plan, x in zip(plans, drafts)] if self.on else [])
         self.error: Optional[BaseException] = None  # raised by ``check``, after the target's commit

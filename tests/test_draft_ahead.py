@@ -25,6 +25,7 @@ from mlx_speculative.hooks.state import SamplingParams
 from mlx_speculative.plugin import accept, cuda, draft
 from mlx_speculative.plugin.cuda import compiled
 from mlx_speculative.plugin import draft_ahead as draft_ahead_mod
+from mlx_speculative.plugin import round as rnd
 from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
 
 pytestmark = pytest.mark.integration
@@ -78,12 +79,12 @@ def force(monkeypatch: pytest.MonkeyPatch, refs: Dict[Tuple[int, ...], List[int]
 
 
 def ahead_expected(log: List[Tuple[int, int, Tuple[int, ...], bool]]) -> List[bool]:
-    """Per round: whether its blocks were drafted ahead: the round before drafted for each of its rows, and for
-    the same rows or, rows having left since, for at least two of them."""
+    """Per round: whether its blocks were drafted ahead: the round before had the same rows or, rows having left
+    since, at least two of them (rows that drafted nothing there got blocks too)."""
     def served(before: Tuple[int, ...], ids: Tuple[int, ...]) -> bool:
         return ids == before or (len(ids) >= 2 and ids == tuple(r for r in before if r in ids))
 
-    return [i > 0 and log[i - 1][3] and served(log[i - 1][2], ids) for i, (_, _, ids, _) in enumerate(log)]
+    return [i > 0 and served(log[i - 1][2], ids) for i, (_, _, ids, _) in enumerate(log)]
 
 
 def run(host: Any, target: Any, prompts: List[List[int]], batch: bool, params: Any = None,
@@ -147,23 +148,42 @@ def test_forced_rounds_equal_plain_decoding(batch: bool, models: Dict[str, Any],
         assert seen["ahead_used"] == totals["rounds"] - len(PROMPTS) > 0, (seen, totals)
 
 
-def test_batched_blocks_drafted_ahead_are_the_blocks_drafted_in_place(models: Dict[str, Any],
+@pytest.mark.parametrize("skips", [False, True])
+def test_batched_blocks_drafted_ahead_are_the_blocks_drafted_in_place(skips: bool, models: Dict[str, Any],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch's rows accepting different counts (zero, partial, full in one round): the blocks one call drafts
     ahead, each row past its own accepted count, are the drafter's own blocks drafted after the host read the
-    outcome, row by row and round by round."""
+    outcome, row by row and round by round. ``skips``: the second row drafts nothing in every third round (its
+    one token from the round's forward, as a paused row's), and its block drafted ahead serves the round after."""
     m = models["llama"]
     drafted = {}
     for mode in ("on", "off"):
         host, target = dflash_host(monkeypatch, models, ahead=mode)
         seen = {"ahead_used": 0, "rounds": 0}
         force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+        if skips:
+            plan, asked = rnd._plan, {"n": 0}
+
+            def skipping(row: Any, req: Any, draft: Any) -> Optional[int]:
+                k = plan(row, req, draft)
+                if row.tokens[: row.prompt_len] == PROMPTS[1]:
+                    asked["n"] += 1
+                    return None if asked["n"] % 3 == 2 else k
+                return k
+
+            monkeypatch.setattr(rnd, "_plan", skipping)
         tokens, _ = run(host, target, PROMPTS, batch=True)
         assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
-        assert (seen["ahead_used"] > 0) == (mode == "on"), seen["log"]
+        log = seen["log"]
+        assert (seen["ahead_used"] > 0) == (mode == "on"), log
+        if mode == "on":
+            assert [bool(used) for _, used, _, _ in log] == ahead_expected(log), log
+            # a round after one where a row drafted nothing took its blocks from the round before
+            assert (not skips) or any(not a[3] and b[1] and b[0] == len(PROMPTS) for a, b in zip(log, log[1:])), log
         drafted[mode] = seen["drafted"]
         monkeypatch.undo()
     assert drafted["on"] == drafted["off"] and any(len(r) == len(PROMPTS) for r in drafted["on"])
+    assert (not skips) or any([] in r for r in drafted["on"])
 
 
 def test_rows_leaving_keep_the_others_blocks(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -237,12 +237,15 @@ class DFlashBatch(DraftBatch):
         context past its committed ones (the host's lengths unchanged), then the next blocks at the device's
         offsets context_b + a_b + 1, each one's first token its bonus. ``prepare`` keeps the a_b + 1 positions the
         host committed, ``propose`` serves the tokens where the rows and the outcomes are as assumed. Every row of
-        the drafter's batch, in its order, must have drafted this round (one call drafts them all)."""
+        the drafter's batch, in its order, must have an outcome (one call drafts them all)."""
         self.ahead = None
         d = self.drafter
         if not self.drafts_ahead(rows) or not rows or self.fresh or len(rows) != len(self.rows) \
-                or any(a is not b for a, b in zip(rows, self.rows)) or min(max_drafts) < 1:
+                or any(a is not b for a, b in zip(rows, self.rows)) or max(max_drafts) < 1:
             return
+        # A row that drafted nothing this round (paused, at its end) gets a block too: a row that rides or
+        # probes next round finds it ready, one that does not takes none of it (``propose``).
+        max_drafts = [m or max(max_drafts) for m in max_drafts]
         if any(u is None or not u.captures or self.pending.get(id(r)) for r, u in zip(rows, unread)):
             return
         layers = d.capture_layers()
