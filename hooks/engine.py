@@ -29,7 +29,7 @@ from . import warmup
 from .host import GenerationParams, Host, HostEvent, load_with_plugins
 from .metrics import HostCounters, timings
 from .openai_fields import APIError
-from .scheduler import NoText, Request, Scheduler
+from .scheduler import Request, Scheduler
 from .server_settings import ServerSettings
 from .state import HostConfig, LoadedTarget
 
@@ -40,25 +40,10 @@ SPECULATIVE = "speculative"  # the request option a request that turns rounds of
 @dataclass
 class TokenOut:
     token: int
+    text: str
     finish_reason: Optional[str]
     logprob: Optional[Dict[str, Any]] = None
     emitted: bool = True  # False: a stop token (EOS), not part of the output
-
-
-class JobText:
-    """A request's streaming text, made on its HTTP thread from the tokens the generation thread sends: decoding
-    there cost the generation thread, which every request's step waits for, ~0.1 ms a token (mlx-lm's naive
-    detokenizer redecodes the text since its last newline), the same handling as ``scheduler.RowEvents``'."""
-
-    def __init__(self, tokenizer: Any):
-        self.detok = tokenizer.detokenizer if tokenizer is not None else NoText()
-
-    def __call__(self, item: TokenOut) -> str:
-        if item.emitted:
-            self.detok.add_token(item.token)
-        if item.finish_reason is not None:
-            self.detok.finalize()
-        return self.detok.last_segment
 
 
 @dataclass
@@ -188,7 +173,7 @@ class Engine:
         entries = self.settings.prompt_cache_size
         self.prompt_cache = pc.PromptCache(limit, entries) if limit > 0 and entries != 0 else None
         self.scheduler = Scheduler(self.host, self.target, batching=self.settings.batching, raise_errors=False,
-                                   prompt_cache=self.prompt_cache, text=False)  # text on the HTTP threads: JobText
+                                   prompt_cache=self.prompt_cache)
         rows = self.settings.warmup_rows
         rows = warmup.default_rows(self.settings.max_active) if rows is None else rows
         if rows:
@@ -300,7 +285,7 @@ class Engine:
         if (req.logprobs or req.top_logprobs) and event.emitted:
             assert self.target is not None
             entry = reply.logprob_entry(self.target.tokenizer, event.logprobs, event.token, req.top_logprobs)
-        job.out.put(TokenOut(event.token, event.finish_reason, entry, event.emitted))
+        job.out.put(TokenOut(event.token, event.text, event.finish_reason, entry, event.emitted))
 
     def _done(self, job: Job) -> None:
         request = job.scheduled

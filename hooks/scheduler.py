@@ -43,13 +43,12 @@ log = logging.getLogger("mlx_speculative.server")
 class RowEvents:
     """Stop and length handling plus streaming text of one request."""
 
-    def __init__(self, target: LoadedTarget, params: GenerationParams, text: bool = True):
+    def __init__(self, target: LoadedTarget, params: GenerationParams):
         ids = params.stop_token_ids
         self.stop = set(ids if ids is not None else target.tokenizer.eos_token_ids)
         self.matcher = params.stop_sequences.matcher() if params.stop_sequences is not None else None
-        # A target without a tokenizer (the bench's synthetic ones) streams tokens without text; ``text`` False: the
-        # events carry none either (the server detokenizes on each request's HTTP thread: engine.JobText).
-        self.detok = target.tokenizer.detokenizer if target.tokenizer is not None and text else NoText()
+        # A target without a tokenizer (the bench's synthetic ones) streams tokens without text.
+        self.detok = target.tokenizer.detokenizer if target.tokenizer is not None else _NoText()
         self.detok.reset()
         self.max_tokens = params.max_tokens
         self.emitted = 0
@@ -71,7 +70,7 @@ class RowEvents:
         return HostEvent(gen.token, self.detok.last_segment, gen.logprobs, finish)
 
 
-class NoText:
+class _NoText:
     last_segment = ""
 
     def reset(self) -> None: ...
@@ -103,9 +102,8 @@ class Scheduler:
     """Prefill and decode steps for the requests of one target."""
 
     def __init__(self, host: Host, target: LoadedTarget, batching: bool = True, raise_errors: bool = True,
-                 prompt_cache: Optional[PromptCache] = None, text: bool = True):
+                 prompt_cache: Optional[PromptCache] = None):
         self.host = host
-        self.text = text  # False: events carry no text (``RowEvents``)
         self.target = target
         self.batching = batching
         self.prompt_cache = prompt_cache  # None (the CLI): every request prefills its whole prompt
@@ -124,7 +122,7 @@ class Scheduler:
     # requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: GenerationParams) -> Request:
         state = self.host.new_state(self.target, prompt, params)
-        request = Request(next(self._ids), state, params, RowEvents(self.target, params, self.text))
+        request = Request(next(self._ids), state, params, RowEvents(self.target, params))
         state.saved = self.prompt_cache is not None and params.max_kv_size is None
         if params.max_tokens <= 0:
             request.done, request.finish_reason = True, "length"

@@ -26,7 +26,7 @@ from . import openai_compat as oc
 from . import validate
 from . import openai_output as reply
 from . import prompt_cache as pc
-from .engine import Engine, Finished, Job, JobText, make_engine
+from .engine import Engine, Finished, Job, make_engine
 from .host import describe
 from .metrics import HostCounters, render
 from .openai_fields import APIError
@@ -269,7 +269,6 @@ class Handler(BaseHTTPRequestHandler):
         tokenizer = srv.engine.target.tokenizer
         _, text_sm = reply.stop_machinery(tokenizer, req.stop_words)
         out = reply.ResponseText(tokenizer, text_sm, req.tools, req.initial_state, streaming=True)
-        detok = JobText(tokenizer)
         created = int(time.time())
         try:
             self.send_response(200)
@@ -292,7 +291,7 @@ class Handler(BaseHTTPRequestHandler):
                 break
             if item.logprob is not None:
                 pending_lp.append(item.logprob)
-            out.feed(detok(item), item.finish_reason)
+            out.feed(item.text, item.finish_reason)
             if item.finish_reason is not None:
                 finish = item.finish_reason
             elif out.ready():
@@ -319,7 +318,6 @@ class Handler(BaseHTTPRequestHandler):
         tokenizer = srv.engine.target.tokenizer
         _, text_sm = reply.stop_machinery(tokenizer, req.stop_words)
         out = reply.ResponseText(tokenizer, text_sm, req.tools, req.initial_state, streaming=False)
-        detok = JobText(tokenizer)
         logprobs: List[Dict[str, Any]] = []
         finish = "length"
         text, reasoning = "", ""
@@ -329,7 +327,7 @@ class Handler(BaseHTTPRequestHandler):
                 break
             if item.logprob is not None:
                 logprobs.append(item.logprob)
-            out.feed(detok(item), item.finish_reason)
+            out.feed(item.text, item.finish_reason)
             if item.finish_reason is not None:
                 finish = item.finish_reason
         if item.outcome == "error":
