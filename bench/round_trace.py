@@ -137,7 +137,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
     ahead = att.ahead and lazy and br.draft.drafts_ahead(on_rows)
     unread = [unread_outcome(x, d) for x, d in zip(accepting, drafts)] if ahead else []
-    mx.eval([x for _, x in accepting], [u for u in unread if u is not None])
+    mx.eval([x for _, x in accepting], unread)
     phase("accept")
     if ahead:  # in a round this runs on the device while the host commits, emits and builds the next verify
         error = draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)

@@ -183,18 +183,17 @@ class DraftBatch(abc.ABC):
         on the device for it). False by default."""
         return False
 
-    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
+    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Unread], max_drafts: Sequence[int]) -> None:
         """Optional: queue the next round's drafting now, after the verify and before the host reads its
         outcome, so that the device drafts while the host commits, emits and builds the next verify.
 
         Called after ``propose`` with the same rows (``max_drafts[b]`` 0: row b drafted nothing; its
-        ``unread[b]`` is then 0 accepted and its one token as the bonus; None: its outcome is not known) and
-        before ``commit``. Whatever it writes to its caches must stay invisible until the next
+        ``unread[b]`` is then 0 accepted and its one token as the bonus) and before ``commit``. Whatever it writes to its caches must stay invisible until the next
         ``prepare``/``propose`` take it up, and those must check that the rows are what it assumed (the
         same rows, nothing fed in between, the outcome the host read, no more than ``max_drafts``
         tokens wanted) and otherwise draft as usual. Nothing by default."""
 
-    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
+    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Unread]) -> Optional[List[mx.array]]:
         """After ``draft_ahead``: per row, the draft tokens [k] (on the device, unevaluated) that the next
         ``propose`` will serve if the outcome is ``unread``'s, so that the round can queue the next verify
         over them (plugin/cuda/verify_ahead.py; the next round checks them against what ``propose`` serves).
@@ -285,10 +284,10 @@ class ForwardingDraftBatch(DraftBatch):
     def drafts_ahead(self, rows: Sequence[Any]) -> bool:
         return self.inner.drafts_ahead(rows)
 
-    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
+    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Unread], max_drafts: Sequence[int]) -> None:
         self.inner.draft_ahead(rows, unread, max_drafts)
 
-    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
+    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Unread]) -> Optional[List[mx.array]]:
         return self.inner.ahead_drafts(rows, unread)
 
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:

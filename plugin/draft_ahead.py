@@ -32,7 +32,7 @@ class DraftAhead:
         self.drafter, self.verify_ahead = drafter, att.verify_ahead
         self.on = att.ahead and lazy and drafter.drafts_ahead(rows)
         # Each row's (accepted a [], bonus []) still on the device (a row that drafted nothing: 0, its token).
-        self.unread: List[Optional[Tuple[mx.array, mx.array]]] = (
+        self.unread: List[Tuple[mx.array, mx.array]] = (
             [unread_outcome(plan, x) for plan, x in zip(plans, drafts)] if self.on else [])
         self.error: Optional[BaseException] = None  # raised by ``check``, after the target's commit
         self.queued: Optional[Queued] = None  # the next round's verify (verify_ahead.py)
@@ -40,7 +40,7 @@ class DraftAhead:
     @property
     def arrays(self) -> List[Tuple[mx.array, mx.array]]:
         """The unread outcomes to evaluate with the round's plans."""
-        return [u for u in self.unread if u is not None]
+        return self.unread
 
     def queue_next(self, lap: Laps, batch: DecodeBatch, rows: Sequence[DecodeState], on: Sequence[int],
                    reqs: Sequence[Any], proposals: Sequence[Proposal], captured: Dict[int, mx.array], written: int,
@@ -88,13 +88,10 @@ def next_round_alike(rows: Sequence[DecodeState], on: Sequence[int], reqs: Seque
 
 
 def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[int], max_drafts: Sequence[int],
-                unread: Sequence[Optional[Any]], captured: Dict[int, mx.array]) -> Optional[BaseException]:
+                unread: Sequence[Tuple[mx.array, mx.array]], captured: Dict[int, mx.array]) -> Optional[BaseException]:
     """The drafter's next block queued from this round's unread outcome (``DraftBatch.draft_ahead``);
     an exception is returned, for the round to fall back after committing the target's tokens."""
-    outcomes: List[Optional[Unread]] = []
-    for b in on:
-        u = unread[b]
-        outcomes.append(None if u is None else Unread(u[0], u[1], {i: h[b : b + 1] for i, h in captured.items()}))
+    outcomes = [Unread(unread[b][0], unread[b][1], {i: h[b : b + 1] for i, h in captured.items()}) for b in on]
     try:
         drafter.draft_ahead([rows[b] for b in on], outcomes, max_drafts)
     except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens

@@ -38,7 +38,7 @@ class Ahead:
     taken: bool = False  # ``prepare`` kept their context: their tokens serve the next ``propose``
 
     def serves(self, rows: Sequence[Any]) -> bool:
-        return len(rows) == len(self.rows) and all(a is b for a, b in zip(rows, self.rows))
+        return same_rows(rows, self.rows)
 
     def keep(self, present: Set[int]) -> bool:
         """Whether the blocks still serve once only the rows whose ids are ``present`` stay (no new ones): the
@@ -232,7 +232,7 @@ class DFlashBatch(DraftBatch):
         calls = self.drafter.compiler
         return calls is not None and (len(rows) == 1 or calls.batches) and all(r.sampling.greedy for r in rows)
 
-    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]], max_drafts: Sequence[int]) -> None:
+    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Unread], max_drafts: Sequence[int]) -> None:
         """Greedy rows over the backend's compiled calls: the round's W verified positions appended to each row's
         context past its committed ones (the host's lengths unchanged), then the next blocks at the device's
         offsets context_b + a_b + 1, each one's first token its bonus. ``prepare`` keeps the a_b + 1 positions the
@@ -240,13 +240,13 @@ class DFlashBatch(DraftBatch):
         the drafter's batch, in its order, must have an outcome (one call drafts them all)."""
         self.ahead = None
         d = self.drafter
-        if not self.drafts_ahead(rows) or not rows or self.fresh or len(rows) != len(self.rows) \
-                or any(a is not b for a, b in zip(rows, self.rows)) or max(max_drafts) < 1:
+        if not self.drafts_ahead(rows) or not rows or self.fresh or not same_rows(rows, self.rows) \
+                or max(max_drafts) < 1:
             return
         # A row that drafted nothing this round (paused, at its end) gets a block too: a row that rides or
         # probes next round finds it ready, one that does not takes none of it (``propose``).
         max_drafts = [m or max(max_drafts) for m in max_drafts]
-        if any(u is None or not u.captures or self.pending.get(id(r)) for r, u in zip(rows, unread)):
+        if any(not u.captures or self.pending.get(id(r)) for r, u in zip(rows, unread)):
             return
         layers = d.capture_layers()
         one = len(rows) == 1
@@ -268,7 +268,7 @@ class DFlashBatch(DraftBatch):
         mx.async_eval(tokens)
         self.ahead = Ahead(list(rows), list(self.context), feats.shape[1], list(unread), tokens)
 
-    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Optional[Unread]]) -> Optional[List[mx.array]]:
+    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Unread]) -> Optional[List[mx.array]]:
         ahead = self.ahead
         if ahead is None or ahead.taken or len(rows) != 1 or not ahead.serves(rows):
             return None
@@ -351,6 +351,11 @@ class DFlashBatch(DraftBatch):
                     n = next(iter(v.captures.values())).shape[1]
                     self.sources[id(row)] = (v.source[0], v.source[1], n, v.captures)
         return [0] * len(rows)
+
+
+def same_rows(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """The same row objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def context_chunks(n: int, chunk: Optional[int] = None) -> Tuple[int, int]:

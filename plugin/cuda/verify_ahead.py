@@ -75,7 +75,7 @@ class Queued:
     generated: int = -1  # the row's generated count after this round's tokens (``settle``)
 
 
-def queue(batch: DecodeBatch, drafter: DraftBatch, unread: Optional[Tuple[mx.array, mx.array]], written: int,
+def queue(batch: DecodeBatch, drafter: DraftBatch, unread: Tuple[mx.array, mx.array], written: int,
           vocab_size: int, width_for: Callable[[int], int]) -> Optional[Queued]:
     """The next verify of the batch's one greedy row built from this round's unread (a, bonus), where the
     drafter drafted its next block ahead and the target's forward is compiled; else None. ``written``: the
@@ -83,7 +83,7 @@ def queue(batch: DecodeBatch, drafter: DraftBatch, unread: Optional[Tuple[mx.arr
     fwd = batch.target.cache_policy.forward
     rows = list(batch.rows)
     offset = getattr(batch.cache[0], "offset", None) if batch.cache else None  # a cache without one: not taken
-    if unread is None or len(rows) != 1 or not isinstance(fwd, ForwardAhead) or not isinstance(offset, int):
+    if len(rows) != 1 or not isinstance(fwd, ForwardAhead) or not isinstance(offset, int):
         return None
     a, bonus = unread
     drafts = drafter.ahead_drafts(rows, [Unread(a, bonus, {})])
