@@ -40,16 +40,16 @@ from mlx_speculative.hooks.state import DecodeState, GeneratedToken, StepOutput 
 from mlx_speculative.hooks.transaction import CacheTransaction  # noqa: E402
 from mlx_speculative.plugin import commit, hookimpls  # noqa: E402
 from mlx_speculative.plugin import round as rnd  # noqa: E402
-from mlx_speculative.plugin.accept import plan_rows, read_plans, unread_outcome  # noqa: E402
+from mlx_speculative.plugin.accept import RoundPlans  # noqa: E402
 from mlx_speculative.benchmarks import core  # noqa: E402
 from mlx_speculative.plugin.draft import as_ints, draft  # noqa: E402
 from mlx_speculative.plugin.draft_ahead import draft_ahead  # noqa: E402
 from mlx_speculative.plugin.metrics import Laps  # noqa: E402
-from mlx_speculative.plugin.verify import row_logprobs, verify  # noqa: E402
+from mlx_speculative.plugin.verify import verify  # noqa: E402
 
 TRACE: List[Dict[str, Any]] = []
 LABEL = [""]  # the bench's progress line of the run in progress ("fresh 3/8 plugin dflash b16 tau6.5 prompt 2049")
-PHASES = ("prepare", "draft", "begin", "build", "forward", "logprobs", "accept", "ahead", "commit", "emit", "finish")
+PHASES = ("prepare", "draft", "begin", "build", "forward", "accept", "ahead", "commit", "emit", "finish")
 
 
 def _keys(batch: DecodeBatch) -> int:
@@ -130,21 +130,17 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     mx.eval(logits)
     phase("forward")
     proposals = as_ints(proposals, vocab)
-    logprobs = [row_logprobs(r, logits[b : b + 1], p.tokens) for b, (r, p) in enumerate(zip(rows, proposals))]
-    mx.eval(logprobs)
-    phase("logprobs")
-    drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]
-    accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
+    accepting = RoundPlans(rows, proposals, logits, inputs, att.settings.acceptance)
     ahead = att.ahead and lazy and br.draft.drafts_ahead(on_rows)
-    unread = [unread_outcome(x, d) for x, d in zip(accepting, drafts)] if ahead else []
-    mx.eval([x for _, x in accepting], unread)
+    unread = accepting.unread() if ahead else []
+    mx.eval(accepting.arrays, unread)
     phase("accept")
     if ahead:  # in a round this runs on the device while the host commits, emits and builds the next verify
         error = draft_ahead(br.draft, rows, on, [len(proposals[b].tokens) for b in on], unread, captured)
         if error is not None:
             raise error
     phase("ahead")
-    outcomes = read_plans(accepting, proposals)
+    outcomes = accepting.read(proposals)
     outcomes = commit.fit(target, outcomes, inputs.shape[1])
     commit.commit_target(target, outcomes, inputs.shape[1])
     phase("commit")
@@ -154,7 +150,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     lap.seconds = {"draft": t1 - t0, "verify": t2 - t1, "commit_drafter": time.perf_counter() - t2}
     rnd.record(rows, on, reqs, plans, outcomes, lap, int(inputs.shape[1]))
     phase("finish")
-    out = [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
+    out = [StepOutput([GeneratedToken(t, accepting.logprob(b, i)) for i, t in enumerate(o.tokens)])
            for b, o in enumerate(outcomes)]
     phase("emit")
     o = outcomes[on[0]]

@@ -93,6 +93,19 @@ def rejection_accept(
     return a, bonus
 
 
+def row_logprobs(row: Any, logits: mx.array, drafts: Sequence[int]) -> mx.array:
+    """Row's processed log-probabilities after each of its verified positions: [k+1, V].
+
+    Position i is the distribution of the token after ``drafts[:i]`` (0: after the pending token),
+    with the logits processors applied as one-token decoding would (they need the drafts as ints).
+    ``logits``: [1, W, V] of this row."""
+    n = 1 + len(drafts)
+    if row.logits_processors:
+        return row.logprobs(logits[:, :n], list(drafts))
+    rows = logits[0, :n]  # [k+1, V]
+    return rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+
+
 Plan = Tuple[str, Any]  # ("step" | "walk" | "rejection", its unevaluated arrays)
 
 
@@ -155,3 +168,65 @@ def read_plans(plans: Sequence[Plan], proposals: Sequence[Proposal]) -> List[Rou
             out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
     return out
 
+
+def greedy_batch(logits: mx.array, fed: mx.array, counts: Sequence[int]) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Every row's greedy walk at once (rows without logits processors): the log p [B, W, V], the target's
+    tokens y [B, W], accepted a [B] and bonus y_a [B]. ``fed``: the verify's inputs [B, W], row b's drafts at
+    1..counts[b]. The same per-row arithmetic as ``verify.row_logprobs`` and ``accepted_prefix``, in a few
+    batch-wide ops instead of ~10 a row (an 8-row round built ~100 small graphs per step)."""
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, W, V]
+    y = mx.argmax(logp, axis=-1)  # [B, W]
+    W = fed.shape[1]
+    within = mx.arange(W - 1)[None] < mx.array(list(counts))[:, None]  # [B, W-1]: a row's own drafts
+    same = (fed[:, 1:].astype(mx.int32) == y[:, :-1].astype(mx.int32)) & within  # [B, W-1]
+    a = mx.cumprod(same.astype(mx.int32), axis=-1).sum(axis=-1)  # [B]: leading matches
+    return logp, y, a, mx.take_along_axis(y, a[:, None], axis=-1)[:, 0]
+
+
+class RoundPlans:
+    """Every row's acceptance for a round, still on the device (``arrays``); ``read`` evaluates them together.
+
+    Rows all greedy without logits processors: one batch-wide walk (``greedy_batch``). Otherwise each row by its
+    own rule (``plan_rows``). ``fed``: the verify's inputs [B, W]; ``logits``: its [B, W, V]."""
+
+    def __init__(self, rows: Sequence[Any], proposals: Sequence[Proposal], logits: mx.array, fed: mx.array,
+                 acceptance: str) -> None:
+        self.counts = [len(p.tokens) for p in proposals]
+        self.batch: Optional[Tuple[mx.array, mx.array, mx.array, mx.array]] = None
+        self.plans: List[Plan] = []
+        self.drafts: List[mx.array] = []
+        self.logprobs: List[mx.array] = []
+        if all(r.sampling.greedy and not r.logits_processors for r in rows):
+            self.batch = greedy_batch(logits, fed, self.counts)
+        else:
+            self.drafts = [fed[b, 1 : 1 + k] for b, k in enumerate(self.counts)]  # [k_b] as fed
+            self.logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
+            self.plans = plan_rows(rows, proposals, self.drafts, self.logprobs, acceptance)
+
+    @property
+    def arrays(self) -> List[mx.array]:
+        return [self.batch[1]] if self.batch is not None else [x for _, x in self.plans]
+
+    def logprob(self, b: int, i: int) -> mx.array:
+        """Row b's processed log p after its i-th verified position: [V]."""
+        return self.batch[0][b, i] if self.batch is not None else self.logprobs[b][i]
+
+    def unread(self) -> List[Tuple[mx.array, mx.array]]:
+        """Each row's (accepted a [], bonus []) before the host reads them (drafting ahead starts from them); a row
+        that drafted nothing: (0, its one token)."""
+        if self.batch is not None:
+            _, _, a, bonus = self.batch
+            return [(a[b], bonus[b]) for b in range(len(self.counts))]
+        return [unread_outcome(plan, x) for plan, x in zip(self.plans, self.drafts)]
+
+    def read(self, proposals: Sequence[Proposal]) -> List[RoundOutcome]:
+        """The outcomes (one synchronisation for the batch); ``proposals`` hold ints by now."""
+        if self.batch is None:
+            return read_plans(self.plans, proposals)
+        y = self.batch[1].tolist()  # [B][W]
+        out = []
+        for ys, p in zip(y, proposals):
+            drafts = list(p.tokens)
+            a, bonus = accept_prefix(drafts, ys[: len(drafts) + 1])
+            out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
+        return out

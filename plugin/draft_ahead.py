@@ -1,6 +1,6 @@
 """Drafting ahead: the round's optional pipelined proposer.
 
-Before the host reads a round's outcome (``accept.read_plans``), the drafter may queue its next block from
+Before the host reads a round's outcome (``accept.RoundPlans.read``), the drafter may queue its next block from
 the outcome still on the device (``DraftBatch.draft_ahead``) and, opt-in, the next round's verify forward
 over that block (verify_ahead.py). The next round takes them up only where everything is as they assumed;
 anything else is dropped unread, so drafting ahead costs host time, never a token.
@@ -17,23 +17,20 @@ import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Proposal, Unread
 from ..hooks.api import DecodeBatch, DecodeState
-from .accept import Plan, unread_outcome
+from .accept import RoundPlans
 from .metrics import Laps
 from .cuda.verify_ahead import Queued, queue, settle
 
 
 class DraftAhead:
     """What one round queues before the host reads its outcome. ``on``: the drafter drafts the next block of
-    its drafting ``rows`` ahead (rounds of lazy drafts only); ``plans``, ``drafts``: the round's acceptance
-    plans (accept.py) and its drafts as fed, [k_b] per row of the batch."""
+    its drafting ``rows`` ahead (rounds of lazy drafts only); ``plans``: the round's acceptance (accept.py)."""
 
-    def __init__(self, att: Any, drafter: DraftBatch, rows: Sequence[DecodeState], lazy: bool,
-                 plans: Sequence[Plan], drafts: Sequence[mx.array]) -> None:
+    def __init__(self, att: Any, drafter: DraftBatch, rows: Sequence[DecodeState], lazy: bool, plans: RoundPlans) -> None:
         self.drafter, self.verify_ahead = drafter, att.verify_ahead
         self.on = att.ahead and lazy and drafter.drafts_ahead(rows)
         # Each row's (accepted a [], bonus []) still on the device (a row that drafted nothing: 0, its token).
-        self.unread: List[Tuple[mx.array, mx.array]] = (
-            [unread_outcome(plan, x) for plan, x in zip(plans, drafts)] if self.on else [])
+        self.unread: List[Tuple[mx.array, mx.array]] = plans.unread() if self.on else []
         self.error: Optional[BaseException] = None  # raised by ``check``, after the target's commit
         self.queued: Optional[Queued] = None  # the next round's verify (verify_ahead.py)
 

@@ -27,14 +27,14 @@ import mlx.core as mx
 from ..drafters.base import DraftBatch, Proposal
 from ..hooks.api import CacheTransaction, DecodeBatch, DecodeState, GeneratedToken, StepOutput, UnsupportedCache, replay
 from . import commit
-from .accept import RoundOutcome, plan_rows, read_plans
+from .accept import RoundOutcome, RoundPlans
 from .adaptive import BlockSizeController
 from .costs import expected_tokens
 from .draft import DraftError, as_ints, draft
 from .draft_ahead import DraftAhead
 from .metrics import METRICS, PHASES, Laps, SpecStats
 from .settings import SpeculativeSettings
-from .verify import row_logprobs, verify
+from .verify import verify
 from .cuda.verify_ahead import Queued, adopt
 
 log = logging.getLogger("mlx_speculative")
@@ -290,16 +290,14 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
             logits, captured, inputs = _verify(batch, got, proposals, vocab, width_for, reqs[0].stats)
         with lap.phase("plan"):  # accept: each row's rule, on the device (accept.py)
             txns.fed = inputs
-            drafts = [inputs[b, 1 : 1 + len(p.tokens)] for b, p in enumerate(proposals)]  # [k_b] as fed
-            logprobs = [row_logprobs(row, logits[b : b + 1], p.tokens) for b, (row, p) in enumerate(zip(rows, proposals))]
-            accepting = plan_rows(rows, proposals, drafts, logprobs, att.settings.acceptance)
-            ahead = DraftAhead(att, br.draft, on_rows, lazy, accepting, drafts)
+            accepting = RoundPlans(rows, proposals, logits, inputs, att.settings.acceptance)
+            ahead = DraftAhead(att, br.draft, on_rows, lazy, accepting)
             # Queued before any drafting ahead, so that reading them waits for the verify alone.
-            mx.async_eval([x for _, x in accepting], ahead.arrays)
+            mx.async_eval(accepting.arrays, ahead.arrays)
         ahead.queue_next(lap, batch, rows, on, reqs, proposals, captured, inputs.shape[1], vocab, width_for)
         with lap.phase("read"):  # the host reads the outcome: one synchronisation for the batch
             proposals = as_ints(proposals, vocab)
-            outcomes: List[RoundOutcome] = read_plans(accepting, proposals)
+            outcomes: List[RoundOutcome] = accepting.read(proposals)
         with lap.phase("commit"):  # commit the target's caches (commit.py)
             outcomes = commit.fit(target, outcomes, inputs.shape[1])
             commit.commit_target(target, outcomes, inputs.shape[1])
@@ -310,7 +308,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         commit.commit_drafter(br.draft, drafted, on_rows, commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
     record(rows, on, reqs, plans, outcomes, lap, int(inputs.shape[1]))
     ahead.settle(br, reqs[0], lap)
-    return [StepOutput([GeneratedToken(t, logprobs[b][i]) for i, t in enumerate(o.tokens)])
+    return [StepOutput([GeneratedToken(t, accepting.logprob(b, i)) for i, t in enumerate(o.tokens)])
             for b, o in enumerate(outcomes)]
 
 

@@ -49,16 +49,3 @@ def verify(
     logits, captured = batch.forward(fed)
     METRICS.record_verify(sum(1 + len(d) for d in drafts), len(drafts) * width)
     return logits, captured, fed
-
-
-def row_logprobs(row, logits: mx.array, drafts: Drafts) -> mx.array:
-    """Row's processed log-probabilities after each of its verified positions: [k+1, V].
-
-    Position i is the distribution of the token after ``drafts[:i]`` (0: after the pending token),
-    with the logits processors applied as one-token decoding would (they need the drafts as ints).
-    ``logits``: [1, W, V] of this row."""
-    n = 1 + len(drafts)
-    if row.logits_processors:
-        return row.logprobs(logits[:, :n], list(drafts))
-    rows = logits[0, :n]  # [k+1, V]
-    return rows - mx.logsumexp(rows, axis=-1, keepdims=True)

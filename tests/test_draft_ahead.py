@@ -12,6 +12,7 @@ to plain decoding; sampled rows draft in place; a bad MLX_SPEC_DRAFT_AHEAD is a 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -24,7 +25,6 @@ from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import SamplingParams
 from mlx_speculative.plugin import accept, cuda, draft
 from mlx_speculative.plugin.cuda import compiled
-from mlx_speculative.plugin import draft_ahead as draft_ahead_mod
 from mlx_speculative.plugin import round as rnd
 from test_attention_rounds import MAX_TOKENS, PROMPTS, models  # noqa: F401 - models: the fixture
 
@@ -273,18 +273,18 @@ def test_an_outcome_other_than_assumed_is_not_used(wrong: str, batch: bool, mode
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     m = models["llama"]
     host, target = dflash_host(monkeypatch, models)
-    real = accept.unread_outcome
+    real = accept.RoundPlans.unread
 
-    made = {"n": 0}
+    def skewed(plans: accept.RoundPlans) -> Any:
+        out = []
+        for b, u in enumerate(real(plans)):
+            if batch and b != 1:
+                out.append(u)  # a batch: one row's assumption wrong, the others' right
+            else:
+                out.append((u[0] + 1, u[1]) if wrong == "accepted" else (u[0], (u[1] + 1) % VOCAB))
+        return out
 
-    def skewed(plan: Any, drafts: mx.array) -> Any:
-        u = real(plan, drafts)
-        made["n"] += 1
-        if batch and made["n"] % len(PROMPTS) != 2:
-            return u  # a batch: one row's assumption wrong, the others' right
-        return (u[0] + 1, u[1]) if wrong == "accepted" else (u[0], (u[1] + 1) % VOCAB)
-
-    monkeypatch.setattr(draft_ahead_mod, "unread_outcome", skewed)
+    monkeypatch.setattr(accept.RoundPlans, "unread", skewed)
     seen = {"ahead_used": 0, "rounds": 0}
     force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
     tokens, states = run(host, target, PROMPTS, batch=batch)
@@ -347,3 +347,34 @@ def test_modes(models: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
 def test_accepted_prefix_on_the_device_is_the_hosts(drafts: List[int], target: List[int], expect: Tuple[int, int]) -> None:
     a, bonus = accept.accepted_prefix(mx.array(drafts, dtype=mx.uint32), mx.array(target, dtype=mx.uint32))
     assert (int(a.item()), int(bonus.item())) == accept.accept_prefix(drafts, target) == expect
+
+
+def test_the_batch_wide_greedy_walk_is_each_rows_own() -> None:
+    """``greedy_batch`` against the per-row walk it replaces (``row_logprobs``, argmax, ``accepted_prefix``): rows
+    of 0, partial and full acceptance, one that drafted nothing, filler past each row's drafts; bit for bit."""
+    V, W = 50, 8
+    mx.random.seed(3)
+    logits = mx.random.normal((5, W, V)) * 4  # [B, W, V]
+    y = mx.argmax(logits, axis=-1).tolist()
+    counts = [7, 3, 4, 0, 5]
+    fed = []
+    for b, k in enumerate(counts):  # row 0 full, 1 partial (2 of 3), 2 none (first draft wrong), 4 partial (4 of 5)
+        drafts = list(y[b][:k])
+        if b == 1:
+            drafts[2] = (drafts[2] + 1) % V
+        if b == 2:
+            drafts[0] = (drafts[0] + 1) % V
+        if b == 4:
+            drafts[4] = (drafts[4] + 1) % V
+        pending = 7
+        fed.append([pending] + drafts + [pending] * (W - 1 - k))  # filler: the pending token, as verify.inputs
+    fed_a = mx.array(fed, dtype=mx.uint32)
+    logp, yb, a, bonus = accept.greedy_batch(logits, fed_a, counts)
+    expect = [(7, y[0][7]), (2, y[1][2]), (0, y[2][0]), (0, y[3][0]), (4, y[4][4])]
+    assert list(zip(a.tolist(), bonus.tolist())) == expect
+    for b, k in enumerate(counts):
+        lp = accept.row_logprobs(SimpleNamespace(logits_processors=None), logits[b : b + 1], fed[b][1 : 1 + k])
+        assert mx.array_equal(logp[b, : k + 1], lp).item() and yb[b, : k + 1].tolist() == mx.argmax(lp, axis=-1).tolist()
+        if k:
+            one = accept.accepted_prefix(fed_a[b, 1 : 1 + k], mx.argmax(lp, axis=-1))
+            assert (int(one[0].item()), int(one[1].item())) == expect[b]

@@ -31,7 +31,6 @@ from mlx_speculative.testing import tiny_models as tm
 from mlx_speculative.hooks.batch import DecodeBatch
 from mlx_speculative.hooks.state import KeyStream, SamplingParams, coupled_draw
 from mlx_speculative.plugin import accept
-from mlx_speculative.plugin import round as round_mod
 from test_sampling_stats import CAUGHT_P, PASS_P, chisquare, tv
 
 pytestmark = pytest.mark.statistical
@@ -308,7 +307,7 @@ def test_rounds_hand_over_the_processed_p_and_q_of_the_right_contexts(pair: Dict
     tokens plus the drafts before each position, and every draft lies in q's support."""
     calls: List[Tuple[List[int], Any, Any, Any]] = []
     contexts: List[List[int]] = []
-    real_accept, real_rows = accept.rejection_accept, round_mod.plan_rows
+    real_accept, real_rows = accept.rejection_accept, accept.plan_rows
 
     def recording_rows(rows, proposals, drafts, logprobs, acceptance):
         contexts.extend(list(r.tokens) for r, p in zip(rows, proposals) if len(p.tokens))
@@ -318,7 +317,7 @@ def test_rounds_hand_over_the_processed_p_and_q_of_the_right_contexts(pair: Dict
         calls.append((np.array(drafts).tolist(), np.array(log_q), np.array(log_p), key))
         return real_accept(drafts, log_q, log_p, key)
 
-    monkeypatch.setattr(round_mod, "plan_rows", recording_rows)
+    monkeypatch.setattr(accept, "plan_rows", recording_rows)
     monkeypatch.setattr(accept, "rejection_accept", recording_accept)
     host_tokens(pair, 0.7, 40)
     assert len(calls) == len(contexts) > 40
