@@ -231,7 +231,8 @@ class Handler(BaseHTTPRequestHandler):
             self._drain(job)
 
     def _next(self, job: Job) -> Any:
-        """The job's next output; raises ClientGone when the client disconnects first."""
+        """The job's next output (a step's tokens, a list of ``TokenOut``, or ``Finished``); raises ClientGone when
+        the client disconnects first."""
         while True:
             if time.monotonic() - job.checked >= POLL_SECONDS:
                 # Checked while tokens flow too: a non-streaming client never fails a write.
@@ -289,12 +290,13 @@ class Handler(BaseHTTPRequestHandler):
             item = self._next(job)
             if isinstance(item, Finished):
                 break
-            if item.logprob is not None:
-                pending_lp.append(item.logprob)
-            out.feed(item.text, item.finish_reason)
-            if item.finish_reason is not None:
-                finish = item.finish_reason
-            elif out.ready():
+            for token in item:  # a step's tokens, one chunk for them
+                if token.logprob is not None:
+                    pending_lp.append(token.logprob)
+                out.feed(token.text, token.finish_reason)
+                if token.finish_reason is not None:
+                    finish = token.finish_reason
+            if not any(t.finish_reason is not None for t in item) and out.ready():
                 self._chunk(body(*_text_parts(out.take())))
                 pending_lp = []
         if item.outcome == "error":
@@ -325,11 +327,12 @@ class Handler(BaseHTTPRequestHandler):
             item = self._next(job)
             if isinstance(item, Finished):
                 break
-            if item.logprob is not None:
-                logprobs.append(item.logprob)
-            out.feed(item.text, item.finish_reason)
-            if item.finish_reason is not None:
-                finish = item.finish_reason
+            for token in item:
+                if token.logprob is not None:
+                    logprobs.append(token.logprob)
+                out.feed(token.text, token.finish_reason)
+                if token.finish_reason is not None:
+                    finish = token.finish_reason
         if item.outcome == "error":
             self._send_error(APIError(500, f"generation failed: {item.error}", None, "generation_error", "server_error"))
             return

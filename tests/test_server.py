@@ -173,16 +173,18 @@ def _stream_completion(server: ServerProc, text: str, **kw: Any) -> Dict[str, An
 
 def _collect(chunks: List[Any], chat: bool) -> Dict[str, Any]:
     dicts = [c.to_dict() for c in chunks]
-    text, finish, timings = "", None, None
+    text, finish, timings, with_text = "", None, None, 0
     for d in dicts[:-1]:
         choice = d["choices"][0]
-        text += (choice["delta"].get("content") or "") if chat else choice["text"]
+        part = (choice["delta"].get("content") or "") if chat else choice["text"]
+        text += part
+        with_text += bool(part)
         finish = choice["finish_reason"] or finish
         timings = d.get("timings") or timings
     usage = dicts[-1]
     assert usage["choices"] == [] and "usage" in usage, "the last chunk carries the usage"
     assert finish is not None and timings is not None
-    return {"text": text, "finish_reason": finish, "usage": usage["usage"], "timings": timings}
+    return {"text": text, "finish_reason": finish, "usage": usage["usage"], "timings": timings, "chunks": with_text}
 
 
 # Tests -----------------------------------------------------------------------------------------------
@@ -207,7 +209,7 @@ def test_greedy_outputs_identical_with_and_without_speculative(servers: Dict[str
     from mlx_lm import load
 
     model, tokenizer = load(str(llama_pair["target"]))
-    drafted = accepted = 0
+    drafted = accepted = streamed_accepted = 0
     for text in PROMPTS:
         spec_c, plain_c = _completion(servers["spec"], text), _completion(servers["plain"], text)
         ref = greedy_reference(model, list(tokenizer.encode(text)), N_TOKENS)
@@ -229,9 +231,13 @@ def test_greedy_outputs_identical_with_and_without_speculative(servers: Dict[str
         for fn in (_stream_chat, _stream_completion):
             s, p = fn(servers["spec"], text), fn(servers["plain"], text)
             assert s["text"] == p["text"] and s["finish_reason"] == p["finish_reason"] and s["usage"] == p["usage"]
-        assert _stream_completion(servers["spec"], text)["text"] == spec_c["choices"][0]["text"]
+        streamed = _stream_completion(servers["spec"], text)
+        assert streamed["text"] == spec_c["choices"][0]["text"]
+        # A round's tokens reach the client together: at most one chunk a decode step.
+        assert streamed["chunks"] <= streamed["usage"]["completion_tokens"] - streamed["timings"]["draft_n_accepted"]
+        streamed_accepted += streamed["timings"]["draft_n_accepted"]
     # The drafter disagrees sometimes: partial acceptance, so the comparison can fail.
-    assert 0 < accepted < drafted
+    assert 0 < accepted < drafted and streamed_accepted > 0
 
 
 def test_chat_template_is_the_tokenizers(servers: Dict[str, ServerProc], llama_pair: Dict[str, Path]) -> None:
