@@ -7,9 +7,9 @@ HTTP threads, the engine's generation thread, the scheduler, the plugins as a de
 each client count of ``--clients``, that many threads send completions for ``--duration`` seconds; every
 output is compared with the same request answered alone first (0 mismatches expected in every mode).
 
-Modes: ``plain`` (the host's plain decoding, the plugins registered as installed, speculation off), ``mlx-lm``
-(no plugin), ``plain-backend`` (plain steps over the plugin's CUDA policy: rows at their own lengths, padded
-keys, the kernels; not what a deployment runs, measured against it), ``dflash`` (a
+Modes: ``plain`` (the host's plain decoding, the plugins registered as installed, speculation off: on CUDA the
+plugin's backend, rows at their own lengths, padded keys, the kernels), ``mlx-lm`` (no plugin: mlx-lm's caches,
+attention and matmuls), ``dflash`` (a
 DFlash-shape drafter runs for real, its proposals replaced by each request's reference continuation with
 errors injected at mean acceptance length ``--tau``, as ``mlx-spec bench``'s oracle does; adaptive blocks of
 at most ``--block``), ``dflash-tau1`` (the same drafts never accepted) and ``dflash-uncompiled-batches`` (dflash,
@@ -66,7 +66,7 @@ from mlx_speculative.plugin.settings import SpeculativeSettings
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # served_real.py beside this file, however it is run
 import served_real  # noqa: E402
 
-MODES = ("plain", "mlx-lm", "plain-backend", "dflash", "dflash-tau1", "dflash-uncompiled-batches")
+MODES = ("plain", "mlx-lm", "dflash", "dflash-tau1", "dflash-uncompiled-batches")
 
 
 def word(i: int) -> str:
@@ -204,13 +204,11 @@ def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: A
     target = LoadedTarget(model=model, tokenizer=tokenizer, path=Path("synthetic"), model_config=config, name=name)
     if mode == "mlx-lm":
         return target, []
-    policy = cuda.backend_for()
-    if mode in ("plain", "plain-backend"):
-        if mode == "plain-backend" and policy is not None:
-            policy.block_size, policy.capture_layers = 1, ()  # plain steps only: prewarm warms widths 1 and 2
+    if mode == "plain":  # as the plugin attaches itself with speculation off
         target.attachments[hookimpls.NAME] = hookimpls.Attachment(
-            settings=SpeculativeSettings(enabled=False), policy=policy if mode == "plain-backend" else None)
+            settings=SpeculativeSettings(enabled=False), policy=hookimpls.plain_backend())
         return target, [hookimpls]
+    policy = cuda.backend_for()
     if mode == "dflash-uncompiled-batches" and policy is not None and policy.forward is not None:
         policy.forward.batches = False
     drafter, _ = synthetic.dflash_drafter(model, config, block, 5, 2, policy)

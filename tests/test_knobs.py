@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List
 
 import pytest
 
@@ -16,6 +16,7 @@ from mlx_speculative.hooks import cli, knobs
 from mlx_speculative.hooks.config import load_host_config
 from mlx_speculative.hooks.host import Host
 from mlx_speculative.hooks.manager import make_plugin_manager
+from mlx_speculative.hooks.scheduler import Scheduler
 from mlx_speculative.hooks.state import HostConfig
 from mlx_speculative.hooks.validate import HostConfigError
 from mlx_speculative.plugin import cuda, draft
@@ -134,6 +135,28 @@ def test_a_load_resolves_the_yaml(llama_pair: Dict[str, Path], tmp_path: Path, m
     plain = Host(HostConfig(sections={"speculative": sections["speculative"]}),
                  pm=make_plugin_manager()).load(str(llama_pair["target"]))
     assert plain.cache_policy.name == "mlx-lm" and knobs.setting("padded_cache").source == "default"
+
+
+def test_speculation_off_decodes_plainly_on_the_backend(llama_pair: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With speculation off, plain decoding takes the backend where it is on (CUDA by default; here forced with
+    padded_cache), warmed for plain steps only, and its tokens are mlx-lm's; off, mlx-lm's caches."""
+    monkeypatch.setenv("MLX_SPEC_PADDED_CACHE", "on")
+    sections = {"speculative": {"enabled": False}, "runtime": {"prewarm_tokens": 64}}
+    host = Host(HostConfig(sections=sections), pm=make_plugin_manager())
+    target = host.load(str(llama_pair["target"]))
+    policy = target.cache_policy
+    assert isinstance(policy, cuda_backend.ShapeStablePolicy) and target.attachments["speculative"].drafter is None
+    assert policy.block_size == 1 and tuple(policy.capture_layers) == ()
+    prompts = [encode(target, "the model token draft verify"), encode(target, "a longer prompt of other words here")]
+    scheduler = Scheduler(host, target)  # one batch of rows at their own lengths
+    requests = [scheduler.submit(p, no_stop(12)) for p in prompts]
+    got: Dict[int, List[int]] = {r.id: [] for r in requests}
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            got[request.id].append(event.token)
+    assert [got[r.id] for r in requests] == [greedy_reference(target.model, p, 12) for p in prompts]
+    monkeypatch.setenv("MLX_SPEC_PADDED_CACHE", "off")
+    assert host.load(str(llama_pair["target"])).cache_policy.name == "mlx-lm"
 
 
 def test_cache_dir_from_the_yaml_is_read_from_its_folder(tmp_path: Path) -> None:
