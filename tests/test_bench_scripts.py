@@ -70,7 +70,7 @@ def test_round_trace(tmp_path: Path) -> None:
     out = out["trace"]
     assert [s["label"].split()[0] for s in out] == ["fresh", "warm"]
     assert all(s["identical"] and s["rounds"] > 0 for s in out)
-    assert set(out[0]["median_ms"]) == {"prepare", "draft", "begin", "build", "forward", "logprobs", "accept", "ahead", "commit",
+    assert set(out[0]["median_ms"]) == {"prepare", "draft", "begin", "build", "forward", "accept", "ahead", "commit",
                                         "emit", "finish"}
 
 
