@@ -172,7 +172,7 @@ def read_plans(plans: Sequence[Plan], proposals: Sequence[Proposal]) -> List[Rou
 def greedy_batch(logits: mx.array, fed: mx.array, counts: Sequence[int]) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
     """Every row's greedy walk at once (rows without logits processors): the log p [B, W, V], the target's
     tokens y [B, W], accepted a [B] and bonus y_a [B]. ``fed``: the verify's inputs [B, W], row b's drafts at
-    1..counts[b]. The same per-row arithmetic as ``verify.row_logprobs`` and ``accepted_prefix``, in a few
+    1..counts[b]. The same per-row arithmetic as ``row_logprobs`` and ``accepted_prefix``, in a few
     batch-wide ops instead of ~10 a row (an 8-row round built ~100 small graphs per step)."""
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, W, V]
     y = mx.argmax(logp, axis=-1)  # [B, W]

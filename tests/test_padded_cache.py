@@ -215,16 +215,19 @@ def test_round_loop_padded_zero_acceptance(qwen3_pair: Dict[str, Any], monkeypat
     assert totals["zero"] > 0, totals
 
 
-def test_policy_applies_only_with_speculative_decoding(llama_pair: Dict[str, Any],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plain decoding keeps mlx-lm's caches, even with the padded policy turned on."""
-    monkeypatch.setenv(cuda.PADDED_ENV, "on")
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_plain_decoding_takes_the_policy_where_it_is_on(llama_pair: Dict[str, Any], mode: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With speculation off, plain decoding takes the padded policy where it is on (plugin/hookimpls.py
+    ``plain_backend``), mlx-lm's caches where it is off; the tokens are mlx-lm's either way."""
+    monkeypatch.setenv(cuda.PADDED_ENV, mode)
     host = make_host(None)
     target = host.load(str(llama_pair["target"]))
-    assert type(target.cache_policy) is CachePolicy
+    assert type(target.cache_policy) is (ShapeStablePolicy if mode == "on" else CachePolicy)
     prompt = encode(target, PROMPTS[1])
     tokens, seen, stats = decode(host, target, [prompt], 9)
-    assert tokens == [greedy_reference(target.model, prompt, 9)] and seen == {KVCache} and stats == [None]
+    assert tokens == [greedy_reference(target.model, prompt, 9)] and stats == [None]
+    assert seen == ({PaddedKVCache} if mode == "on" else {KVCache})
 
 
 def test_padded_rows_merge_decode_extract_and_commit_ragged(llama_pair: Dict[str, Any]) -> None:
