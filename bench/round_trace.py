@@ -132,7 +132,7 @@ def traced_round(batch: DecodeBatch, att: Any, br: rnd.BatchRounds, rows: List[D
     proposals = as_ints(proposals, vocab)
     accepting = RoundPlans(rows, proposals, logits, inputs, att.settings.acceptance)
     ahead = att.ahead and lazy and br.draft.drafts_ahead(on_rows)
-    unread = accepting.unread() if ahead else []
+    unread = accepting.unread() if ahead else None
     mx.eval(accepting.arrays, unread)
     phase("accept")
     if ahead:  # in a round this runs on the device while the host commits, emits and builds the next verify

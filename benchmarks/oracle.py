@@ -141,17 +141,17 @@ class OracleBatch(ForwardingDraftBatch):
         self.drafted.extend(len(p.tokens) for p in out if len(p.tokens))
         return out
 
-    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Unread], max_drafts: Sequence[int]) -> None:
+    def draft_ahead(self, rows: Sequence[Any], unread: Unread, max_drafts: Sequence[int]) -> None:
         self.ahead = None
         self.inner.draft_ahead(rows, unread, max_drafts)  # from the oracle's outcome, as the round's is
 
-    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Unread]) -> Optional[List[mx.array]]:
+    def ahead_drafts(self, rows: Sequence[Any], unread: Unread) -> Optional[List[mx.array]]:
         """The oracle's next drafts on the device (its draws taken now; ``propose`` serves them), where the
         inner drafter drafted ahead: the verify queued over them costs what the real drafts' would."""
         inner = self.inner.ahead_drafts(rows, unread)
         if self.oracle is None or not inner or inner[0] is None or len(rows) != 1:
             return inner
-        a = unread[0].accepted
+        a = unread.accepted[0]
         drafts = self.oracle.drafts_at(rows[0], a + 1, inner[0].shape[0])  # [k]
         self.ahead = AheadDrafts(rows[0], len(rows[0].tokens), a, drafts)
         return [drafts]

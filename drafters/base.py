@@ -67,12 +67,12 @@ class Verified:
 
 @dataclass
 class Unread:
-    """A round's outcome for one row while the host has not read it yet: what a drafter may draft the
-    next round from (``DraftBatch.draft_ahead``) while the device still verifies."""
+    """A round's outcome for the drafter's rows while the host has not read it yet: what a drafter may draft the
+    next round from (``DraftBatch.draft_ahead``) while the device still verifies. Row b is the drafter's row b."""
 
-    accepted: mx.array  # [] int32: a, leading draft tokens kept (the host learns it after the drafting is queued)
-    bonus: mx.array  # []: the bonus, the next round's pending token
-    # layer -> [1, W, H]: the target's outputs at every position the verify fed; the first a + 1 are kept.
+    accepted: mx.array  # [B] int32: a_b, leading draft tokens kept (the host learns them after the drafting is queued)
+    bonus: mx.array  # [B] uint32: each row's bonus, its next round's pending token
+    # layer -> [B, W, H]: the target's outputs at every position the verify fed; row b keeps its first a_b + 1.
     captures: Dict[int, mx.array] = field(default_factory=dict)
 
 
@@ -183,17 +183,17 @@ class DraftBatch(abc.ABC):
         on the device for it). False by default."""
         return False
 
-    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Unread], max_drafts: Sequence[int]) -> None:
+    def draft_ahead(self, rows: Sequence[Any], unread: Unread, max_drafts: Sequence[int]) -> None:
         """Optional: queue the next round's drafting now, after the verify and before the host reads its
         outcome, so that the device drafts while the host commits, emits and builds the next verify.
 
         Called after ``propose`` with the same rows (``max_drafts[b]`` 0: row b drafted nothing; its
-        ``unread[b]`` is then 0 accepted and its one token as the bonus) and before ``commit``. Whatever it writes to its caches must stay invisible until the next
+        outcome in ``unread`` is then 0 accepted and its one token as the bonus) and before ``commit``. Whatever it writes to its caches must stay invisible until the next
         ``prepare``/``propose`` take it up, and those must check that the rows are what it assumed (the
         same rows, nothing fed in between, the outcome the host read, no more than ``max_drafts``
         tokens wanted) and otherwise draft as usual. Nothing by default."""
 
-    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Unread]) -> Optional[List[mx.array]]:
+    def ahead_drafts(self, rows: Sequence[Any], unread: Unread) -> Optional[List[mx.array]]:
         """After ``draft_ahead``: per row, the draft tokens [k] (on the device, unevaluated) that the next
         ``propose`` will serve if the outcome is ``unread``'s, so that the round can queue the next verify
         over them (plugin/cuda/verify_ahead.py; the next round checks them against what ``propose`` serves).
@@ -284,10 +284,10 @@ class ForwardingDraftBatch(DraftBatch):
     def drafts_ahead(self, rows: Sequence[Any]) -> bool:
         return self.inner.drafts_ahead(rows)
 
-    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Unread], max_drafts: Sequence[int]) -> None:
+    def draft_ahead(self, rows: Sequence[Any], unread: Unread, max_drafts: Sequence[int]) -> None:
         self.inner.draft_ahead(rows, unread, max_drafts)
 
-    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Unread]) -> Optional[List[mx.array]]:
+    def ahead_drafts(self, rows: Sequence[Any], unread: Unread) -> Optional[List[mx.array]]:
         return self.inner.ahead_drafts(rows, unread)
 
     def export_row(self, row: Any, positions: int) -> Optional[DraftState]:

@@ -211,13 +211,15 @@ class RoundPlans:
         """Row b's processed log p after its i-th verified position: [V]."""
         return self.batch[0][b, i] if self.batch is not None else self.logprobs[b][i]
 
-    def unread(self) -> List[Tuple[mx.array, mx.array]]:
-        """Each row's (accepted a [], bonus []) before the host reads them (drafting ahead starts from them); a row
-        that drafted nothing: (0, its one token)."""
+    def unread(self) -> Tuple[mx.array, mx.array]:
+        """The rows' (accepted a [B] int32, bonus [B] uint32) before the host reads them (drafting ahead starts from
+        them); a row that drafted nothing: (0, its one token)."""
         if self.batch is not None:
             _, _, a, bonus = self.batch
-            return [(a[b], bonus[b]) for b in range(len(self.counts))]
-        return [unread_outcome(plan, x) for plan, x in zip(self.plans, self.drafts)]
+        else:
+            each = [unread_outcome(plan, x) for plan, x in zip(self.plans, self.drafts)]
+            a, bonus = mx.stack([u[0].reshape(()) for u in each]), mx.stack([u[1].reshape(()) for u in each])
+        return a.astype(mx.int32), bonus.astype(mx.uint32)
 
     def read(self, proposals: Sequence[Proposal]) -> List[RoundOutcome]:
         """The outcomes (one synchronisation for the batch); ``proposals`` hold ints by now."""

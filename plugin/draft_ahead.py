@@ -29,15 +29,15 @@ class DraftAhead:
     def __init__(self, att: Any, drafter: DraftBatch, rows: Sequence[DecodeState], lazy: bool, plans: RoundPlans) -> None:
         self.drafter, self.verify_ahead = drafter, att.verify_ahead
         self.on = att.ahead and lazy and drafter.drafts_ahead(rows)
-        # Each row's (accepted a [], bonus []) still on the device (a row that drafted nothing: 0, its token).
-        self.unread: List[Tuple[mx.array, mx.array]] = plans.unread() if self.on else []
+        # The rows' (accepted a [B], bonus [B]) still on the device (a row that drafted nothing: 0, its token).
+        self.unread: Optional[Tuple[mx.array, mx.array]] = plans.unread() if self.on else None
         self.error: Optional[BaseException] = None  # raised by ``check``, after the target's commit
         self.queued: Optional[Queued] = None  # the next round's verify (verify_ahead.py)
 
     @property
-    def arrays(self) -> List[Tuple[mx.array, mx.array]]:
+    def arrays(self) -> List[mx.array]:
         """The unread outcomes to evaluate with the round's plans."""
-        return self.unread
+        return list(self.unread) if self.unread is not None else []
 
     def queue_next(self, lap: Laps, batch: DecodeBatch, rows: Sequence[DecodeState], on: Sequence[int],
                    reqs: Sequence[Any], proposals: Sequence[Proposal], captured: Dict[int, mx.array], written: int,
@@ -51,7 +51,8 @@ class DraftAhead:
         if self.error is None and self.verify_ahead and next_round_alike(rows, on, reqs, proposals):
             with lap.phase("queue"):
                 try:
-                    self.queued = queue(batch, self.drafter, self.unread[0], written, vocab_size, width_for)
+                    a, bonus = self.unread
+                    self.queued = queue(batch, self.drafter, (a[0], bonus[0]), written, vocab_size, width_for)
                 except Exception as e:  # noqa: BLE001 - like a failing ahead: falls back after the commit
                     self.error = e
 
@@ -85,12 +86,18 @@ def next_round_alike(rows: Sequence[DecodeState], on: Sequence[int], reqs: Seque
 
 
 def draft_ahead(drafter: DraftBatch, rows: Sequence[DecodeState], on: Sequence[int], max_drafts: Sequence[int],
-                unread: Sequence[Tuple[mx.array, mx.array]], captured: Dict[int, mx.array]) -> Optional[BaseException]:
-    """The drafter's next block queued from this round's unread outcome (``DraftBatch.draft_ahead``);
+                unread: Tuple[mx.array, mx.array], captured: Dict[int, mx.array]) -> Optional[BaseException]:
+    """The drafter's next block queued from this round's unread outcome ((a [B], bonus [B]) over the batch's rows;
+    ``DraftBatch.draft_ahead``), for the drafting rows ``on``: the batch's arrays whole where every row drafts;
     an exception is returned, for the round to fall back after committing the target's tokens."""
-    outcomes = [Unread(unread[b][0], unread[b][1], {i: h[b : b + 1] for i, h in captured.items()}) for b in on]
+    a, bonus = unread
+    if list(on) == list(range(len(rows))):
+        outcome = Unread(a, bonus, dict(captured))
+    else:
+        at = mx.array(list(on))
+        outcome = Unread(a[at], bonus[at], {i: h[at] for i, h in captured.items()})
     try:
-        drafter.draft_ahead([rows[b] for b in on], outcomes, max_drafts)
+        drafter.draft_ahead([rows[b] for b in on], outcome, max_drafts)
     except Exception as e:  # noqa: BLE001 - any drafter failure falls back, never loses tokens
         return e
     return None

@@ -276,13 +276,12 @@ def test_an_outcome_other_than_assumed_is_not_used(wrong: str, batch: bool, mode
     real = accept.RoundPlans.unread
 
     def skewed(plans: accept.RoundPlans) -> Any:
-        out = []
-        for b, u in enumerate(real(plans)):
-            if batch and b != 1:
-                out.append(u)  # a batch: one row's assumption wrong, the others' right
-            else:
-                out.append((u[0] + 1, u[1]) if wrong == "accepted" else (u[0], (u[1] + 1) % VOCAB))
-        return out
+        a, bonus = real(plans)  # [B], [B]
+        # a batch: one row's assumption wrong, the others' right
+        off = (mx.arange(a.shape[0]) == 1) if batch else mx.ones(a.shape, dtype=mx.bool_)
+        if wrong == "accepted":
+            return a + off.astype(a.dtype), bonus
+        return a, mx.where(off, (bonus + 1) % VOCAB, bonus).astype(bonus.dtype)
 
     monkeypatch.setattr(accept.RoundPlans, "unread", skewed)
     seen = {"ahead_used": 0, "rounds": 0}
@@ -378,3 +377,20 @@ def test_the_batch_wide_greedy_walk_is_each_rows_own() -> None:
         if k:
             one = accept.accepted_prefix(fed_a[b, 1 : 1 + k], mx.argmax(lp, axis=-1))
             assert (int(one[0].item()), int(one[1].item())) == expect[b]
+
+
+def test_a_row_decoding_plainly_leaves_the_others_drafting_ahead(models: Dict[str, Any],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose second row decodes plainly (its request turned speculation off): the drafting rows' outcomes
+    and captures reach the drafter as their own batch (plugin/draft_ahead.py takes them out of the round's), blocks
+    drafted ahead serve them, and every row's tokens are its plain ones."""
+    m = models["llama"]
+    host, target = dflash_host(monkeypatch, models)
+    seen = {"ahead_used": 0, "rounds": 0}
+    force(monkeypatch, m["refs"], itertools.cycle(CASES), seen)
+    params = [no_stop(MAX_TOKENS, options={"speculative": False} if i == 1 else {}) for i in range(len(PROMPTS))]
+    tokens, states = run(host, target, PROMPTS, True, params)
+    assert tokens == [m["refs"][tuple(p)] for p in PROMPTS]
+    assert not states[1].report.get("speculative")
+    assert all(s.report["speculative"].rounds and s.report["speculative"].fallback is None for s in states[::2])
+    assert seen["ahead_used"] > 0 and max(n for n, used, _, _ in seen["log"] if used) == len(PROMPTS) - 1, seen["log"]

@@ -33,7 +33,7 @@ class Ahead:
     rows: List[Any]  # the drafter's rows, in its cache order
     context: List[int]  # each row's context positions when queued; the W positions after them hold the round's features
     width: int  # W
-    unread: List[Unread]  # the outcomes it assumed (device scalars, read by the host by the time it is used)
+    unread: Unread  # the outcomes it assumed (on the device; read by the host by the time it is used)
     tokens: List[mx.array]  # [k_b] per row: the draft tokens
     taken: bool = False  # ``prepare`` kept their context: their tokens serve the next ``propose``
 
@@ -50,7 +50,9 @@ class Ahead:
         if len(keep) < 2 or len(present) != len(keep) or self.taken:
             return False
         self.rows, self.context = [self.rows[b] for b in keep], [self.context[b] for b in keep]
-        self.unread, self.tokens = [self.unread[b] for b in keep], [self.tokens[b] for b in keep]
+        at = mx.array(keep)
+        self.unread = Unread(self.unread.accepted[at], self.unread.bonus[at])
+        self.tokens = [self.tokens[b] for b in keep]
         return True
 
 
@@ -232,7 +234,7 @@ class DFlashBatch(DraftBatch):
         calls = self.drafter.compiler
         return calls is not None and (len(rows) == 1 or calls.batches) and all(r.sampling.greedy for r in rows)
 
-    def draft_ahead(self, rows: Sequence[Any], unread: Sequence[Unread], max_drafts: Sequence[int]) -> None:
+    def draft_ahead(self, rows: Sequence[Any], unread: Unread, max_drafts: Sequence[int]) -> None:
         """Greedy rows over the backend's compiled calls: the round's W verified positions appended to each row's
         context past its committed ones (the host's lengths unchanged), then the next blocks at the device's
         offsets context_b + a_b + 1, each one's first token its bonus. ``prepare`` keeps the a_b + 1 positions the
@@ -246,29 +248,27 @@ class DFlashBatch(DraftBatch):
         # A row that drafted nothing this round (paused, at its end) gets a block too: a row that rides or
         # probes next round finds it ready, one that does not takes none of it (``propose``).
         max_drafts = [m or max(max_drafts) for m in max_drafts]
-        if any(not u.captures or self.pending.get(id(r)) for r, u in zip(rows, unread)):
+        if not unread.captures or any(self.pending.get(id(r)) for r in rows):
             return
         layers = d.capture_layers()
         one = len(rows) == 1
-        captures = unread[0].captures if one else {i: mx.concatenate([u.captures[i] for u in unread]) for i in layers}
-        feats = target_features(captures, layers, d.final_norm)  # [B, W, taps*H]
+        feats = target_features(unread.captures, layers, d.final_norm)  # [B, W, taps*H]
         k = max(max_drafts)
         width = 1 << k.bit_length()  # k + 1 positions, padded to a power of two as ``propose`` pads them
-        bonus = unread[0].bonus.reshape(1, 1) if one else mx.stack([u.bonus.reshape(()) for u in unread])[:, None]
-        block = mx.concatenate([bonus.astype(mx.uint32), mx.full((len(rows), width - 1), d.mask_token_id, dtype=mx.uint32)],
-                               axis=1)  # [B, width]
+        mask = mx.full((len(rows), width - 1), d.mask_token_id, dtype=mx.uint32)
+        block = mx.concatenate([unread.bonus.reshape(-1, 1).astype(mx.uint32), mask], axis=1)  # [B, width]
         widths = None if width == k + 1 and min(max_drafts) == k else mx.array([m + 1 for m in max_drafts])
         # one row: a scalar shift (its traces as before); a batch: [B], each row's
-        shift = unread[0].accepted + 1 if one else mx.stack([u.accepted.reshape(()) for u in unread]) + 1
+        shift = unread.accepted[0] + 1 if one else unread.accepted + 1
         drafted = d.draft(self.cache, block, widths, feats, shift)  # [B, width - 1]
         if drafted is None:
             return
         self.forwards += 1
         tokens = [drafted[0] if width == k + 1 else drafted[0, :k]] if one else [drafted[b, :m] for b, m in enumerate(max_drafts)]
         mx.async_eval(tokens)
-        self.ahead = Ahead(list(rows), list(self.context), feats.shape[1], list(unread), tokens)
+        self.ahead = Ahead(list(rows), list(self.context), feats.shape[1], unread, tokens)
 
-    def ahead_drafts(self, rows: Sequence[Any], unread: Sequence[Unread]) -> Optional[List[mx.array]]:
+    def ahead_drafts(self, rows: Sequence[Any], unread: Unread) -> Optional[List[mx.array]]:
         ahead = self.ahead
         if ahead is None or ahead.taken or len(rows) != 1 or not ahead.serves(rows):
             return None
@@ -284,10 +284,11 @@ class DFlashBatch(DraftBatch):
             self.ahead = None
             return
         counts = []
-        for row, o in zip(ahead.rows, ahead.unread):
+        accepted, bonus = ahead.unread.accepted.tolist(), ahead.unread.bonus.tolist()  # read by the host already
+        for row, a, x in zip(ahead.rows, accepted, bonus):
             parts = self.pending.get(id(row), [])
             n = next(iter(parts[0].values())).shape[1] if len(parts) == 1 and parts[0] else 0
-            if not 0 < n <= ahead.width or int(o.accepted.item()) + 1 != n or int(o.bonus.item()) != row.pending:
+            if not 0 < n <= ahead.width or a + 1 != n or x != row.pending:
                 self.ahead = None  # not the outcome it assumed: draft as usual
                 return
             counts.append(n)

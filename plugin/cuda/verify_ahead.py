@@ -86,7 +86,7 @@ def queue(batch: DecodeBatch, drafter: DraftBatch, unread: Tuple[mx.array, mx.ar
     if len(rows) != 1 or not isinstance(fwd, ForwardAhead) or not isinstance(offset, int):
         return None
     a, bonus = unread
-    drafts = drafter.ahead_drafts(rows, [Unread(a, bonus, {})])
+    drafts = drafter.ahead_drafts(rows, Unread(a.reshape(1), bonus.reshape(1), {}))
     if not drafts or drafts[0] is None or drafts[0].ndim != 1 or not drafts[0].shape[0]:
         return None
     inputs = row_inputs(bonus.reshape(1), drafts[0], width_for(1 + drafts[0].shape[0]), vocab_size)[None]  # [1, W]
