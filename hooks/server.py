@@ -26,7 +26,7 @@ from . import openai_compat as oc
 from . import validate
 from . import openai_output as reply
 from . import prompt_cache as pc
-from .engine import Engine, Finished, Job, make_engine
+from .engine import Engine, Finished, Job, TokenOut, make_engine
 from .host import describe
 from .metrics import HostCounters, render
 from .openai_fields import APIError
@@ -290,13 +290,10 @@ class Handler(BaseHTTPRequestHandler):
             item = self._next(job)
             if isinstance(item, Finished):
                 break
-            for token in item:  # a step's tokens, one chunk for them
-                if token.logprob is not None:
-                    pending_lp.append(token.logprob)
-                out.feed(token.text, token.finish_reason)
-                if token.finish_reason is not None:
-                    finish = token.finish_reason
-            if not any(t.finish_reason is not None for t in item) and out.ready():
+            ended = _feed(out, item, pending_lp)  # a step's tokens, one chunk for them
+            if ended is not None:
+                finish = ended
+            elif out.ready():
                 self._chunk(body(*_text_parts(out.take())))
                 pending_lp = []
         if item.outcome == "error":
@@ -327,12 +324,7 @@ class Handler(BaseHTTPRequestHandler):
             item = self._next(job)
             if isinstance(item, Finished):
                 break
-            for token in item:
-                if token.logprob is not None:
-                    logprobs.append(token.logprob)
-                out.feed(token.text, token.finish_reason)
-                if token.finish_reason is not None:
-                    finish = token.finish_reason
+            finish = _feed(out, item, logprobs) or finish
         if item.outcome == "error":
             self._send_error(APIError(500, f"generation failed: {item.error}", None, "generation_error", "server_error"))
             return
@@ -346,6 +338,18 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(200, payload)
         except OSError:
             raise ClientGone() from None
+
+
+def _feed(out: reply.ResponseText, tokens: List[TokenOut], logprobs: List[Dict[str, Any]]) -> Optional[str]:
+    """A step's tokens into the response text ``out`` and their logprob entries into ``logprobs``; the finish
+    reason one of them carries, else None."""
+    finish = None
+    for token in tokens:
+        if token.logprob is not None:
+            logprobs.append(token.logprob)
+        out.feed(token.text, token.finish_reason)
+        finish = token.finish_reason or finish
+    return finish
 
 
 def _text_parts(parts: Tuple[str, str, list], finish: Optional[str] = None) -> Tuple[str, Optional[str], str, list]:

@@ -151,6 +151,12 @@ def unread_outcome(plan: Plan, drafts: mx.array) -> Tuple[mx.array, mx.array]:
     return x if how == "rejection" else accepted_prefix(drafts, x)
 
 
+def walked(drafts: Sequence[int], target: Sequence[int]) -> RoundOutcome:
+    """The greedy walk's outcome for drafts x [k] against the target's tokens y [k+1] (ints)."""
+    a, bonus = accept_prefix(drafts, target)
+    return RoundOutcome(len(drafts), a, list(drafts[:a]) + [bonus])
+
+
 def read_plans(plans: Sequence[Plan], proposals: Sequence[Proposal]) -> List[RoundOutcome]:
     """The plans evaluated together (one synchronisation for the batch) into outcomes; ``proposals``
     hold ints by now."""
@@ -161,8 +167,7 @@ def read_plans(plans: Sequence[Plan], proposals: Sequence[Proposal]) -> List[Rou
         if how == "step":
             out.append(RoundOutcome(0, 0, [int(x.item())]))
         elif how == "walk":
-            a, bonus = accept_prefix(drafts, x.tolist())
-            out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
+            out.append(walked(drafts, x.tolist()))
         else:
             a, bonus = int(x[0].item()), int(x[1].item())
             out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
@@ -226,9 +231,4 @@ class RoundPlans:
         if self.batch is None:
             return read_plans(self.plans, proposals)
         y = self.batch[1].tolist()  # [B][W]
-        out = []
-        for ys, p in zip(y, proposals):
-            drafts = list(p.tokens)
-            a, bonus = accept_prefix(drafts, ys[: len(drafts) + 1])
-            out.append(RoundOutcome(len(drafts), a, drafts[:a] + [bonus]))
-        return out
+        return [walked(list(p.tokens), ys[: len(p.tokens) + 1]) for ys, p in zip(y, proposals)]
