@@ -82,10 +82,9 @@ def word_tokenizer(vocab: int, root: Path) -> Any:
     """A byte-level word tokenizer for ids 0..vocab-1 (" w<letters>"), loaded the way mlx-lm loads any tokenizer.
 
     Byte-level as Llama 3's and Qwen's BPE tokenizers are, so that mlx-lm streams its text with its BPE
-    detokenizer (~0.006 ms a token) as it does theirs. A plain word-level decoder gets mlx-lm's naive detokenizer,
-    which decodes the whole line again at every token; with no line ever ending here that is quadratic (0.12 ms a
-    token over 256 tokens on the CPU machine), a cost on the generation thread no real deployment of these models
-    pays."""
+    detokenizer as it does theirs. A plain word-level decoder gets mlx-lm's naive detokenizer, which decodes the
+    whole line again at every token; with no line ever ending here that is quadratic, a cost on the generation
+    thread no real deployment of these models pays (bench/detokenizer_cost.py)."""
     from mlx_lm.utils import load_tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

@@ -396,3 +396,27 @@ def test_real_models_split_and_stage_rebuild_the_file(tmp_path: Path) -> None:
     parts[2].write_bytes(b"changed")
     outs = [run(p, tmp_path / "bad") for p in parts]
     assert outs[-1].returncode != 0 and "complete" not in outs[-1].stdout
+
+
+def test_detokenizer_cost(tmp_path: Path) -> None:
+    out = run("detokenizer_cost", ["--tokens", "16", "--vocab", "64", "--repeats", "1"], tmp_path / "d.json")["results"]
+    assert out["byte-level"]["detokenizer"] == "BPEStreamingDetokenizer"
+    assert out["word-level"]["detokenizer"] == "NaiveStreamingDetokenizer"
+    assert all(v["ms_per_token"]["16"] > 0 for v in out.values())
+
+
+def test_versions_ab_pairs_the_runs_and_refuses_unnamed_files(tmp_path: Path) -> None:
+    def bench_json(name: str, tok_s: float, digest: str) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"results": {"warm": {"dflash": {"tok_s": tok_s}}},
+                                    "output_digests": {"warm": {"dflash": [digest]}}}))
+        return path
+
+    old, new = bench_json("v-old-1.json", 100.0, "ab"), bench_json("v-new-1.json", 125.0, "ab")
+    summary = run("versions_ab", [str(old), str(new)], tmp_path / "s.json")["summary"]
+    assert summary == {"warm dflash": {"old_tok_s": [100.0], "new_tok_s": [125.0], "new_over_old": 1.25,
+                                       "same_outputs": True}}
+    other = bench_json("v-new-2.json", 125.0, "cd")
+    assert run("versions_ab", [str(old), str(other)], tmp_path / "t.json")["summary"]["warm dflash"]["same_outputs"] is False
+    refused("versions_ab", [str(old), str(bench_json("run.json", 1.0, "ab"))],
+            r"expected files named \*-old-N.json or \*-new-N.json; got run.json")
