@@ -74,7 +74,7 @@ def traced_step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     if br is None:
         br = batch.extras[rnd.NAME] = rnd.BatchRounds(att.drafter.new_batch())
     on_rows, on_reqs = [rows[b] for b in on], [reqs[b] for b in on]
-    rnd._observe(batch, br, on_rows, on_reqs)
+    rnd._observe(on_rows, on_reqs)
     br.draft.sync(on_rows)
     plans = [rnd._plan(r, q, br.draft) for r, q in zip(on_rows, on_reqs)]
     if not any(plans):

@@ -53,7 +53,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{k:48} old {v['old_tok_s']} new {v['new_tok_s']} new/old {v['new_over_old']:.3f} "
               f"same outputs {v['same_outputs']}")
     if args.json:
-        args.json.write_text(json.dumps({"files": [f.name for f in args.files], "summary": summary}, indent=1))
+        runs = [json.loads(f.read_text()) for f in args.files]
+        args.json.write_text(json.dumps({"files": [f.name for f in args.files], "commands": [r.get("command") for r in runs],
+                                         "summary": summary}, indent=1))
     return 0
 
 

@@ -106,13 +106,12 @@ def in_temporal_order(caches: Sequence[Any]) -> None:
 
 
 @dataclass
-class PlainCost:
-    """The host's last run of plain steps on this batch: what the adaptive controller compares rounds with."""
+class PlainRuns:
+    """The host's last run of plain steps on this batch (a plugin prices the steps by its own clock)."""
 
     steps: int = 0
-    seconds: float = 0.0
     rows: int = 0
-    runs: int = 0  # plain runs so far: a plugin tells a new measurement by it
+    runs: int = 0  # plain runs so far: a plugin tells a new one by it
 
 
 class DecodeBatch:
@@ -124,7 +123,7 @@ class DecodeBatch:
         self.rows: List[DecodeState] = []
         self.cache: List[Any] = []  # per layer: the one row's own caches, or batched caches
         self.extras: Dict[str, Any] = {}  # plugins' per-batch state, under their own names
-        self.plain = PlainCost()
+        self.plain = PlainRuns()
         self.version = 0  # bumped when rows join
 
     def __len__(self) -> int:

@@ -24,7 +24,8 @@ average over rounds, so that one bad round after good ones does not shrink the b
   round that paid ends its pause.
 
 Costs come from the loaded target's ``CostTable`` (plugin/costs.py): a round of each (rows, verify width) and a
-plain step of each row count, each priced by its least observation (not a running average of wall clock, so
+plain step of each row count, each timed from the host's asking the plugin to its asking again (plugin/round.py
+``_price``), each priced by its least observation (not a running average of wall clock, so
 that a request's decisions do not move with the machine's load); before a plain step of the
 row count was measured only the acceptance rules apply. ``shape`` is the (rows, verify width) of the row's
 latest round: a row in a batch pays its share, so it loses when (1 + accepted) / round < 1 / plain step.
@@ -150,16 +151,6 @@ class BlockSizeController:
     def plain_seconds(self) -> float:
         """A plain step of as many rows, as measured (0: not yet)."""
         return self.costs.get("plain", self.shape[0], 1) or 0.0
-
-    def record_round(self, seconds: float) -> None:
-        """A round's wall clock, drafting to commit, at ``shape``."""
-        rows, width = self.shape
-        self.costs.observe("round", rows, width or self.size, seconds)
-
-    def record_plain(self, steps: int, seconds: float, rows: int = 1) -> None:
-        """The wall clock of ``steps`` plain one-token steps of ``rows`` rows taken during a pause."""
-        if steps > 0 and seconds > 0:
-            self.costs.observe("plain", rows, 1, seconds / steps)
 
     def losing(self) -> bool:
         """Rounds yield fewer tokens per second than plain steps, at the measured costs (this row's share)."""

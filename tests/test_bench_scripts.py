@@ -409,11 +409,13 @@ def test_versions_ab_pairs_the_runs_and_refuses_unnamed_files(tmp_path: Path) ->
     def bench_json(name: str, tok_s: float, digest: str) -> Path:
         path = tmp_path / name
         path.write_text(json.dumps({"results": {"warm": {"dflash": {"tok_s": tok_s}}},
-                                    "output_digests": {"warm": {"dflash": [digest]}}}))
+                                    "output_digests": {"warm": {"dflash": [digest]}}, "command": f"mlx-spec bench {name}"}))
         return path
 
     old, new = bench_json("v-old-1.json", 100.0, "ab"), bench_json("v-new-1.json", 125.0, "ab")
-    summary = run("versions_ab", [str(old), str(new)], tmp_path / "s.json")["summary"]
+    written = run("versions_ab", [str(old), str(new)], tmp_path / "s.json")
+    assert written["commands"] == ["mlx-spec bench v-old-1.json", "mlx-spec bench v-new-1.json"]
+    summary = written["summary"]
     assert summary == {"warm dflash": {"old_tok_s": [100.0], "new_tok_s": [125.0], "new_over_old": 1.25,
                                        "same_outputs": True}}
     other = bench_json("v-new-2.json", 125.0, "cd")

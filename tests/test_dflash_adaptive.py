@@ -46,18 +46,16 @@ def test_a_collapse_accepting_nothing_pauses_at_the_same_size() -> None:
 
 def test_measured_costs_size_the_pause() -> None:
     c = BlockSizeController(cap=16)
-    for _ in range(3):  # a shape's first observation pays for compiling it: two more price it
-        c.record_round(0.025)
-        c.record_plain(8, 0.040)  # 5 ms a plain step: a probe round costs 4 plain steps more
+    price(c.costs, "round", 1, 16, 0.025)
+    price(c.costs, "plain", 1, 1, 0.005)  # a probe round costs 4 plain steps more
     run(c, 0.0, 2)
     assert c.paused_left == 80  # 4 extra steps are 5 % of 80
     c.take_plain_steps()
     c.update(0, 15)
     assert c.paused_left == 80  # the backoff's cap (64) stays below what the probe's price asks
     d = BlockSizeController(cap=16)
-    for _ in range(3):
-        d.record_round(0.010)
-        d.record_plain(1, 0.005)  # a probe round costs 1 plain step more: 5 % of 20
+    price(d.costs, "round", 1, 16, 0.010)
+    price(d.costs, "plain", 1, 1, 0.005)  # a probe round costs 1 plain step more: 5 % of 20
     run(d, 0.0, 2)
     pauses = [d.paused_left]
     for _ in range(3):
@@ -73,9 +71,8 @@ def test_rounds_losing_to_plain_steps_pause() -> None:
     for round_s, plain_s, pauses in ((0.020, 0.005, True), (0.010, 0.005, False), (0.020, 0.0, False)):
         c = BlockSizeController(cap=16)
         c.shape = (1, 16)  # the rounds' shape: one row verifying 16 positions (what the round sets)
-        for _ in range(3):  # the first observation of a shape pays for compiling it; two more price it
-            c.record_round(round_s)
-            c.record_plain(1, plain_s)
+        price(c.costs, "round", 1, 16, round_s)  # priced as measured: the first observation and two more
+        price(c.costs, "plain", 1, 1, plain_s)
         paused = []
         for _ in range(12):
             c.next()
@@ -181,9 +178,8 @@ def test_alpha_is_the_per_position_acceptance() -> None:
 def _priced(shape_stable: bool, round_s: float = 0.014, plain_s: float = 0.007) -> BlockSizeController:
     c = BlockSizeController(cap=16, shape_stable=shape_stable, width_for=lambda n: 1 << (n - 1).bit_length())
     c.shape = (1, 16)
-    for _ in range(3):  # the first observation of a shape pays for compiling it; two more price it
-        c.record_round(round_s)
-        c.record_plain(1, plain_s)
+    price(c.costs, "round", 1, 16, round_s)  # priced as measured: the first observation and two more
+    price(c.costs, "plain", 1, 1, plain_s)
     return c
 
 

@@ -12,6 +12,7 @@ At an H100's prices, eight served clients whose drafts are never accepted stay w
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -94,13 +95,15 @@ def pair(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Dict[
     return {"target": target, "drafter": tm.make_truncated_drafter(target, root / "draft", num_layers=2)}
 
 
-def _decode(host: Any, target: Any, requests: List[List[int]]) -> Tuple[List[List[int]], List[Any]]:
+def _decode(host: Any, target: Any, requests: List[List[int]], between: float = 0.0) -> Tuple[List[List[int]], List[Any]]:
+    """Every request's tokens and report, decoded together; ``between``: seconds slept between the host's steps."""
     scheduler = Scheduler(host, target)
     submitted = [scheduler.submit(p, GenerationParams(max_tokens=MAX_TOKENS, stop_token_ids=[])) for p in requests]
     got: Dict[int, List[int]] = {r.id: [] for r in submitted}
     while scheduler.busy:
         for request, event in scheduler.step():
             got[request.id].append(event.token)
+        time.sleep(between)
     return [got[r.id] for r in submitted], [r.state.report["speculative"] for r in submitted]
 
 
@@ -166,6 +169,33 @@ def test_a_round_priced_below_plain_steps_is_not_run(pair: Dict[str, Path]) -> N
     tokens, reports = _decode(host, target, requests)
     assert tokens == refs and not log  # no round ran: each was priced below plain steps
     assert all(r.rounds == 0 and r.plain_steps == MAX_TOKENS - 1 for r in reports)
+
+
+class Logged(CostTable):
+    """A cost table that keeps every observation, (kind, rows, width, seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: List[Tuple[str, int, int, float]] = []
+
+    def observe(self, kind: str, rows: int, width: int, seconds: float) -> None:
+        self.log.append((kind, rows, width, seconds))
+        super().observe(kind, rows, width, seconds)
+
+
+def test_rounds_and_plain_steps_are_priced_alike_from_step_to_step(pair: Dict[str, Path]) -> None:
+    """A round and a plain step are each priced by the wall clock from the host's asking for a step to its asking
+    for the next, so what the generation thread does between steps (emitting tokens to clients; here a sleep of
+    40 ms) is in both prices. Timed from drafting to its commit, a round left it out while plain steps had it,
+    and an H100 served 8-row rounds priced below 8-row plain steps whose drafts were never accepted."""
+    probe = make_host(None, plugins=False).load(str(pair["target"]))
+    requests = [encode(probe, PROMPTS[i]) for i in range(2)]
+    costs = Logged()
+    host, target, refs = _forced_host(pair, requests, ["zero", "partial"], [], costs)
+    assert _decode(host, target, requests, between=0.04)[0] == refs
+    kinds = {k for k, *_ in costs.log}
+    assert kinds == {"round", "plain"}, costs.log  # the zero row's pauses: plain steps of both rows
+    assert all(seconds >= 0.04 for *_, seconds in costs.log), costs.log
 
 
 def test_cost_table_prices_each_shape_by_its_least_cost() -> None:
@@ -273,20 +303,23 @@ class Modeled(CostTable):
         super().observe(kind, rows, width, h100_price(kind, rows, width))
 
 
-def _served_seconds(pair: Dict[str, Path], clients: int, how: Optional[str], monkeypatch: pytest.MonkeyPatch) -> float:
-    """Clients each sending 3 requests in turn (lengths 48, 41, 34), plain (``how`` None) or with drafts forced to
-    ``how``: the modelled device time of every decode forward, by its shape ([rows, 1]: a plain step)."""
+def _served_seconds(pair: Dict[str, Path], clients: int, how: Optional[str], monkeypatch: pytest.MonkeyPatch,
+                    max_tokens: int = MAX_TOKENS, block: int = 0) -> float:
+    """Clients each sending 3 requests in turn (``max_tokens`` long, 7 and 14 fewer), plain (``how`` None) or with
+    drafts forced to ``how``, blocks starting at ``block`` (0: the drafter's 4): the modelled device time of every
+    decode forward, by its shape ([rows, 1]: a plain step)."""
     from mlx_speculative.hooks.batch import DecodeBatch
 
     host = make_host({"draft_model": str(pair["drafter"])} if how else None, plugins=how is not None)
     target = host.load(str(pair["target"]))
     prompts = [encode(target, PROMPTS[i % len(PROMPTS)]) for i in range(3 * clients)]
-    lengths = [MAX_TOKENS - 7 * (i % 3) for i in range(len(prompts))]
+    lengths = [max_tokens - 7 * (i % 3) for i in range(len(prompts))]
     refs = [greedy_reference(target.model, p, n) for p, n in zip(prompts, lengths)]
     if how:
         att = target.attachments["speculative"]
         att.drafter = ForcedDrafter(att.drafter, {tuple(p): (r, how) for p, r in zip(prompts, refs)}, [])
         att.costs = Modeled()
+        att.block_size = block or att.block_size
     shapes: List[Tuple[int, int]] = []
     real = DecodeBatch.forward
 
