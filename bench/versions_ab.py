@@ -12,16 +12,17 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
-def summarise(files: List[Path]) -> Dict[str, Any]:
+def summarise(loaded: List[Tuple[Path, Dict[str, Any]]]) -> Dict[str, Any]:
+    """``loaded``: each file with its JSON."""
     runs: Dict[str, List[Dict[str, Any]]] = {"old": [], "new": []}
-    for f in sorted(files):
+    for f, run in sorted(loaded, key=lambda fr: fr[0]):
         version = "old" if "-old-" in f.name else "new" if "-new-" in f.name else None
         if version is None:
             raise SystemExit(f"versions_ab: expected files named *-old-N.json or *-new-N.json; got {f.name}")
-        runs[version].append(json.loads(f.read_text()))
+        runs[version].append(run)
     if not runs["old"] or not runs["new"]:
         raise SystemExit(f"versions_ab: expected runs of both versions; got {len(runs['old'])} old, {len(runs['new'])} new")
     out: Dict[str, Any] = {}
@@ -48,14 +49,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    summary = summarise(args.files)
+    loaded = [(f, json.loads(f.read_text())) for f in args.files]
+    summary = summarise(loaded)
     for k, v in summary.items():
         print(f"{k:48} old {v['old_tok_s']} new {v['new_tok_s']} new/old {v['new_over_old']:.3f} "
               f"same outputs {v['same_outputs']}")
     if args.json:
-        runs = [json.loads(f.read_text()) for f in args.files]
-        args.json.write_text(json.dumps({"files": [f.name for f in args.files], "commands": [r.get("command") for r in runs],
-                                         "summary": summary}, indent=1))
+        args.json.write_text(json.dumps({"files": [f.name for f, _ in loaded],
+                                         "commands": [r.get("command") for _, r in loaded], "summary": summary}, indent=1))
     return 0
 
 

@@ -92,7 +92,6 @@ class BatchRounds:
     draft: DraftBatch
     queued: Optional[Queued] = None  # the next round's verify, queued by the last round (verify_ahead.py)
     answered: Optional[Answered] = None
-    asked: float = 0.0  # when the host asked for this step
     extras: dict = field(default_factory=dict)
 
 
@@ -220,8 +219,8 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     br: Optional[BatchRounds] = batch.extras.get(NAME)
     if br is None:
         br = batch.extras[NAME] = BatchRounds(att.drafter.new_batch())
-    br.asked = time.perf_counter()
-    _price(batch, br, att.costs, br.asked)
+    asked = time.perf_counter()
+    _price(batch, br, att.costs, asked)
     _restore(br, [rows[b] for b in on], [reqs[b] for b in on])
     on = [b for b in on if reqs[b].failed is None]
     if not on:
@@ -249,9 +248,9 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
         for b, row, req in zip(on, on_rows, on_reqs):
             outs[b].plain_steps = _grant(row, req, probes)
             req.expected = row.generated
-        br.answered = Answered("plain", len(rows), 1, br.asked, batch.plain.runs, batch.version)
+        br.answered = Answered("plain", len(rows), 1, asked, batch.plain.runs, batch.version)
         return outs
-    return _round(batch, att, br, rows, on, plans)
+    return _round(batch, att, br, rows, on, plans, asked)
 
 
 def _restore(br: BatchRounds, rows: Sequence[DecodeState], reqs: Sequence[RowRounds]) -> None:
@@ -299,10 +298,11 @@ def _verify_failure(error: BaseException) -> str:
 
 
 def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState], on: List[int],
-           plans: List[Optional[int]]) -> Optional[List[StepOutput]]:
+           plans: List[Optional[int]], asked: float) -> Optional[List[StepOutput]]:
     """One round for every row: propose -> verify -> accept -> commit, each step lapped (``Laps``, the names of
     ``metrics.ROUND_STEPS``). Up to the target's commit every cache is in a transaction: a failure rolls them all
-    back and the rows decode plainly; the drafter failing after it leaves the target's tokens standing."""
+    back and the rows decode plainly; the drafter failing after it leaves the target's tokens standing. ``asked``:
+    when the host asked for this step (the round's price runs from there, ``_price``)."""
     reqs: List[RowRounds] = [rows[b].extras[NAME] for b in on]
     on_rows = [rows[b] for b in on]
     vocab = int(rows[0].pending_logprobs.shape[-1]) if rows[0].pending_logprobs is not None else 0
@@ -338,7 +338,7 @@ def _round(batch: DecodeBatch, att: Any, br: BatchRounds, rows: List[DecodeState
         ahead.check()
         commit.commit_drafter(br.draft, drafted, on_rows, commit.verified(outcomes, captured, att.drafter.capture_layers(), on))
     record(rows, on, reqs, plans, outcomes, lap, int(inputs.shape[1]))
-    br.answered = Answered("round", len(rows), int(inputs.shape[1]), br.asked, batch.plain.runs, batch.version)
+    br.answered = Answered("round", len(rows), int(inputs.shape[1]), asked, batch.plain.runs, batch.version)
     ahead.settle(br, reqs[0], lap)
     return [StepOutput([GeneratedToken(t, accepting.logprob(b, i)) for i, t in enumerate(o.tokens)])
             for b, o in enumerate(outcomes)]
