@@ -16,4 +16,8 @@ for d in hooks plugin drafters demo benchmarks testing; do
 done
 export PYTHONPATH="${SITE:-/tmp/site}:$pkg" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/served-$name.gpu.txt"
+# the device's busy share every 100 ms (epoch, %): against each load's "window" in the JSON
+nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader -lms 100 > "$out/served-$name.util.csv" 2>/dev/null &
+mon=$!
 python3 bench/server_batching.py "$@" --json "$out/served-$name.json" 2>&1 | tee "$out/served-$name.log"
+kill "$mon" 2>/dev/null

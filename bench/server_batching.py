@@ -53,6 +53,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_speculative.hooks import warmup
 from mlx_speculative.hooks.host import GenerationParams, Host
 from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.server import Server, build_server
@@ -65,7 +66,9 @@ from mlx_speculative.plugin.settings import SpeculativeSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # served_real.py beside this file, however it is run
 import served_real  # noqa: E402
+from stack_sampler import StackSampler  # noqa: E402
 
+SAMPLE_STACKS = False  # --sample-stacks: the generation thread's stack sampled during each load
 MODES = ("plain", "mlx-lm", "dflash", "dflash-tau1", "dflash-uncompiled-batches")
 
 
@@ -174,6 +177,9 @@ def load(server: Server, reqs: List[Any], refs: List[Tuple[str, int]], clients: 
                     steps[name] = steps.get(name, 0.0) + ms
 
     before = metrics(server)
+    traces0 = _traces(server)
+    sampler = StackSampler("mlx-spec-generation").start() if SAMPLE_STACKS else None
+    window = [time.time(), 0.0]  # epoch seconds: lines up with a device monitor's log
     t0 = time.monotonic()
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -181,6 +187,8 @@ def load(server: Server, reqs: List[Any], refs: List[Tuple[str, int]], clients: 
     for t in threads:
         t.join()
     wall = time.monotonic() - t0
+    window[1] = time.time()
+    stacks = sampler.stop() if sampler is not None else None
     d = {k: v - before.get(k, 0.0) for k, v in metrics(server).items()}
     n_steps, rows = d.get("mlx_spec_decode_steps_total", 0), d.get("mlx_spec_decode_rows_total", 0)
     drafts = d.get("spec_decode_num_drafts_total", 0)
@@ -194,12 +202,26 @@ def load(server: Server, reqs: List[Any], refs: List[Tuple[str, int]], clients: 
             "thread_share": {k: round(d.get(f"mlx_spec_{k}_seconds_total", 0.0) / wall, 3) for k in ("prefill", "decode")},
             "mean_request_ms": {k: round(v / stats["requests"], 1) for k, v in request_ms.items()} if stats["requests"] else None,
             "paused_plain_steps": paused["plain_steps"], "pause_reasons": paused["reasons"],
-            "pause_examples": paused["examples"]}
+            "pause_examples": paused["examples"], "window": [round(w, 2) for w in window],
+            # shapes traced during the load (each one a compile on MLX-CUDA: seconds the warm-up was to take)
+            "traces_during_load": _traces(server) - traces0,
+            **({"stacks": stacks} if stacks else {})}
+
+
+def warmup_prompts(target: LoadedTarget, tokens: Optional[int], rows: int) -> Dict[Tuple[int, ...], int]:
+    """The server's warm-up prompts (hooks/warmup.py), each with the most tokens it decodes there."""
+    out: Dict[Tuple[int, ...], int] = {}
+    for prompts, new_tokens in warmup.batches(target, rows, tokens):
+        for p in prompts:
+            out[tuple(p)] = max(out.get(tuple(p), 0), new_tokens)
+    return out
 
 
 def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: Any, name: str, block: int, tau: float,
-               reqs: List[str], max_tokens: int) -> Tuple[LoadedTarget, List[Any]]:
-    """The target as the server gets it for ``mode``, and the host plugins a deployment registers."""
+               reqs: List[str], max_tokens: int, warmup_tokens: Optional[int] = None,
+               warmup_rows: int = 0) -> Tuple[LoadedTarget, List[Any]]:
+    """The target as the server gets it for ``mode``, and the host plugins a deployment registers; the oracle
+    knows the continuations of ``reqs`` and of the prompts of a warm-up of ``warmup_rows`` rows."""
     target = LoadedTarget(model=model, tokenizer=tokenizer, path=Path("synthetic"), model_config=config, name=name)
     if mode == "mlx-lm":
         return target, []
@@ -221,7 +243,19 @@ def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: A
         policy.block_size = block
     target.attachments[hookimpls.NAME] = hookimpls.Attachment(
         settings=settings, drafter=orc.WrappedDrafter(drafter, ora), block_size=block, policy=policy)
+    if warmup_rows:
+        # The warm-up's prompts too: the oracle stands in for a drafter at this acceptance on any text, and a
+        # warm-up whose drafts were all rejected never met the shapes of accepted ones (rounds kept whole,
+        # context appends of several positions): MLX-CUDA compiled them mid-load, stalls of seconds on an H100.
+        for prompt, new_tokens in warmup_prompts(target, warmup_tokens, warmup_rows).items():
+            ora.register(list(prompt), plain.generate(target, list(prompt), GenerationParams(
+                max_tokens=new_tokens + block, stop_token_ids=[])).tokens)
     return target, [hookimpls]
+
+
+def _traces(server: Server) -> int:
+    forward = server.engine.target.cache_policy.forward if server.engine.target is not None else None
+    return len(getattr(forward, "trace_ms", ()))
 
 
 def plugin_counts(target: LoadedTarget) -> Dict[str, Any]:
@@ -280,10 +314,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup-tokens", type=int, default=None,
                     help="the server's warmup_tokens (keys its warm-up reaches; default: the server's, 2048)")
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--sample-stacks", action="store_true",
+                    help="sample the generation thread's Python stack every 2 ms during each load (bench/stack_sampler.py)")
     ap.add_argument("--json", type=Path)
     served_real.add_arguments(ap)
     args = ap.parse_args(argv)
     served_real.check(args, ap.error)
+    global SAMPLE_STACKS
+    SAMPLE_STACKS = args.sample_stacks
     try:
         clients = [int(c) for c in args.clients.split(",")]
     except ValueError:
@@ -315,7 +353,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: Dict[str, Any] = {}
     for mode in modes:
         target, plugins = target_for(mode, model, config, tokenizer, args.synthetic_target, args.block, args.tau, reqs,
-                                     args.max_tokens)
+                                     args.max_tokens, args.warmup_tokens, warmup.default_rows(max(clients)))
         t0 = time.perf_counter()
         over: Dict[str, Any] = {"max_active": max(clients), "max_queue": 4 * max(clients)}
         if args.warmup_tokens is not None:

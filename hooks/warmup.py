@@ -77,20 +77,29 @@ def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True, 
     returns the seconds it took."""
     t0 = time.perf_counter()
     scheduler = Scheduler(host, target, batching=batching, raise_errors=True, prompt_cache=None)
-    cases = first_rows(target, DEFAULT_TOKENS if tokens is None else tokens)
-    ids = text_ids(target)
-    for n in range(1, rows + 1):
-        for first, new_tokens in cases:
-            params = GenerationParams(max_tokens=new_tokens, stop_token_ids=[])
-            if prefill_step_size:
-                params.prefill_step_size = prefill_step_size
-            lengths = [first] + [PROMPT_TOKENS + 5 * i for i in range(1, n)]
-            prompts = [(ids * (length // len(ids) + 1))[:length] for length in lengths]
-            batch: List[Request] = [scheduler.submit(p, params) for p in prompts]
-            while not all(r.done for r in batch):
-                scheduler.step()
+    spans = len(first_rows(target, DEFAULT_TOKENS if tokens is None else tokens))
+    for prompts, new_tokens in batches(target, rows, tokens):
+        params = GenerationParams(max_tokens=new_tokens, stop_token_ids=[])
+        if prefill_step_size:
+            params.prefill_step_size = prefill_step_size
+        batch: List[Request] = [scheduler.submit(p, params) for p in prompts]
+        while not all(r.done for r in batch):
+            scheduler.step()
     mx.clear_cache()
     seconds = time.perf_counter() - t0
     if rows:
-        log.info("warmed up: batches of 1..%d rows, %d key spans, in %.1f s", rows, len(cases), seconds)
+        log.info("warmed up: batches of 1..%d rows, %d key spans, in %.1f s", rows, spans, seconds)
     return seconds
+
+
+def batches(target: LoadedTarget, rows: int, tokens: Optional[int] = None) -> List[Tuple[List[List[int]], int]]:
+    """The warm-up's batches in order: (each row's prompt, new tokens a row) for 1 .. ``rows`` rows at each of
+    ``first_rows``."""
+    cases = first_rows(target, DEFAULT_TOKENS if tokens is None else tokens)
+    ids = text_ids(target)
+    out = []
+    for n in range(1, rows + 1):
+        for first, new_tokens in cases:
+            lengths = [first] + [PROMPT_TOKENS + 5 * i for i in range(1, n)]
+            out.append(([(ids * (length // len(ids) + 1))[:length] for length in lengths], new_tokens))
+    return out
