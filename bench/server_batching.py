@@ -53,7 +53,6 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_speculative.hooks import warmup
 from mlx_speculative.hooks.host import GenerationParams, Host
 from mlx_speculative.hooks.manager import make_plugin_manager
 from mlx_speculative.hooks.server import Server, build_server
@@ -208,20 +207,9 @@ def load(server: Server, reqs: List[Any], refs: List[Tuple[str, int]], clients: 
             **({"stacks": stacks} if stacks else {})}
 
 
-def warmup_prompts(target: LoadedTarget, tokens: Optional[int], rows: int) -> Dict[Tuple[int, ...], int]:
-    """The server's warm-up prompts (hooks/warmup.py), each with the most tokens it decodes there."""
-    out: Dict[Tuple[int, ...], int] = {}
-    for prompts, new_tokens in warmup.batches(target, rows, tokens):
-        for p in prompts:
-            out[tuple(p)] = max(out.get(tuple(p), 0), new_tokens)
-    return out
-
-
 def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: Any, name: str, block: int, tau: float,
-               reqs: List[str], max_tokens: int, warmup_tokens: Optional[int] = None,
-               warmup_rows: int = 0) -> Tuple[LoadedTarget, List[Any]]:
-    """The target as the server gets it for ``mode``, and the host plugins a deployment registers; the oracle
-    knows the continuations of ``reqs`` and of the prompts of a warm-up of ``warmup_rows`` rows."""
+               reqs: List[str], max_tokens: int) -> Tuple[LoadedTarget, List[Any]]:
+    """The target as the server gets it for ``mode``, and the host plugins a deployment registers."""
     target = LoadedTarget(model=model, tokenizer=tokenizer, path=Path("synthetic"), model_config=config, name=name)
     if mode == "mlx-lm":
         return target, []
@@ -243,13 +231,6 @@ def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: A
         policy.block_size = block
     target.attachments[hookimpls.NAME] = hookimpls.Attachment(
         settings=settings, drafter=orc.WrappedDrafter(drafter, ora), block_size=block, policy=policy)
-    if warmup_rows:
-        # The warm-up's prompts too: the oracle stands in for a drafter at this acceptance on any text, and a
-        # warm-up whose drafts were all rejected never met the shapes of accepted ones (rounds kept whole,
-        # context appends of several positions): MLX-CUDA compiled them mid-load, stalls of seconds on an H100.
-        for prompt, new_tokens in warmup_prompts(target, warmup_tokens, warmup_rows).items():
-            ora.register(list(prompt), plain.generate(target, list(prompt), GenerationParams(
-                max_tokens=new_tokens + block, stop_token_ids=[])).tokens)
     return target, [hookimpls]
 
 
@@ -353,7 +334,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: Dict[str, Any] = {}
     for mode in modes:
         target, plugins = target_for(mode, model, config, tokenizer, args.synthetic_target, args.block, args.tau, reqs,
-                                     args.max_tokens, args.warmup_tokens, warmup.default_rows(max(clients)))
+                                     args.max_tokens)
         t0 = time.perf_counter()
         over: Dict[str, Any] = {"max_active": max(clients), "max_queue": 4 * max(clients)}
         if args.warmup_tokens is not None:

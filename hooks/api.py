@@ -25,6 +25,7 @@ from .state import (
     HostConfig,  # YAML sections + CLI overrides
     LoadedTarget,  # the loaded target model, tokenizer and config
     StepOutput,  # a row's tokens from one decode step
+    WARMUP_CONTINUATION,  # the request option of the server's warm-up: the target's continuation (teacher drafts)
 )
 
 # -- the backend seam: how a target's caches are made and its forwards run, per device (hooks/backend.py)
@@ -127,7 +128,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     # types
     "CaptureRequest", "DecodeReport", "DecodeState", "DemoPart", "Description", "GeneratedToken", "HostConfig",
-    "LoadedTarget", "Metric", "PlainTokens", "RowSnapshot", "StepOutput", "hookimpl",
+    "LoadedTarget", "Metric", "PlainTokens", "RowSnapshot", "StepOutput", "WARMUP_CONTINUATION", "hookimpl",
     # the backend seam
     "Backend", "CachePolicy", "CompiledCalls", "DraftBackend", "draft_backend",
     # batches

@@ -20,6 +20,12 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
 
 
+# A request option the server's warm-up sets (hooks/warmup.py): the target's own greedy continuation of the prompt,
+# for speculative plugins to propose from (teacher-forced drafts, the verify still deciding every token), so that the
+# warm-up meets the shapes of accepted, partly accepted and rejected rounds whatever the drafter accepts there.
+WARMUP_CONTINUATION = "warmup_continuation"
+
+
 @dataclass
 class HostConfig:
     """The host's configuration: YAML sections plus CLI overrides.

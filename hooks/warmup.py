@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from .host import GenerationParams, Host
 from .scheduler import Request, Scheduler
-from .state import LoadedTarget
+from .state import WARMUP_CONTINUATION, LoadedTarget
 
 log = logging.getLogger("mlx_speculative.server")
 TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n"
@@ -34,6 +34,7 @@ PROMPT_TOKENS = 48  # the first row's prompt; row i's is 5 * i longer (rows at t
 NEW_TOKENS = 64  # per row: a few rounds of a 16-position block, and plain steps where a pause begins
 SPAN_TOKENS = 32  # per row, at each longer span: a bucket's end crossed
 DEFAULT_TOKENS = 2048  # ``server.warmup_tokens`` left out: spans up to 2048 keys
+CONTINUATION_EXTRA = 64  # tokens past a request's last: blocks drafted near its end
 
 
 def default_rows(max_active: int) -> int:
@@ -78,11 +79,16 @@ def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True, 
     t0 = time.perf_counter()
     scheduler = Scheduler(host, target, batching=batching, raise_errors=True, prompt_cache=None)
     spans = len(first_rows(target, DEFAULT_TOKENS if tokens is None else tokens))
-    for prompts, new_tokens in batches(target, rows, tokens):
-        params = GenerationParams(max_tokens=new_tokens, stop_token_ids=[])
-        if prefill_step_size:
-            params.prefill_step_size = prefill_step_size
-        batch: List[Request] = [scheduler.submit(p, params) for p in prompts]
+    planned = batches(target, rows, tokens)
+    continuations = _continuations(host, target, planned)
+    for prompts, new_tokens in planned:
+        batch: List[Request] = []
+        for p in prompts:
+            params = GenerationParams(max_tokens=new_tokens, stop_token_ids=[],
+                                      options={WARMUP_CONTINUATION: continuations[tuple(p)]})
+            if prefill_step_size:
+                params.prefill_step_size = prefill_step_size
+            batch.append(scheduler.submit(p, params))
         while not all(r.done for r in batch):
             scheduler.step()
     mx.clear_cache()
@@ -90,6 +96,17 @@ def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True, 
     if rows:
         log.info("warmed up: batches of 1..%d rows, %d key spans, in %.1f s", rows, spans, seconds)
     return seconds
+
+
+def _continuations(host: Host, target: LoadedTarget, planned: List[Tuple[List[List[int]], int]]
+                   ) -> Dict[Tuple[int, ...], List[int]]:
+    """Each warm-up prompt's greedy continuation by the target alone (plain steps), a block past its warm-up tokens."""
+    need: Dict[Tuple[int, ...], int] = {}
+    for prompts, new_tokens in planned:
+        for p in prompts:
+            need[tuple(p)] = max(need.get(tuple(p), 0), new_tokens + CONTINUATION_EXTRA)
+    params = lambda n: GenerationParams(max_tokens=n, stop_token_ids=[], options={"speculative": False})  # noqa: E731
+    return {p: list(host.generate(target, list(p), params(n)).tokens) for p, n in need.items()}
 
 
 def batches(target: LoadedTarget, rows: int, tokens: Optional[int] = None) -> List[Tuple[List[List[int]], int]]:

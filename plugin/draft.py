@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Proposal
-from ..hooks.api import CacheTransaction, knobs
+from ..hooks.api import WARMUP_CONTINUATION, CacheTransaction, knobs
 
 AHEAD_ENV = "MLX_SPEC_DRAFT_AHEAD"
 AHEAD_MODES = ("on", "verify", "off")
@@ -97,6 +97,25 @@ def as_ints(proposals: Sequence[Proposal], vocab_size: int) -> List[Proposal]:
     return out
 
 
+def teacher(row: Any, proposal: Proposal, vocab_size: int) -> Proposal:
+    """The server's warm-up (hooks/warmup.py): the row's drafts taken from the target's own continuation of its prompt,
+    whole at even generated counts and wrong from half the block at odd ones, so the warm-up meets accepted, partly
+    accepted and rejected rounds whatever the drafter proposed (its forward ran: its shapes are met too). The verify
+    still decides every token; outside the warm-up, proposals pass unchanged."""
+    reference = row.options.get(WARMUP_CONTINUATION) if proposal.tokens is not None else None
+    k = len(proposal.tokens)
+    if not reference or not k:
+        return proposal
+    sequence = list(row.tokens[: row.prompt_len]) + list(reference)
+    start = len(row.tokens)  # row.tokens ends with the pending token: the drafts follow it
+    cut = k if row.generated % 2 == 0 else k // 2
+    tokens = [sequence[i] if i < len(sequence) else 0 for i in range(start, start + k)]
+    tokens = [t if i < cut else (t + 1) % max(vocab_size, 1) for i, t in enumerate(tokens)]
+    if isinstance(proposal.tokens, mx.array):
+        return Proposal(mx.array(tokens, dtype=proposal.tokens.dtype), proposal.logprobs)
+    return Proposal(tokens, proposal.logprobs)
+
+
 def draft(drafter: DraftBatch, rows: Sequence[Any], max_drafts: Sequence[int], vocab_size: int, lazy: bool) -> Drafted:
     """Catch the drafter up, open its transactions, take and check its proposals.
 
@@ -111,7 +130,8 @@ def draft(drafter: DraftBatch, rows: Sequence[Any], max_drafts: Sequence[int], v
         proposals = drafter.propose(rows, max_drafts)
         if len(proposals) != len(rows):
             raise DraftError(f"the drafter returned {len(proposals)} proposals for {len(rows)} rows")
-        drafted.proposals = [check(p, m, vocab_size, lazy) for p, m in zip(proposals, max_drafts)]
+        drafted.proposals = [teacher(row, check(p, m, vocab_size, lazy), vocab_size)
+                             for row, p, m in zip(rows, proposals, max_drafts)]
     except BaseException:
         drafted.abort()
         raise
