@@ -34,7 +34,7 @@ PROMPT_TOKENS = 48  # the first row's prompt; row i's is 5 * i longer (rows at t
 NEW_TOKENS = 64  # per row: a few rounds of a 16-position block, and plain steps where a pause begins
 SPAN_TOKENS = 32  # per row, at each longer span: a bucket's end crossed
 DEFAULT_TOKENS = 2048  # ``server.warmup_tokens`` left out: spans up to 2048 keys
-CONTINUATION_EXTRA = 64  # tokens past a request's last: blocks drafted near its end
+CONTINUATION_EXTRA = 32  # tokens past a request's last: blocks (up to 33 positions) drafted near its end
 
 
 def default_rows(max_active: int) -> int:
