@@ -89,3 +89,25 @@ def test_stack_sampler_finds_the_wait_and_the_stall() -> None:
     ms, where = report["stalls"]["longest"][0]
     assert ms >= 200 and where.split(" < ")[0].endswith(" waits"), report["stalls"]
     assert 0 <= report["cpu_s"] < 0.2  # asleep: no CPU time
+
+
+def test_teacher_drafts_follow_the_continuation_and_nothing_else() -> None:
+    from types import SimpleNamespace
+
+    from mlx_speculative.drafters.base import Proposal
+    from mlx_speculative.hooks.state import WARMUP_CONTINUATION
+    from mlx_speculative.plugin.draft import teacher
+
+    def row(generated: int, options: dict) -> SimpleNamespace:
+        tokens = [5, 6, 7] + [10 + i for i in range(generated)]  # a 3-token prompt, its pending token last
+        return SimpleNamespace(tokens=tokens, prompt_len=3, generated=generated, options=options)
+
+    served = Proposal(mx.array([1, 2, 3, 4], dtype=mx.int32))
+    assert teacher(row(2, {}), served, 100) is served  # outside the warm-up: unchanged
+    ref = {WARMUP_CONTINUATION: [10 + i for i in range(12)]}
+    whole = teacher(row(2, ref), served, 100)  # even generated count: the continuation, whole
+    assert whole.tokens.dtype == mx.int32 and whole.tokens.tolist() == [12, 13, 14, 15]
+    half = teacher(row(3, ref), Proposal([1, 2, 3, 4]), 100)  # odd: wrong from half the block
+    assert half.tokens == [13, 14, 16, 17]
+    past = teacher(row(10, ref), Proposal([1, 2, 3, 4]), 100)  # past the continuation's end: wrong tokens
+    assert past.tokens[:2] == [20, 21] and len(past.tokens) == 4
