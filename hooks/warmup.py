@@ -78,7 +78,6 @@ def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True, 
     returns the seconds it took."""
     t0 = time.perf_counter()
     scheduler = Scheduler(host, target, batching=batching, raise_errors=True, prompt_cache=None)
-    spans = len(first_rows(target, DEFAULT_TOKENS if tokens is None else tokens))
     planned = batches(target, rows, tokens)
     continuations = _continuations(host, target, planned)
     for prompts, new_tokens in planned:
@@ -94,7 +93,7 @@ def warm_up(host: Host, target: LoadedTarget, rows: int, batching: bool = True, 
     mx.clear_cache()
     seconds = time.perf_counter() - t0
     if rows:
-        log.info("warmed up: batches of 1..%d rows, %d key spans, in %.1f s", rows, spans, seconds)
+        log.info("warmed up: batches of 1..%d rows, %d key spans, in %.1f s", rows, len(planned) // rows, seconds)
     return seconds
 
 

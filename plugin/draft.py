@@ -99,16 +99,18 @@ def as_ints(proposals: Sequence[Proposal], vocab_size: int) -> List[Proposal]:
 
 def teacher(row: Any, proposal: Proposal, vocab_size: int) -> Proposal:
     """The server's warm-up (hooks/warmup.py): the row's drafts taken from the target's own continuation of its prompt,
-    whole at even generated counts and wrong from half the block at odd ones, so the warm-up meets accepted, partly
-    accepted and rejected rounds whatever the drafter proposed (its forward ran: its shapes are met too). The verify
+    right for the whole block, half of it or none of it, so the warm-up meets accepted, partly accepted and rejected
+    rounds whatever the drafter proposed (its forward ran: its shapes are met too). The verify
     still decides every token; outside the warm-up, proposals pass unchanged."""
-    reference = row.options.get(WARMUP_CONTINUATION) if proposal.tokens is not None else None
-    k = len(proposal.tokens)
+    reference = row.options.get(WARMUP_CONTINUATION)
+    k = len(proposal.tokens)  # ``check``'s proposal: a list or a 1-d array
     if not reference or not k:
         return proposal
     sequence = list(row.tokens[: row.prompt_len]) + list(reference)
     start = len(row.tokens)  # row.tokens ends with the pending token: the drafts follow it
-    cut = k if row.generated % 2 == 0 else k // 2
+    # Whole, half or none right, by the position spread by a multiplicative hash: a rule on the generated count's
+    # parity stuck at one kind (each half-accepted round of 3 drafts advances 2 positions).
+    cut = (k, k // 2, 0)[((start * 2654435761) % 2 ** 32 >> 16) % 3]
     tokens = [sequence[i] if i < len(sequence) else 0 for i in range(start, start + k)]
     tokens = [t if i < cut else (t + 1) % max(vocab_size, 1) for i, t in enumerate(tokens)]
     if isinstance(proposal.tokens, mx.array):

@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Dict, List
 
 import mlx.core as mx
 import pytest
@@ -104,10 +104,48 @@ def test_teacher_drafts_follow_the_continuation_and_nothing_else() -> None:
 
     served = Proposal(mx.array([1, 2, 3, 4], dtype=mx.int32))
     assert teacher(row(2, {}), served, 100) is served  # outside the warm-up: unchanged
-    ref = {WARMUP_CONTINUATION: [10 + i for i in range(12)]}
-    whole = teacher(row(2, ref), served, 100)  # even generated count: the continuation, whole
-    assert whole.tokens.dtype == mx.int32 and whole.tokens.tolist() == [12, 13, 14, 15]
-    half = teacher(row(3, ref), Proposal([1, 2, 3, 4]), 100)  # odd: wrong from half the block
-    assert half.tokens == [13, 14, 16, 17]
-    past = teacher(row(10, ref), Proposal([1, 2, 3, 4]), 100)  # past the continuation's end: wrong tokens
-    assert past.tokens[:2] == [20, 21] and len(past.tokens) == 4
+    ref = {WARMUP_CONTINUATION: [10 + i for i in range(40)]}
+    kinds = set()
+    for generated in range(1, 30):
+        got = teacher(row(generated, ref), served, 100)
+        assert got.tokens.dtype == mx.int32
+        right = [10 + generated + i for i in range(4)]  # the continuation after the row's tokens
+        tokens = got.tokens.tolist()
+        cut = next((i for i, (t, r) in enumerate(zip(tokens, right)) if t != r), 4)
+        assert cut in (4, 2, 0) and tokens[cut:] == [(r + 1) % 100 for r in right[cut:]], (generated, tokens)
+        kinds.add(cut)
+    assert kinds == {4, 2, 0}  # whole, half and none of the block right, over the positions
+    past = teacher(row(38, ref), Proposal([1, 2, 3, 4]), 100).tokens  # 2 left in the continuation, then 0s
+    assert past in ([48, 49, 0, 0], [48, 49, 1, 1], [49, 50, 1, 1]), past  # whole, half, none right
+
+
+def test_teacher_drafts_in_rounds_equal_plain_decoding_alone_and_in_a_batch(llama_pair: Dict[str, Path]) -> None:
+    """Requests carrying the warm-up's continuation (half of it: drafts past its end are wrong) decode through
+    real rounds exactly as plain one-token decoding, alone and two in a batch, with rounds accepting all, part and
+    none of their drafts."""
+    from conftest import PROMPTS, encode, greedy_reference, make_host
+    from mlx_speculative.hooks.host import GenerationParams
+    from mlx_speculative.hooks.scheduler import Scheduler
+    from mlx_speculative.hooks.state import WARMUP_CONTINUATION
+
+    host = make_host({"draft_model": str(llama_pair["drafter"]), "block_size": 4, "adaptive": False})
+    target = host.load(str(llama_pair["target"]))
+    prompts = [encode(target, text) for text in PROMPTS[:2]]
+    refs = [greedy_reference(target.model, p, 40) for p in prompts]
+
+    def params(ref: List[int]) -> GenerationParams:
+        return GenerationParams(max_tokens=40, stop_token_ids=[], options={WARMUP_CONTINUATION: ref[:20]})
+
+    totals = {"zero": 0, "partial": 0, "full": 0}
+    alone = host.generate(target, prompts[0], params(refs[0]))
+    assert alone.tokens == refs[0]
+    for key, count in alone.report["speculative"].rounds_by_acceptance.items():
+        totals[key] += count
+    assert all(totals.values()), totals
+    scheduler = Scheduler(host, target)
+    batch = [scheduler.submit(p, params(ref)) for p, ref in zip(prompts, refs)]
+    got: Dict[int, List[int]] = {id(r): [] for r in batch}
+    while scheduler.busy:
+        for request, event in scheduler.step():
+            got[id(request)].append(event.token)
+    assert [got[id(r)] for r in batch] == refs
