@@ -13,7 +13,8 @@ a compile in most of them). Rows of a batch share their rounds, so the table bel
 (``Attachment.costs``), not to a request.
 
 ``round_loses`` prices a choice: a round whose rows expect ``expected`` tokens in all, against ``rows`` tokens
-per plain step.
+per plain step. ``ask_plain`` says when a batch should take a plain step to price its row count (plugin/round.py):
+rounds alone never measure one, and without it a row count's rows are left to the acceptance rules.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class CostTable:
     seen: Dict[Key, int] = field(default_factory=dict)  # observations by shape
     least: Dict[Key, float] = field(default_factory=dict)  # the least observation after the first
     trust: int = 2  # observations after the first before ``least`` prices the shape
+    asked: Dict[Key, int] = field(default_factory=dict)  # plain steps taken to price a row count (``ask_plain``)
+    max_asks: int = 8  # per row count: a step in which rows joined is not priced, so a few more than trust + 1
     # A target sharded over ranks (hooks/distributed.py): every rank takes rank 0's measurement, so that all decide
     # the same block sizes and pauses. Called at the same observations on every rank.
     agree: Optional[Callable[[float], float]] = None
@@ -47,6 +50,15 @@ class CostTable:
         """The shape's price (None: fewer than ``trust`` observations past its first)."""
         key = (kind, rows, width)
         return self.least[key] if self.seen.get(key, 0) > self.trust else None
+
+    def ask_plain(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` should take a plain step now to price it (counted as asked): its price is not
+        known yet and it was asked fewer than ``max_asks`` times. Called at the same steps on every rank."""
+        key = ("plain", rows, 1)
+        if self.seen.get(key, 0) > self.trust or self.asked.get(key, 0) >= self.max_asks:
+            return False
+        self.asked[key] = self.asked.get(key, 0) + 1
+        return True
 
     def round_loses(self, rows: int, width: int, expected: float) -> bool:
         """A round of ``rows`` x ``width`` expecting ``expected`` tokens in all yields fewer tokens per second

@@ -189,6 +189,19 @@ def _grant(row: DecodeState, req: RowRounds, probes: bool) -> Optional[int]:
     return min(steps, PROBE_EVERY) if probes else steps
 
 
+def _prices_plain(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds]) -> bool:
+    """Whether this step is a plain step taken to price a plain step of the batch's row count (``CostTable.ask_plain``).
+
+    On shape-stable targets the measured costs decide (plugin/adaptive.py), but only rows that pause make plain
+    steps the plugin answers, so a row count whose rows all drafted had no plain price and its rows followed the
+    acceptance rules: at tau 6 (a third of 15 drafts accepted, below a quarter over a few rounds often enough) they
+    halved 4- and 8-row blocks, tau fell to 4.5 and 8 clients ran at 1.76x plain batching on an H100. A few plain
+    steps per row count, once per loaded target (the server's warm-up takes them), price it instead."""
+    if not batch.target.cache_policy.shape_stable or not all(q.controller.adaptive for q in reqs):
+        return False
+    return att.costs.ask_plain(len(batch.rows))
+
+
 def _batch_loses(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds], plans: Sequence[Optional[int]]) -> str:
     """Why this round would yield fewer tokens per second than plain steps of the batch, at the costs measured
     for its shape and each drafting row's acceptance (rows that draft nothing yield their one token either way);
@@ -236,6 +249,8 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     plans = [_plan(r, q, br.draft) for r, q in zip(on_rows, on_reqs)]
     if any(plans) and batch.target.cache_policy.shape_stable:
         plans = [k if k else _ride(r, q) for r, q, k in zip(on_rows, on_reqs, plans)]
+    if any(plans) and _prices_plain(batch, att, on_reqs):
+        plans = [None] * len(plans)
     loses = _batch_loses(batch, att, on_reqs, plans) if any(plans) else ""
     if loses:
         for req, k in zip(on_reqs, plans):

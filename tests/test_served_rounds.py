@@ -36,7 +36,11 @@ MAX_TOKENS = 48
 
 
 class Unpriced(CostTable):
-    """A cost table that measures nothing: rounds are never priced against plain steps (timing-free tests)."""
+    """A cost table that measures nothing: rounds are never priced against plain steps (timing-free tests), and
+    batches take no plain steps to price their row counts."""
+
+    def __init__(self) -> None:
+        super().__init__(max_asks=0)
 
     def observe(self, kind: str, rows: int, width: int, seconds: float) -> None:
         return None
@@ -44,14 +48,17 @@ class Unpriced(CostTable):
 
 class Forced(BareForwarding):
     """A drafter's batch whose proposals (after the drafter really ran) are each row's greedy continuation,
-    corrupted at the first draft (zero), mid-block (partial) or not at all (full); logs what each row drafts."""
+    corrupted at the first draft (zero), mid-block (partial) or not at all (full); logs what each row drafts.
+    Rows of other prompts (the server's warm-up: teacher drafts) keep the drafter's own proposals."""
 
     def __init__(self, inner: DraftBatch, truth: Dict[Tuple[int, ...], Tuple[List[int], str]], log: List[Any]):
         super().__init__(inner)
         self.truth, self.log = truth, log
 
     def propose(self, rows: Sequence[Any], max_drafts: Sequence[int]) -> List[Proposal]:
-        self.inner.propose(rows, max_drafts)
+        own = self.inner.propose(rows, max_drafts)
+        if any(tuple(row.tokens[: row.prompt_len]) not in self.truth for row in rows):
+            return own
         out, drafted = [], {}
         for row, m in zip(rows, max_drafts):
             ref, how = self.truth[tuple(row.tokens[: row.prompt_len])]
@@ -218,6 +225,20 @@ def test_cost_table_prices_each_shape_by_its_least_cost() -> None:
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
 
 
+def test_a_row_count_is_asked_for_plain_steps_until_priced() -> None:
+    """Rounds alone never price a plain step: the table asks a batch of an unpriced row count for plain steps until
+    its price is known (three observations), at most ``max_asks`` times (steps where rows joined price nothing)."""
+    t = CostTable(max_asks=5)
+    asks = 0
+    for s in (0.03, 0.006, 0.007):
+        assert t.ask_plain(4)
+        asks += 1
+        t.observe("plain", 4, 1, s)
+    assert t.get("plain", 4, 1) == 0.006 and not t.ask_plain(4) and asks == 3
+    assert [t.ask_plain(2) for _ in range(7)] == [True] * 5 + [False] * 2  # never priced: five asks, no more
+    assert not CostTable(max_asks=0).ask_plain(1)
+
+
 def test_a_paused_row_probes_when_its_drafter_sees_a_match() -> None:
     """ngram: a row paused after rejected rounds probes as soon as the last n tokens occurred before (the text
     repeats something, e.g. code copied from the prompt) instead of waiting out its pause."""
@@ -306,8 +327,10 @@ class Modeled(CostTable):
 def _served_seconds(pair: Dict[str, Path], clients: int, how: Optional[str], monkeypatch: pytest.MonkeyPatch,
                     max_tokens: int = MAX_TOKENS, block: int = 0) -> float:
     """Clients each sending 3 requests in turn (``max_tokens`` long, 7 and 14 fewer), plain (``how`` None) or with
-    drafts forced to ``how``, blocks starting at ``block`` (0: the drafter's 4): the modelled device time of every
-    decode forward, by its shape ([rows, 1]: a plain step)."""
+    drafts forced to ``how``, blocks starting at ``block`` (0: the drafter's 4), after the server's warm-up of 1 to 8
+    rows (hooks/warmup.py: it prices the shapes, as a served target's is before its first client): the modelled
+    device time of every served decode forward, by its shape ([rows, 1]: a plain step)."""
+    from mlx_speculative.hooks import warmup
     from mlx_speculative.hooks.batch import DecodeBatch
 
     host = make_host({"draft_model": str(pair["drafter"])} if how else None, plugins=how is not None)
@@ -320,6 +343,8 @@ def _served_seconds(pair: Dict[str, Path], clients: int, how: Optional[str], mon
         att.drafter = ForcedDrafter(att.drafter, {tuple(p): (r, how) for p, r in zip(prompts, refs)}, [])
         att.costs = Modeled()
         att.block_size = block or att.block_size
+        warmup.warm_up(host, target, clients, tokens=64)
+        assert all(att.costs.get("plain", rows, 1) for rows in range(1, clients + 1))
     shapes: List[Tuple[int, int]] = []
     real = DecodeBatch.forward
 
