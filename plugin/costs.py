@@ -13,14 +13,18 @@ a compile in most of them). Rows of a batch share their rounds, so the table bel
 (``Attachment.costs``), not to a request.
 
 ``round_loses`` prices a choice: a round whose rows expect ``expected`` tokens in all, against ``rows`` tokens
-per plain step. ``ask_plain`` says when a batch should take a plain step to price its row count (plugin/round.py):
-rounds alone never measure one, and without it a row count's rows are left to the acceptance rules.
+per plain step; ``batch_loses`` asks it for a batch's round (plugin/round.py vetoes the round where it loses).
+``ask_plain`` says when a batch should take a plain step to price its row count (``prices_plain``): rounds alone
+never measure one, and without it a row count's rows are left to the acceptance rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from .adaptive import BlockSizeController
 
 Key = Tuple[str, int, int]  # ("round" | "plain", rows, width)
 
@@ -81,3 +85,38 @@ def expected_tokens(alpha: float, drafts: int) -> float:
     if alpha >= 1.0:
         return float(drafts + 1)
     return (1.0 - alpha ** (drafts + 1)) / (1.0 - alpha)
+
+
+def prices_plain(batch: Any, costs: CostTable, controllers: Sequence["BlockSizeController"]) -> bool:
+    """Whether this step of ``batch`` (a ``DecodeBatch``) is a plain step taken to price a plain step of its row
+    count (``CostTable.ask_plain``).
+
+    On shape-stable targets the measured costs decide (plugin/adaptive.py), but only rows that pause make plain
+    steps the plugin answers, so a row count whose rows all drafted had no plain price and its rows followed the
+    acceptance rules: at tau 6 (a third of 15 drafts accepted, below a quarter over a few rounds often enough) they
+    halved 4- and 8-row blocks, tau fell to 4.5 and 8 clients ran at 1.76x plain batching on an H100. A few plain
+    steps per row count, once per loaded target (the server's warm-up takes them), price it instead."""
+    if not batch.target.cache_policy.shape_stable or not all(c.adaptive for c in controllers):
+        return False
+    return costs.ask_plain(len(batch.rows))
+
+
+def batch_loses(batch: Any, costs: CostTable, controllers: Sequence["BlockSizeController"],
+                plans: Sequence[Optional[int]]) -> str:
+    """Why a round of ``batch`` would yield fewer tokens per second than plain steps of it, at the costs measured
+    for its shape and each drafting row's acceptance (``plans``: the drafts each row proposes, None or 0: none; rows
+    that draft nothing yield their one token either way); "" where it would not."""
+    drafting = [(c, k) for c, k in zip(controllers, plans) if k]
+    if not all(c.adaptive for c, _ in drafting):
+        return ""  # a pinned block is the user's choice
+    if any(c.probing for c, _ in drafting):
+        # A pause's probe is what renews the acceptance estimate; vetoed on the estimate that paused it, the row
+        # paused again, doubling, and stayed plain to its end (254 of 256 tokens at tau 5.9, one client, H100).
+        return ""
+    rows = len(batch.rows)
+    width = batch.target.cache_policy.verify_width(1 + max(k or 0 for k in plans))
+    expected = rows - len(drafting) + sum(expected_tokens(c.alpha, k) for c, k in drafting)
+    if not costs.round_loses(rows, width, expected):
+        return ""
+    r, p = costs.get("round", rows, width), costs.get("plain", rows, 1)
+    return f"{rows}x{width} round {1e3 * r:.1f} ms for {expected:.1f} tokens, plain step {1e3 * p:.1f} ms"

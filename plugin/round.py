@@ -30,7 +30,7 @@ from ..hooks.api import CacheTransaction, DecodeBatch, DecodeState, GeneratedTok
 from . import commit
 from .accept import RoundOutcome, RoundPlans
 from .adaptive import BlockSizeController
-from .costs import expected_tokens
+from .costs import batch_loses, expected_tokens, prices_plain
 from .draft import DraftError, as_ints, draft
 from .draft_ahead import DraftAhead
 from .metrics import METRICS, Laps, SpecStats
@@ -189,39 +189,6 @@ def _grant(row: DecodeState, req: RowRounds, probes: bool) -> Optional[int]:
     return min(steps, PROBE_EVERY) if probes else steps
 
 
-def _prices_plain(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds]) -> bool:
-    """Whether this step is a plain step taken to price a plain step of the batch's row count (``CostTable.ask_plain``).
-
-    On shape-stable targets the measured costs decide (plugin/adaptive.py), but only rows that pause make plain
-    steps the plugin answers, so a row count whose rows all drafted had no plain price and its rows followed the
-    acceptance rules: at tau 6 (a third of 15 drafts accepted, below a quarter over a few rounds often enough) they
-    halved 4- and 8-row blocks, tau fell to 4.5 and 8 clients ran at 1.76x plain batching on an H100. A few plain
-    steps per row count, once per loaded target (the server's warm-up takes them), price it instead."""
-    if not batch.target.cache_policy.shape_stable or not all(q.controller.adaptive for q in reqs):
-        return False
-    return att.costs.ask_plain(len(batch.rows))
-
-
-def _batch_loses(batch: DecodeBatch, att: Any, reqs: Sequence[RowRounds], plans: Sequence[Optional[int]]) -> str:
-    """Why this round would yield fewer tokens per second than plain steps of the batch, at the costs measured
-    for its shape and each drafting row's acceptance (rows that draft nothing yield their one token either way);
-    "" where it would not."""
-    if not all(q.controller.adaptive for q, k in zip(reqs, plans) if k):
-        return ""  # a pinned block is the user's choice
-    if any(q.controller.probing for q, k in zip(reqs, plans) if k):
-        # A pause's probe is what renews the acceptance estimate; vetoed on the estimate that paused it, the row
-        # paused again, doubling, and stayed plain to its end (254 of 256 tokens at tau 5.9, one client, H100).
-        return ""
-    width_for = batch.target.cache_policy.verify_width
-    rows = len(batch.rows)
-    width = width_for(1 + max(k or 0 for k in plans))
-    expected = rows - sum(1 for k in plans if k) + sum(expected_tokens(q.controller.alpha, k) for q, k in zip(reqs, plans) if k)
-    if not att.costs.round_loses(rows, width, expected):
-        return ""
-    r, p = att.costs.get("round", rows, width), att.costs.get("plain", rows, 1)
-    return f"{rows}x{width} round {1e3 * r:.1f} ms for {expected:.1f} tokens, plain step {1e3 * p:.1f} ms"
-
-
 def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     """The plugin's decode step for ``batch``: a round for every row, or a decline (None / plain steps)."""
     rows = list(batch.rows)
@@ -249,9 +216,10 @@ def step(batch: DecodeBatch, att: Any) -> Optional[List[StepOutput]]:
     plans = [_plan(r, q, br.draft) for r, q in zip(on_rows, on_reqs)]
     if any(plans) and batch.target.cache_policy.shape_stable:
         plans = [k if k else _ride(r, q) for r, q, k in zip(on_rows, on_reqs, plans)]
-    if any(plans) and _prices_plain(batch, att, on_reqs):
-        plans = [None] * len(plans)
-    loses = _batch_loses(batch, att, on_reqs, plans) if any(plans) else ""
+    controllers = [q.controller for q in on_reqs]
+    if any(plans) and prices_plain(batch, att.costs, controllers):
+        plans = [None] * len(plans)  # a plain step of the batch's row count, priced (costs.py)
+    loses = batch_loses(batch, att.costs, controllers, plans) if any(plans) else ""
     if loses:
         for req, k in zip(on_reqs, plans):
             if k:

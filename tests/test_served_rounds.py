@@ -284,7 +284,7 @@ def test_the_batch_veto_lets_a_pause_end_with_its_probe() -> None:
     from types import SimpleNamespace
 
     from mlx_speculative.plugin.adaptive import BlockSizeController
-    from mlx_speculative.plugin.round import _batch_loses
+    from mlx_speculative.plugin.costs import batch_loses
 
     costs = CostTable()
     price(costs, "round", 1, 16, 0.0110)
@@ -295,14 +295,13 @@ def test_the_batch_veto_lets_a_pause_end_with_its_probe() -> None:
     for _ in range(32):
         c.update(0, 15)  # ... then a dip: nothing accepted over 32 drafts tried
     batch = SimpleNamespace(rows=[object()], target=SimpleNamespace(cache_policy=SimpleNamespace(verify_width=lambda n: n)))
-    att, req = SimpleNamespace(costs=costs), SimpleNamespace(controller=c)
     c.paused_left = c.pause = 0
-    why = _batch_loses(batch, att, [req], [15])
+    why = batch_loses(batch, costs, [c], [15])
     assert "1x16 round 11.0 ms" in why
     c.pause_now(why)
     assert c.paused_left > 0 and not c.probing
     c.take_plain_steps()
-    assert c.probing and _batch_loses(batch, att, [req], [15]) == ""
+    assert c.probing and batch_loses(batch, costs, [c], [15]) == ""
     c.update(6, 15)  # the probe pays (7 tokens for 11 ms against 6.2 ms plain steps): rounds go on
     assert not c.paused_left and c.window == [(6, 7)]
 
