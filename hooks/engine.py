@@ -71,6 +71,7 @@ class Job:
         self.completion_tokens = 0
         self.t_start = 0.0
         self.t_first: Optional[float] = None
+        self.held: List[TokenOut] = []  # a non-streaming request's tokens, handed over when it ends
 
 
 class Engine:
@@ -219,8 +220,12 @@ class Engine:
                     steps.setdefault(request.id, (job, []))[1].append(self._token(job, event))
             for job, tokens in steps.values():
                 # A step's tokens handed over at once: a round's ~6 tokens a row wake its HTTP thread once, not
-                # six times, each wake-up contending with this thread for the interpreter.
-                job.out.put(tokens)
+                # six times, each wake-up contending with this thread for the interpreter. A non-streaming
+                # request's HTTP thread has nothing to send before the end: its tokens wait for it there.
+                if job.request.stream:
+                    job.out.put(tokens)
+                else:
+                    job.held.extend(tokens)
             for rows in self.scheduler.decoded:
                 self.counters.stepped(rows)
             self.counters.spent(**self.scheduler.seconds)
@@ -315,6 +320,9 @@ class Engine:
         cached = state.cached if state is not None else 0
         t = timings(prompt_n, first - job.t_start if job.t_start else 0.0, job.completion_tokens, now - first, spec,
                     cached)
+        if job.held:
+            job.out.put(job.held)
+            job.held = []
         job.out.put(Finished(outcome, prompt_n, job.completion_tokens, t, error, cached))
         off = job.request.speculative is False
         self.counters.finished(job.endpoint, outcome, prompt_n if job.t_start else 0, job.completion_tokens, off,
