@@ -149,3 +149,36 @@ def test_teacher_drafts_in_rounds_equal_plain_decoding_alone_and_in_a_batch(llam
         for request, event in scheduler.step():
             got[id(request)].append(event.token)
     assert [got[id(r)] for r in batch] == refs
+
+
+def test_served_speculative_requests_reuse_the_prompt_cache_as_plain_ones() -> None:
+    """A prompt sent again starts from the server's prompt cache in every mode of the served benchmark: the oracle
+    drafter's batch keeps the real drafter's saved state (DFlash: its context), so a speculative request prefills
+    no more than a plain one (with the defaults it found no usable entry and prefilled every prompt whole)."""
+    from mlx_speculative.benchmarks import synthetic
+
+    sb = script("server_batching")
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        config = synthetic.config_for("tiny")
+        model = synthetic.build(config)
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = sb.word_tokenizer(config["vocab_size"], Path(tmp) / "tokenizer")
+        reqs = sb.prompts(1, config["vocab_size"], 64)
+        for mode in ("plain", "dflash", "dflash-tau1"):
+            target, plugins = sb.target_for(mode, model, config, tokenizer, "tiny", 16, 6.0, reqs, 16)
+            server = sb.serve(target, plugins, {"max_active": 1, "max_queue": 4})
+            try:
+                url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+                first = sb.one(url, reqs[0], 16)[0]
+                before = sb.metrics(server)
+                again = sb.one(url, reqs[0], 16)[0]
+                after = sb.metrics(server)
+            finally:
+                sb.served_real.stop(server)
+            hits = after["mlx_spec_prompt_cache_hits_total"] - before.get("mlx_spec_prompt_cache_hits_total", 0)
+            reused = after["mlx_spec_prompt_cache_reused_tokens_total"] - before.get("mlx_spec_prompt_cache_reused_tokens_total", 0)
+            assert again == first and hits == 1 and reused >= len(tokenizer.encode(reqs[0])) - 1, (mode, hits, reused)
+    finally:
+        mx.set_default_device(device)

@@ -239,6 +239,21 @@ def test_a_row_count_is_asked_for_plain_steps_until_priced() -> None:
     assert not CostTable(max_asks=0).ask_plain(1)
 
 
+def test_an_unpriced_row_count_is_bounded_by_its_priced_neighbours() -> None:
+    """A batch's row count whose rounds were never timed cleanly (rows joined in each) is priced in the round's
+    favour from its neighbours: its round at least a round of fewer rows, its plain step at most a plain step of
+    more rows; with no such neighbour it stays unpriced and no round is vetoed."""
+    t = CostTable()
+    price(t, "round", 1, 16, 0.022)
+    price(t, "plain", 4, 1, 0.0025)
+    assert t.priced(3, 16) == (0.022, 0.0025) and t.priced(3, 8) is None and t.priced(5, 16) is None
+    assert t.round_loses(3, 16, 3.0)  # drafts never accepted: 3 tokens for >= 22 ms against 3 for <= 2.5 ms
+    assert not t.round_loses(3, 16, 40.0)  # not vetoed where even the bounds leave the round ahead
+    price(t, "round", 3, 16, 0.030)
+    price(t, "plain", 3, 1, 0.002)
+    assert t.priced(3, 16) == (0.030, 0.002)  # its own prices once measured
+
+
 def test_a_paused_row_probes_when_its_drafter_sees_a_match() -> None:
     """ngram: a row paused after rejected rounds probes as soon as the last n tokens occurred before (the text
     repeats something, e.g. code copied from the prompt) instead of waiting out its pause."""
