@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import mlx.core as mx
 import pytest
@@ -19,11 +19,20 @@ from test_bench_scripts import BENCH, script
 pytestmark = pytest.mark.integration
 
 
+def _tiny(sb: Any) -> Tuple[Dict[str, Any], Any, Any]:
+    """The served benchmark's tiny synthetic target: (config, model, its word tokenizer)."""
+    from mlx_speculative.benchmarks import synthetic
+
+    config = synthetic.config_for("tiny")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = sb.word_tokenizer(config["vocab_size"], Path(tmp) / "tokenizer")
+    return config, synthetic.build(config), tokenizer
+
+
 def test_the_warm_up_meets_accepted_rounds_whatever_the_drafter_proposes() -> None:
     """The served benchmark's oracle drafter knows only the served prompts: on the warm-up's text every draft it
     proposes is wrong. The warm-up's teacher drafts (the target's own continuation, plugin/draft.py ``teacher``)
     still give it accepted rounds; the same batches without them accept nothing."""
-    from mlx_speculative.benchmarks import synthetic
     from mlx_speculative.hooks import warmup
     from mlx_speculative.hooks.host import GenerationParams, Host
     from mlx_speculative.hooks.manager import make_plugin_manager
@@ -41,10 +50,7 @@ def test_the_warm_up_meets_accepted_rounds_whatever_the_drafter_proposes() -> No
         return METRICS.snapshot()["spec_decode_num_accepted_tokens_total"] - before
 
     try:
-        config = synthetic.config_for("tiny")
-        model = synthetic.build(config)
-        with tempfile.TemporaryDirectory() as tmp:
-            tokenizer = sb.word_tokenizer(config["vocab_size"], Path(tmp) / "tokenizer")
+        config, model, tokenizer = _tiny(sb)
         reqs = sb.prompts(2, config["vocab_size"], 64)
 
         def untaught() -> None:
@@ -155,16 +161,11 @@ def test_served_speculative_requests_reuse_the_prompt_cache_as_plain_ones() -> N
     """A prompt sent again starts from the server's prompt cache in every mode of the served benchmark: the oracle
     drafter's batch keeps the real drafter's saved state (DFlash: its context), so a speculative request prefills
     no more than a plain one (with the defaults it found no usable entry and prefilled every prompt whole)."""
-    from mlx_speculative.benchmarks import synthetic
-
     sb = script("server_batching")
     device = mx.default_device()
     mx.set_default_device(mx.cpu)
     try:
-        config = synthetic.config_for("tiny")
-        model = synthetic.build(config)
-        with tempfile.TemporaryDirectory() as tmp:
-            tokenizer = sb.word_tokenizer(config["vocab_size"], Path(tmp) / "tokenizer")
+        config, model, tokenizer = _tiny(sb)
         reqs = sb.prompts(1, config["vocab_size"], 64)
         for mode in ("plain", "dflash", "dflash-tau1"):
             target, plugins = sb.target_for(mode, model, config, tokenizer, "tiny", 16, 6.0, reqs, 16)
