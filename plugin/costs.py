@@ -77,12 +77,15 @@ class CostTable:
         a served batch so often that some row counts' rounds are never timed cleanly (``_price`` skips a step rows
         joined in): unpriced, they were never vetoed, and on a CPU, where a round costs dozens of plain steps, a
         4-client tau-1 load ran 64 of them in 8 s."""
-        r = self._nearest("round", rows, width, range(rows, 0, -1))
-        p = self._nearest("plain", rows, 1, range(rows, rows + 65))
+        r = self._nearest("round", rows, width, fewer=True)
+        p = self._nearest("plain", rows, 1, fewer=False)
         return None if r is None or p is None else (r, p)
 
-    def _nearest(self, kind: str, rows: int, width: int, order: Sequence[int]) -> Optional[float]:
-        return next((v for v in (self.get(kind, n, width) for n in order) if v is not None), None)
+    def _nearest(self, kind: str, rows: int, width: int, fewer: bool) -> Optional[float]:
+        """The price of the priced row count nearest ``rows`` (itself included) on the side ``fewer`` says."""
+        near = [n for (k, n, w) in self.least if k == kind and w == width and (n <= rows if fewer else n >= rows)
+                and self.get(k, n, w) is not None]
+        return self.get(kind, max(near) if fewer else min(near), width) if near else None
 
     def report(self) -> Dict[str, float]:
         return {f"{k}:{b}x{w}": round(v * 1e3, 3) for (k, b, w), v in sorted(self.least.items())
@@ -130,5 +133,7 @@ def batch_loses(batch: Any, costs: CostTable, controllers: Sequence["BlockSizeCo
     expected = rows - len(drafting) + sum(expected_tokens(c.alpha, k) for c, k in drafting)
     if not costs.round_loses(rows, width, expected):
         return ""
-    r, p = costs.priced(rows, width) or (0.0, 0.0)
+    priced = costs.priced(rows, width)
+    assert priced is not None  # round_loses found both prices
+    r, p = priced
     return f"{rows}x{width} round {1e3 * r:.1f} ms for {expected:.1f} tokens, plain step {1e3 * p:.1f} ms"
