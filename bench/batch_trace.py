@@ -13,8 +13,8 @@ the host's scheduler together (no HTTP):
   continuation with errors injected (oracle tau), each round phase by phase with the device synchronised
   between phases (bench/round_trace.py's traced round), the first rounds (fresh shapes) apart from the rest.
 
-``--served-steps`` adds pipelined plain steps with and without the drafter's captures (as a server takes them
-during a pause) and synchronised verify forwards; ``--profile`` the plugin's own rounds under cProfile (the
+``--served-steps`` adds pipelined plain steps over mlx-lm's caches and over the policy's with and without the
+drafter's captures (as a server takes them without the plugin and during a pause) and synchronised verify forwards; ``--profile`` the plugin's own rounds under cProfile (the
 functions with the most host time a step); ``--no-rounds`` skips the traced rounds.
 
 ``--kernel-all`` also runs each with the attention kernel taking every 1..32-query call of a batch at any key
@@ -190,6 +190,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         row = plain_steps(plain_host, stock, reqs[:b], args.max_tokens)
         report["plain"].append({"caches": "mlx-lm", **row})
         print(f"plain mlx-lm {row}", flush=True)
+        if args.served_steps:  # as a server without the plugin takes them: the policy's pipelined steps' baseline
+            row = plain_steps(plain_host, stock, reqs[:b], args.max_tokens, synced=False)
+            report["plain"].append({"caches": "mlx-lm, pipelined", **row})
+            print(f"plain mlx-lm pipelined {row}", flush=True)
     policy = cuda.backend_for()
     drafter, _ = synthetic.dflash_drafter(model, config, args.block, 5, 2, policy)
     ora = orc.Oracle(orc.alpha_for_tau(args.tau, args.block), vocab)

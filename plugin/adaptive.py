@@ -19,7 +19,8 @@ average over rounds, so that one bad round after good ones does not shrink the b
   that collapses again doubles the pause (up to ``max_pause``); a round that paid for itself (``paid``)
   resets it. Once both costs are measured a pause is at least long enough that its probe
   round costs no more than ``probe_budget`` of it: (round / plain step - 1) / probe_budget steps.
-  No probe when fewer tokens are left than the pause before it (``skip_probe``). In a batch on a
+  No probe when fewer tokens are left than the pause before it (``skip_probe``). A request's first pause goes
+  on from its target's latest (``Backoff``: the requests of one deployment draft alike). In a batch on a
   shape-stable target a paused row drafts in the rounds the other rows run (plugin/round.py ``_ride``); such a
   round that paid ends its pause.
 
@@ -57,6 +58,17 @@ from .costs import CostTable, expected_tokens
 
 
 @dataclass
+class Backoff:
+    """The latest pause among one target's requests, shared by their controllers (``Attachment.backoff``): 0 once a
+    round paid. A new request's first losing round pauses from there, not from ``min_pause``: otherwise each
+    request climbs the backoff again (8, 16, 32, 64 steps), and one served client at tau 1 ran 8 rounds a 256-token
+    request on an H100, each a round's cost for one token. Its first round still runs: a request whose drafts are
+    accepted never pauses."""
+
+    pause: int = 0
+
+
+@dataclass
 class BlockSizeController:
     cap: int
     adaptive: bool = True
@@ -88,9 +100,12 @@ class BlockSizeController:
     window: List[Tuple[int, int]] = field(default_factory=list)  # (accepted, tried) of the latest rounds
     window_size: int = 64  # rounds kept
     window_tried: int = 32  # drafts tried over the latest rounds that ``alpha`` reads
+    backoff: Optional[Backoff] = None  # the target's latest pause (None: the request's own alone)
     _good: int = 0
 
     def __post_init__(self) -> None:
+        if self.backoff is not None:
+            self.pause = self.backoff.pause
         if self.cap < self.floor:
             self.floor = max(2, self.cap)
         self.size = min(self.cap, self.start) if self.start >= self.floor else self.cap
@@ -200,6 +215,8 @@ class BlockSizeController:
         self.pause = max(backoff, probe_paid)
         self.paused_left = self.pause
         self._good = 0
+        if self.backoff is not None:
+            self.backoff.pause = self.pause
 
     def update(self, accepted: int, draft_tokens: int) -> None:
         probe, self.probing = self.probing, False
@@ -218,6 +235,8 @@ class BlockSizeController:
         collapsed = self.recent_rate < self.collapse_rate
         if paid:
             self.pause = 0  # the next pause starts short again
+            if self.backoff is not None:
+                self.backoff.pause = 0
             self.paused_left = 0  # a paused row drafting in its batch's round (plugin/round.py ``_ride``)
         if self.decide_by_costs:
             self._by_costs(collapsed, accepted, rate)

@@ -108,7 +108,7 @@ def row_rounds(state: DecodeState, att: Any) -> Optional[RowRounds]:
             controller=BlockSizeController(cap=att.max_block or att.block_size, start=att.block_size,
                                            adaptive=att.settings.adaptive and att.settings.block_size is None,
                                            costs=att.costs, width_for=width_for,
-                                           shape_stable=state.target.cache_policy.shape_stable),
+                                           shape_stable=state.target.cache_policy.shape_stable, backoff=att.backoff),
             stats=stats, settings=att.settings, expected=state.generated,
         )
         saved = state.restored.get(NAME) if state.cached else None

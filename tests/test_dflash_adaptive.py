@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import price
-from mlx_speculative.plugin.adaptive import BlockSizeController
+from mlx_speculative.plugin.adaptive import Backoff, BlockSizeController
 from mlx_speculative.plugin.costs import expected_tokens
 
 pytestmark = pytest.mark.unit
@@ -136,6 +136,29 @@ def test_collapse_at_the_floor_pauses_with_backoff_and_probes() -> None:
     pinned = BlockSizeController(cap=2, adaptive=False)
     pinned.update(0, 1)
     assert not pinned.take_plain_steps()
+
+
+def test_a_new_request_pauses_from_its_targets_latest_pause() -> None:
+    shared = Backoff()
+    first = BlockSizeController(cap=16, backoff=shared)
+    run(first, 0.0, 2)  # two rounds accepting nothing: paused
+    for expect in (8, 16, 32, 64):
+        assert first.take_plain_steps() == expect
+        first.update(0, 15)  # each probe rejected: the backoff doubles
+    assert shared.pause == 64
+    second = BlockSizeController(cap=16, backoff=shared)
+    assert not second.paused_left  # its first rounds run
+    run(second, 0.0, 2)
+    assert second.paused_left == 64  # alone: 8, and 8 rounds a 256-token request at tau 1
+    good = BlockSizeController(cap=16, backoff=shared)
+    assert run(good, 1.0, 4) == [16] * 4 and not good.paused_left  # drafts accepted: never paused
+    assert shared.pause == 0  # and the next request's pauses start short again
+    third = BlockSizeController(cap=16, backoff=shared)
+    run(third, 0.0, 2)
+    assert third.paused_left == 8
+    alone = BlockSizeController(cap=16)
+    run(alone, 0.0, 2)
+    assert alone.paused_left == 8 and shared.pause == 8
 
 
 def test_no_probe_when_fewer_tokens_are_left_than_the_pause() -> None:
