@@ -20,7 +20,8 @@ average over rounds, so that one bad round after good ones does not shrink the b
   resets it. Once both costs are measured a pause is at least long enough that its probe
   round costs no more than ``probe_budget`` of it: (round / plain step - 1) / probe_budget steps.
   No probe when fewer tokens are left than the pause before it (``skip_probe``). A request's first pause goes
-  on from its target's latest (``Backoff``: the requests of one deployment draft alike). In a batch on a
+  on from its target's latest, and its acceptance estimate starts from its target's recent rate (``Recent``: the
+  requests of one deployment draft alike). In a batch on a
   shape-stable target a paused row drafts in the rounds the other rows run (plugin/round.py ``_ride``); such a
   round that paid ends its pause.
 
@@ -50,22 +51,42 @@ round used; the stats report it (``SpecStats.block_sizes``).
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Deque, List, Optional, Tuple
 
 from .costs import CostTable, expected_tokens
 
 
 @dataclass
-class Backoff:
-    """The latest pause among one target's requests, shared by their controllers (``Attachment.backoff``): 0 once a
-    round paid. A new request's first losing round pauses from there, not from ``min_pause``: otherwise each
-    request climbs the backoff again (8, 16, 32, 64 steps), and one served client at tau 1 ran 8 rounds a 256-token
-    request on an H100, each a round's cost for one token. Its first round still runs: a request whose drafts are
-    accepted never pauses."""
+class Recent:
+    """What one target's latest rounds saw, shared by its requests' controllers (``Attachment.recent``; the server's
+    warm-up rows, whose drafts are the target's own, neither read nor feed it): the latest pause (0 once a round
+    paid) and the drafts accepted and tried over the latest rounds. A new request's first pause goes on from the
+    former, and ``alpha``'s prior is the latter's rate, not a fixed guess. Why, measured on an H100 with drafts
+    never accepted (oracle tau 1, 256-token requests): each request climbed the backoff again (12, 24, 48, 64
+    steps) and, its prior of 4 drafts at ``good_rate`` giving way one rejected draft a round, ran 5 rounds alone and
+    9 in a batch of 8 before its first pause: 7 and 14.6 rounds a request, 8 clients at 0.76x plain batching."""
 
     pause: int = 0
+    window: Deque[Tuple[int, int]] = field(default_factory=lambda: collections.deque(maxlen=64))
+    window_tried: int = 32  # drafts tried over the latest rounds that ``alpha`` reads
+    min_tried: int = 8  # ... and the fewest it takes (a rejected round tries one)
+
+    def add(self, accepted: int, tried: int) -> None:
+        self.window.append((accepted, tried))
+
+    @property
+    def alpha(self) -> Optional[float]:
+        """Accepted over tried over the latest rounds that tried ``window_tried`` drafts, or all of them where they
+        tried at least ``min_tried`` (None: fewer so far)."""
+        accepted = tried = 0
+        for a, t in reversed(self.window):
+            accepted, tried = accepted + a, tried + t
+            if tried >= self.window_tried:
+                break
+        return accepted / tried if tried >= self.min_tried else None
 
 
 @dataclass
@@ -90,7 +111,8 @@ class BlockSizeController:
     width_for: Callable[[int], int] = lambda n: n  # the verify width a block of n positions takes (the cache policy's)
     accepted_total: int = 0  # drafts accepted over the request's rounds ...
     tried_total: int = 0  # ... and drafts tried up to each round's first rejection
-    prior: float = 4.0  # pseudo-rounds' worth of drafts tried at ``good_rate`` in the request-long estimate
+    prior: float = 4.0  # drafts tried at ``prior_rate`` in the request-long estimate
+    prior_rate: float = -1.0  # ``shared``'s rate when the request started, else ``good_rate``
     pause: int = 0  # length of the next pause, in plain steps (0: not pausing)
     paused_left: int = 0  # plain steps still to take before the next probe round
     plain_steps: int = 0  # plain steps taken while paused, for the stats
@@ -100,12 +122,15 @@ class BlockSizeController:
     window: List[Tuple[int, int]] = field(default_factory=list)  # (accepted, tried) of the latest rounds
     window_size: int = 64  # rounds kept
     window_tried: int = 32  # drafts tried over the latest rounds that ``alpha`` reads
-    backoff: Optional[Backoff] = None  # the target's latest pause (None: the request's own alone)
+    shared: Optional[Recent] = None  # the target's latest rounds (None: the request's own alone)
     _good: int = 0
 
     def __post_init__(self) -> None:
-        if self.backoff is not None:
-            self.pause = self.backoff.pause
+        # Taken when the request starts: rows decoding together do not move each other's estimates.
+        rate = self.shared.alpha if self.shared is not None else None
+        self.prior_rate = self.good_rate if rate is None else rate
+        if self.shared is not None:
+            self.pause = self.shared.pause
         if self.cap < self.floor:
             self.floor = max(2, self.cap)
         self.size = min(self.cap, self.start) if self.start >= self.floor else self.cap
@@ -144,7 +169,8 @@ class BlockSizeController:
     @property
     def alpha(self) -> float:
         """Per-position acceptance estimate: over the latest rounds that tried ``window_tried`` drafts, else over
-        the request's rounds with ``prior`` drafts tried at ``good_rate`` added. Not a fast average: with a weight
+        the request's rounds with ``prior`` drafts tried at ``prior_rate`` added (the target's recent rate when the
+        request started, ``Recent``; else ``good_rate``). Not a fast average: with a weight
         of 1/2 on the newest round, two rejected rounds between good ones halved it and one served row at tau 5.9
         paused 12 times in 30 s (H100). Nor a window of a fixed number of rounds: 8 rounds at tau 3 try ~24 drafts,
         and their estimate fell below break-even often enough that a round worth 1.41x plain ran at 1.17x (the
@@ -154,7 +180,7 @@ class BlockSizeController:
             accepted, tried = accepted + a, tried + t
             if tried >= self.window_tried:
                 return accepted / tried
-        return (self.accepted_total + self.good_rate * self.prior) / (self.tried_total + self.prior)
+        return (self.accepted_total + self.prior_rate * self.prior) / (self.tried_total + self.prior)
 
     @property
     def round_seconds(self) -> float:
@@ -215,8 +241,8 @@ class BlockSizeController:
         self.pause = max(backoff, probe_paid)
         self.paused_left = self.pause
         self._good = 0
-        if self.backoff is not None:
-            self.backoff.pause = self.pause
+        if self.shared is not None:
+            self.shared.pause = self.pause
 
     def update(self, accepted: int, draft_tokens: int) -> None:
         probe, self.probing = self.probing, False
@@ -230,13 +256,15 @@ class BlockSizeController:
         self.window = (start + [(accepted, tried)])[-self.window_size:]
         self.accepted_total += accepted
         self.tried_total += tried
+        if self.shared is not None:
+            self.shared.add(accepted, tried)
         self.recent_rate = self.decay * rate + (1 - self.decay) * self.recent_rate
         self.recent_accepted = self.decay * accepted + (1 - self.decay) * self.recent_accepted
         collapsed = self.recent_rate < self.collapse_rate
         if paid:
             self.pause = 0  # the next pause starts short again
-            if self.backoff is not None:
-                self.backoff.pause = 0
+            if self.shared is not None:
+                self.shared.pause = 0
             self.paused_left = 0  # a paused row drafting in its batch's round (plugin/round.py ``_ride``)
         if self.decide_by_costs:
             self._by_costs(collapsed, accepted, rate)

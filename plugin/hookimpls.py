@@ -14,7 +14,7 @@ from ..hooks.api import (
     RowSnapshot, StepOutput, check_supported, draft_backend, hookimpl, knobs, loading,
 )
 from . import cuda, draft, flags, round
-from .adaptive import Backoff
+from .adaptive import Recent
 from .costs import CostTable
 from .metrics import METRICS
 from .settings import SpeculativeSettings, resolve
@@ -34,7 +34,7 @@ class Attachment:
     policy: Optional[Backend] = None  # the CUDA backend (plugin/cuda/) for the target and drafter; None: the host's
     max_block: int = 0  # adaptive blocks grow up to this (the drafter's max_block_size; block_size when pinned)
     costs: CostTable = field(default_factory=CostTable)  # rounds and plain steps by shape, for the controllers
-    backoff: Backoff = field(default_factory=Backoff)  # the latest pause of the target's requests (adaptive.py)
+    recent: Recent = field(default_factory=Recent)  # what the target's latest rounds saw (adaptive.py)
     ahead_mode: str = "on"  # what rounds queue before reading their outcome ($MLX_SPEC_DRAFT_AHEAD: on | verify | off)
     lazy_drafts: bool = True  # proposals stay unevaluated until the verify (runtime.lazy_drafts, $MLX_SPEC_LAZY_DRAFTS)
 

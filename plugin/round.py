@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import mlx.core as mx
 
 from ..drafters.base import DraftBatch, Proposal
-from ..hooks.api import CacheTransaction, DecodeBatch, DecodeState, GeneratedToken, StepOutput, UnsupportedCache, replay
+from ..hooks.api import (WARMUP_CONTINUATION, CacheTransaction, DecodeBatch, DecodeState, GeneratedToken, StepOutput,
+                         UnsupportedCache, replay)
 from . import commit
 from .accept import RoundOutcome, RoundPlans
 from .adaptive import BlockSizeController
@@ -108,7 +109,8 @@ def row_rounds(state: DecodeState, att: Any) -> Optional[RowRounds]:
             controller=BlockSizeController(cap=att.max_block or att.block_size, start=att.block_size,
                                            adaptive=att.settings.adaptive and att.settings.block_size is None,
                                            costs=att.costs, width_for=width_for,
-                                           shape_stable=state.target.cache_policy.shape_stable, backoff=att.backoff),
+                                           shape_stable=state.target.cache_policy.shape_stable,
+                                           shared=None if state.options.get(WARMUP_CONTINUATION) else att.recent),
             stats=stats, settings=att.settings, expected=state.generated,
         )
         saved = state.restored.get(NAME) if state.cached else None

@@ -3,10 +3,12 @@ pauses for plain steps sized by the measured costs."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 
 from conftest import price
-from mlx_speculative.plugin.adaptive import Backoff, BlockSizeController
+from mlx_speculative.plugin.adaptive import BlockSizeController, Recent
 from mlx_speculative.plugin.costs import expected_tokens
 
 pytestmark = pytest.mark.unit
@@ -139,26 +141,59 @@ def test_collapse_at_the_floor_pauses_with_backoff_and_probes() -> None:
 
 
 def test_a_new_request_pauses_from_its_targets_latest_pause() -> None:
-    shared = Backoff()
-    first = BlockSizeController(cap=16, backoff=shared)
+    shared = Recent()
+    first = BlockSizeController(cap=16, shared=shared)
     run(first, 0.0, 2)  # two rounds accepting nothing: paused
     for expect in (8, 16, 32, 64):
         assert first.take_plain_steps() == expect
         first.update(0, 15)  # each probe rejected: the backoff doubles
     assert shared.pause == 64
-    second = BlockSizeController(cap=16, backoff=shared)
+    second = BlockSizeController(cap=16, shared=shared)
     assert not second.paused_left  # its first rounds run
     run(second, 0.0, 2)
     assert second.paused_left == 64  # alone: 8, and 8 rounds a 256-token request at tau 1
-    good = BlockSizeController(cap=16, backoff=shared)
+    good = BlockSizeController(cap=16, shared=shared)
     assert run(good, 1.0, 4) == [16] * 4 and not good.paused_left  # drafts accepted: never paused
     assert shared.pause == 0  # and the next request's pauses start short again
-    third = BlockSizeController(cap=16, backoff=shared)
+    third = BlockSizeController(cap=16, shared=shared)
     run(third, 0.0, 2)
     assert third.paused_left == 8
     alone = BlockSizeController(cap=16)
     run(alone, 0.0, 2)
     assert alone.paused_left == 8 and shared.pause == 8
+
+
+def _in_8_rows(recent: Optional[Recent]) -> BlockSizeController:
+    c = BlockSizeController(cap=16, shape_stable=True, shared=recent, shape=(8, 16))
+    price(c.costs, "round", 8, 16, 0.0193)  # an H100's 8-row round and plain step (served, 8 clients)
+    price(c.costs, "plain", 8, 1, 0.0146)
+    return c
+
+
+def _rounds_before_pause(c: BlockSizeController) -> int:
+    n = 0
+    while not c.paused_left and n < 50:
+        c.next()
+        c.update(0, 15)  # nothing accepted
+        n += 1
+    return n
+
+
+def test_a_new_request_starts_from_its_targets_recent_acceptance() -> None:
+    # Drafts never accepted: alone, the prior (4 drafts at the good rate) gives way one rejected draft a round, and
+    # a row of an 8-row batch ran 9 rounds before it paused. Once its target's rounds tried a few drafts (8 here),
+    # their rate is the next request's prior: its first round pauses it.
+    assert [_rounds_before_pause(_in_8_rows(None)) for _ in range(3)] == [9, 9, 9]
+    shared = Recent()
+    assert shared.alpha is None  # nothing seen: the good rate
+    assert [_rounds_before_pause(_in_8_rows(shared)) for _ in range(3)] == [9, 1, 1]
+    assert shared.alpha == 0.0
+    # Drafts accepted: the target's rate carries over too, and the block stays.
+    good = Recent()
+    for _ in range(3):
+        c = _in_8_rows(good)
+        assert run(c, 1.0, 6) == [16] * 6 and not c.paused_left
+    assert good.alpha is not None and good.alpha > 0.99 and c.alpha > 0.99
 
 
 def test_no_probe_when_fewer_tokens_are_left_than_the_pause() -> None:

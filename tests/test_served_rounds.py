@@ -359,6 +359,7 @@ def _served_seconds(pair: Dict[str, Path], clients: int, how: Optional[str], mon
         att.block_size = block or att.block_size
         warmup.warm_up(host, target, clients, tokens=64)
         assert all(att.costs.get("plain", rows, 1) for rows in range(1, clients + 1))
+        assert not att.recent.window and not att.recent.pause  # the warm-up's teacher drafts: not the deployment's
     shapes: List[Tuple[int, int]] = []
     real = DecodeBatch.forward
 
@@ -385,11 +386,12 @@ def _served_seconds(pair: Dict[str, Path], clients: int, how: Optional[str], mon
 _SERVED: Dict[str, float] = {}
 
 
-@pytest.mark.parametrize("how, least", [("zero", 0.9), ("full", 2.0), ("tau6", 1.7)])
+@pytest.mark.parametrize("how, least", [("zero", 0.97), ("full", 2.0), ("tau6", 1.7)])
 def test_served_rounds_at_gpu_prices_never_lose_to_plain_batching(how: str, least: float, pair: Dict[str, Path],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eight clients, requests arriving as earlier ones end, at H100 prices: drafts never accepted cost at most a
-    tenth over plain batching (rounds pause, the batch takes plain steps, probes are rare); drafts always
+    """Eight clients, requests arriving as earlier ones end, at H100 prices: drafts never accepted cost at most 3%
+    over plain batching (rounds pause, the batch takes plain steps, probes are rare; 0.94x where each request
+    started from a prior of its own, adaptive.py ``Recent``: 0.99x); drafts always
     accepted keep their rounds (at least 2x: the drafter's block starts at 4 and grows while it pays, and these
     requests are short); drafts accepted each with probability 0.84 (tau 6 at block 16) at least 1.7x: a row
     paused on a dip drafts in the rounds the others run (``_ride``; 1.48x without). Outputs equal each request's
