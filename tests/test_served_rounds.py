@@ -239,6 +239,37 @@ def test_a_row_count_is_asked_for_plain_steps_until_priced() -> None:
     assert not CostTable(max_asks=0).ask_plain(1)
 
 
+def test_a_row_count_is_priced_by_runs_of_plain_steps(pair: Dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose drafts are all accepted never pause, so their row count's plain step is priced by the plain runs
+    the batch is asked to take (``prices_plain``): runs of ``PRICE_STEPS``, not single steps (a run's first step
+    is not pipelined: one-step runs priced an H100's 8-row plain step 27% above the runs of paused rows), until
+    priced; the outputs stay each request's own."""
+    from mlx_speculative.hooks import step as host_step
+    from mlx_speculative.plugin import round as spec_round
+
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")  # the shape-stable policy: plain steps are priced
+    monkeypatch.setenv(compiled.ENV, "on")
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
+    limits: List[Optional[int]] = []
+    real = host_step.PlainRun.__init__
+
+    def init(self: Any, batch: Any, limit: Optional[int]) -> None:
+        if not batch.single:  # not a prompt's last token (hooks/host.py prefill)
+            limits.append(limit)
+        real(self, batch, limit)
+
+    monkeypatch.setattr(host_step.PlainRun, "__init__", init)
+    probe = make_host(None, plugins=False).load(str(pair["target"]))
+    requests = [encode(probe, PROMPTS[i]) for i in range(2)]
+    costs = Logged()
+    host, target, refs = _forced_host(pair, requests, ["full", "full"], [], costs)
+    assert _decode(host, target, requests)[0] == refs
+    plain = [entry for entry in costs.log if entry[0] == "plain"]
+    assert len(plain) >= 3 and costs.get("plain", 2, 1) is not None, costs.log  # priced: three runs
+    asked = [n for n in limits if n == spec_round.PRICE_STEPS]
+    assert len(asked) >= 3 and 1 not in limits, limits
+
+
 def test_an_unpriced_row_count_is_bounded_by_its_priced_neighbours() -> None:
     """A batch's row count whose rounds were never timed cleanly (rows joined in each) is priced in the round's
     favour from its neighbours: its round at least a round of fewer rows, its plain step at most a plain step of
