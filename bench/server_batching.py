@@ -8,7 +8,8 @@ each client count of ``--clients``, that many threads send completions for ``--d
 output is compared with the same request answered alone first (0 mismatches expected in every mode).
 
 Modes: ``plain`` (the host's plain decoding, the plugins registered as installed, speculation off: on CUDA the
-plugin's backend, rows at their own lengths, padded keys, the kernels), ``mlx-lm`` (no plugin: mlx-lm's caches,
+plugin's backend, rows at their own lengths, padded keys, the kernels), ``plain-compiled`` (the same with its
+one-token steps through the compiled forward too: an A/B), ``mlx-lm`` (no plugin: mlx-lm's caches,
 attention and matmuls), ``dflash`` (a
 DFlash-shape drafter runs for real, its proposals replaced by each request's reference continuation with
 errors injected at mean acceptance length ``--tau``, as ``mlx-spec bench``'s oracle does; adaptive blocks of
@@ -68,7 +69,7 @@ import served_real  # noqa: E402
 from stack_sampler import StackSampler  # noqa: E402
 
 SAMPLE_STACKS = False  # --sample-stacks: the generation thread's stack sampled during each load
-MODES = ("plain", "mlx-lm", "dflash", "dflash-tau1", "dflash-uncompiled-batches")
+MODES = ("plain", "plain-compiled", "mlx-lm", "dflash", "dflash-tau1", "dflash-uncompiled-batches")
 
 
 def word(i: int) -> str:
@@ -213,9 +214,15 @@ def target_for(mode: str, model: nn.Module, config: Dict[str, Any], tokenizer: A
     target = LoadedTarget(model=model, tokenizer=tokenizer, path=Path("synthetic"), model_config=config, name=name)
     if mode == "mlx-lm":
         return target, []
-    if mode == "plain":  # as the plugin attaches itself with speculation off
-        target.attachments[hookimpls.NAME] = hookimpls.Attachment(
-            settings=SpeculativeSettings(enabled=False), policy=hookimpls.plain_backend())
+    if mode in ("plain", "plain-compiled"):  # as the plugin attaches itself with speculation off
+        policy = hookimpls.plain_backend()
+        if mode == "plain-compiled" and policy is not None and policy.forward is not None:
+            # The A/B of one-token steps compiled too: plain steps are host-bound on an H100 (the GPU busy 51-60% of
+            # plain serving), and a compiled forward builds nothing in Python; one row measured slower compiled on an
+            # H200 at 4k-16k keys, batches never measured.
+            policy.forward.widths = policy.forward.widths | {1}
+        target.attachments[hookimpls.NAME] = hookimpls.Attachment(settings=SpeculativeSettings(enabled=False),
+                                                                  policy=policy)
         return target, [hookimpls]
     policy = cuda.backend_for()
     if mode == "dflash-uncompiled-batches" and policy is not None and policy.forward is not None:

@@ -167,7 +167,7 @@ def test_served_speculative_requests_reuse_the_prompt_cache_as_plain_ones() -> N
     try:
         config, model, tokenizer = _tiny(sb)
         reqs = sb.prompts(1, config["vocab_size"], 64)
-        for mode in ("plain", "dflash", "dflash-tau1"):
+        for mode in ("plain", "plain-compiled", "dflash", "dflash-tau1"):
             target, plugins = sb.target_for(mode, model, config, tokenizer, "tiny", 16, 6.0, reqs, 16)
             server = sb.serve(target, plugins, {"max_active": 1, "max_queue": 4})
             try:
