@@ -54,9 +54,19 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional, Tuple
+from typing import Callable, Deque, List, Optional, Sequence, Tuple
 
 from .costs import CostTable, expected_tokens
+
+
+def latest(window: Sequence[Tuple[int, int]], enough: int) -> Tuple[int, int]:
+    """(accepted, tried) summed over the latest rounds of ``window`` until they tried ``enough`` drafts (or all)."""
+    accepted = tried = 0
+    for a, t in reversed(window):
+        accepted, tried = accepted + a, tried + t
+        if tried >= enough:
+            break
+    return accepted, tried
 
 
 @dataclass
@@ -81,11 +91,7 @@ class Recent:
     def alpha(self) -> Optional[float]:
         """Accepted over tried over the latest rounds that tried ``window_tried`` drafts, or all of them where they
         tried at least ``min_tried`` (None: fewer so far)."""
-        accepted = tried = 0
-        for a, t in reversed(self.window):
-            accepted, tried = accepted + a, tried + t
-            if tried >= self.window_tried:
-                break
+        accepted, tried = latest(self.window, self.window_tried)
         return accepted / tried if tried >= self.min_tried else None
 
 
@@ -175,11 +181,9 @@ class BlockSizeController:
         paused 12 times in 30 s (H100). Nor a window of a fixed number of rounds: 8 rounds at tau 3 try ~24 drafts,
         and their estimate fell below break-even often enough that a round worth 1.41x plain ran at 1.17x (the
         controller simulated, block 16, round 2.1 plain steps); over 32 drafts tried it runs at 1.29x."""
-        accepted = tried = 0
-        for a, t in reversed(self.window):
-            accepted, tried = accepted + a, tried + t
-            if tried >= self.window_tried:
-                return accepted / tried
+        accepted, tried = latest(self.window, self.window_tried)
+        if tried >= self.window_tried:
+            return accepted / tried
         return (self.accepted_total + self.prior_rate * self.prior) / (self.tried_total + self.prior)
 
     @property
