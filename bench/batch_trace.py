@@ -14,8 +14,9 @@ the host's scheduler together (no HTTP):
   between phases (bench/round_trace.py's traced round), the first rounds (fresh shapes) apart from the rest.
 
 ``--served-steps`` adds pipelined plain steps over mlx-lm's caches and over the policy's with and without the
-drafter's captures (as a server takes them without the plugin and during a pause) and synchronised verify forwards; ``--profile`` the plugin's own rounds under cProfile (the
-functions with the most host time a step); ``--no-rounds`` skips the traced rounds.
+drafter's captures (as a server takes them without the plugin and during a pause) and synchronised verify
+forwards; ``--profile`` the plugin's own rounds under cProfile (the functions with the most host time a step);
+``--no-rounds`` skips the traced rounds.
 
 ``--kernel-all`` also runs each with the attention kernel taking every 1..32-query call of a batch at any key
 length (MLX's attention compiles per shape).

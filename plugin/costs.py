@@ -68,7 +68,7 @@ class CostTable:
         """A round of ``rows`` x ``width`` expecting ``expected`` tokens in all yields fewer tokens per second
         than plain steps of those rows, at the costs measured or bounded (``priced``; False while unknown)."""
         got = self.priced(rows, width)
-        return got is not None and expected / got[0] < rows / got[1]
+        return got is not None and loses_at(got, rows, expected)
 
     def priced(self, rows: int, width: int) -> Optional[Tuple[float, float]]:
         """(round of ``rows`` x ``width``, plain step of ``rows``): each shape's price, or where it has none yet the
@@ -90,6 +90,12 @@ class CostTable:
     def report(self) -> Dict[str, float]:
         return {f"{k}:{b}x{w}": round(v * 1e3, 3) for (k, b, w), v in sorted(self.least.items())
                 if self.seen[(k, b, w)] > self.trust}
+
+
+def loses_at(prices: Tuple[float, float], rows: int, expected: float) -> bool:
+    """A round yielding ``expected`` tokens yields fewer per second than plain steps of ``rows``, at ``prices``
+    (round, plain step)."""
+    return expected / prices[0] < rows / prices[1]
 
 
 def expected_tokens(alpha: float, drafts: int) -> float:
@@ -131,9 +137,8 @@ def batch_loses(batch: Any, costs: CostTable, controllers: Sequence["BlockSizeCo
     rows = len(batch.rows)
     width = batch.target.cache_policy.verify_width(1 + max(k or 0 for k in plans))
     expected = rows - len(drafting) + sum(expected_tokens(c.alpha, k) for c, k in drafting)
-    if not costs.round_loses(rows, width, expected):
-        return ""
     priced = costs.priced(rows, width)
-    assert priced is not None  # round_loses found both prices
+    if priced is None or not loses_at(priced, rows, expected):
+        return ""
     r, p = priced
     return f"{rows}x{width} round {1e3 * r:.1f} ms for {expected:.1f} tokens, plain step {1e3 * p:.1f} ms"
