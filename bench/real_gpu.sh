@@ -1,16 +1,39 @@
 #!/usr/bin/env bash
 # The real pair on the GPU machine: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B (draft LM), their GGUF
 # files staged into /tmp/real by bench/real_stage.sh, MLX-CUDA in /tmp/site (../shared/gpu/prepare-mlx-cuda.sh;
-# docs/gpu.md). The trained drafters stay on the machine: these commands rebuild them.
+# docs/gpu.md). The commands that rebuild the trained drafters are here; a trained one comes back in parts (export) to
+# go on training on a later machine (staged as /tmp/real/KIND-init).
 #   bash bench/real_gpu.sh convert                 # GGUF -> /tmp/real/NAME-bf16 (mlx-spec convert)
 #   bash bench/real_gpu.sh train KIND SECONDS [FLAGS]  # KIND dflash or eagle3 for the 1.5B, on the target's greedy
 #                                                  # continuations of the Python stdlib; stops after SECONDS with a
 #                                                  # checkpoint, and the same command again resumes it (a device
 #                                                  # call lasts at most 10 minutes)
+#                                                  # (a drafter brought back from an earlier machine, staged into
+#                                                  # /tmp/real/KIND-init, is the start of a new run: --init)
+#   bash bench/real_gpu.sh export KIND GROUP       # the trained KIND (weights, config, sequences, log) as a tar in
+#                                                  # 15 MiB parts; parts 4*GROUP .. 4*GROUP+3 and the sha256 to $OUT
+#                                                  # (a call brings back 64 MiB): real_models.py unpack joins them
 #   bash bench/real_gpu.sh bench NAME [FLAGS]      # mlx-spec bench on bench/prompts/real_heldout.json -> $OUT/NAME.json
 #   bash bench/real_gpu.sh served NAME [FLAGS]     # bench/server_batching.py's real mode -> $OUT/served-NAME.json
 set -uo pipefail
-out="${OUT:-./real-out}"; real="${REAL_DIR:-/tmp/real}"; mkdir -p "$out" /tmp/new/mlx_speculative
+out="${OUT:-./real-out}"; real="${REAL_DIR:-/tmp/real}"; mkdir -p "$out"
+export_parts() {  # KIND GROUP: needs nothing but the trained folder (no MLX)
+  local kind="$1" group="$2" ex="$real/export" files=() f n p i; mkdir -p "$ex"
+  if [ ! -f "$ex/$kind.tar.sha256" ]; then
+    for f in config.json model.safetensors training/data.safetensors training/log.jsonl; do
+      [ -f "$real/$kind/$f" ] && files+=("$kind/$f"); done
+    [ ${#files[@]} -gt 0 ] || { echo "[export] no trained $kind in $real"; return 2; }
+    tar -cf "$ex/$kind.tar" -C "$real" "${files[@]}" || return 1
+    split -b 15M -d -a 2 "$ex/$kind.tar" "$ex/$kind.tar."
+    n=$(ls "$ex/$kind.tar".[0-9][0-9] | wc -l)
+    echo "$(sha256sum "$ex/$kind.tar" | cut -d' ' -f1)  $kind.tar $n" > "$ex/$kind.tar.sha256"; rm "$ex/$kind.tar"
+  fi
+  read -r _ _ n < "$ex/$kind.tar.sha256"; cp "$ex/$kind.tar.sha256" "$out/"
+  for i in 0 1 2 3; do p=$(printf "%02d" $((4 * group + i))); [ -f "$ex/$kind.tar.$p" ] && cp "$ex/$kind.tar.$p" "$out/"; done
+  echo "[export] $kind.tar: $n parts, groups 0..$(( (n - 1) / 4 )); this call: group $group"
+}
+[ "${1:-}" = export ] && { export_parts "$2" "$3"; exit $?; }
+mkdir -p /tmp/new/mlx_speculative
 for d in hooks plugin drafters demo benchmarks testing; do ln -sfn "$PWD/$d" "/tmp/new/mlx_speculative/$d"; done
 # the gguf reader is pure Python and not in MLX-CUDA's site: carry it as .gpu/gguf (docs/gpu.md)
 # (copied once: a later call need not carry it again)
@@ -62,6 +85,11 @@ PY
       fi
     done
     resume=(); [ -f "$real/$kind/training/state.json" ] && resume=(--resume)
+    if [ ${#resume[@]} -eq 0 ] && [ -f "$real/$kind-init/model.safetensors" ]; then
+      # an earlier machine's drafter (no optimizer state travels): a new run from its weights, on its sequences
+      resume=(--init "$real/$kind-init"); mkdir -p "$real/$kind/training"
+      cp "$real/$kind-init/training/data.safetensors" "$real/$kind/training/" 2>/dev/null
+    fi
     spec train-drafter --target "$target" --data "${files[@]}" --seq-len 256 --prompt-tokens 64 --sequences 8192 \
       --heldout-sequences 32 --gen-batch 256 --batch-size 16 --steps 4000 --eval-every 500 --checkpoint-every 500 \
       --kind "$kind" --out "$real/$kind" "${flags[@]}" --max-time "$secs" "${resume[@]}" "$@" >> "$out/train-$kind.log" 2>&1
@@ -76,5 +104,5 @@ PY
   served)
     name="$1"; shift
     python3 bench/server_batching.py --model "$target" "$@" --json "$out/served-$name.json" 2>&1 | tee "$out/served-$name.log" ;;
-  *) echo "bench/real_gpu.sh: got ${what@Q}; expected convert, train, bench or served"; exit 2 ;;
+  *) echo "bench/real_gpu.sh: got ${what@Q}; expected convert, train, export, bench or served"; exit 2 ;;
 esac

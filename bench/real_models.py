@@ -17,6 +17,14 @@ The GPU machine reaches no registry and a call carries at most 64 MiB with the w
 a fetched GGUF into parts OUT/NAME.NN (git-ignored under .gpu/) and writes OUT/NAME.sha256; on the device,
 ``bash bench/real_stage.sh .gpu/real/NAME.NN`` (one call per part, each carrying its part) appends it to
 /tmp/real/NAME.gguf and checks the hash after the last (docs/gpu.md).
+
+    python bench/real_models.py unpack DIR [DIR ...] [--cache DIR]
+
+A drafter trained on the GPU machine comes back in parts (``bash bench/real_gpu.sh export KIND GROUP``: its
+weights, config, training sequences and log as KIND.tar in 15 MiB parts, four a call); ``unpack`` joins the
+parts found in the DIRs, checks the sha256 and unpacks CACHE/trained/KIND; ``split CACHE/trained/KIND.tar``
+cuts it for a later machine, where the last staged part unpacks it as /tmp/real/KIND-init, the start of the
+next training run (no optimizer state travels: that run's schedule starts afresh from these weights).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -139,21 +148,58 @@ def fetch(args: argparse.Namespace) -> int:
 
 def split(args: argparse.Namespace) -> int:
     root = cache_dir(args.cache)
-    if args.name not in MODELS:
-        raise SystemExit(f"[real] split: got {args.name!r}; allowed: {', '.join(MODELS)}")
-    model = MODELS[args.name]
-    gguf = root / "gguf" / f"{model.name}.gguf"
-    if not gguf.is_file():
-        raise SystemExit(f"[real] split: {gguf} is missing; run `python bench/real_models.py fetch` first")
+    given = Path(args.name).expanduser()
+    if args.name in MODELS:
+        model = MODELS[args.name]
+        path, name, sha = root / "gguf" / f"{model.name}.gguf", model.name, model.sha256
+        if not path.is_file():
+            raise SystemExit(f"[real] split: {path} is missing; run `python bench/real_models.py fetch` first")
+    elif given.is_file():  # e.g. a trained drafter brought back by `unpack` (cache/trained/KIND.tar)
+        path, name, sha = given, given.name, hashlib.sha256(given.read_bytes()).hexdigest()
+    else:
+        raise SystemExit(f"[real] split: got {args.name!r}; allowed: {', '.join(MODELS)}, or a file's path")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size, n = args.part_mb << 20, 0
-    with gguf.open("rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(size):
-            (out / f"{model.name}.{n:02d}").write_bytes(chunk)
+            (out / f"{name}.{n:02d}").write_bytes(chunk)
             n += 1
-    (out / f"{model.name}.sha256").write_text(f"{model.sha256}  {model.name}.gguf {n}\n")
-    print(f"[real] {model.name}: {n} parts of at most {args.part_mb} MiB in {out}", flush=True)
+    (out / f"{name}.sha256").write_text(f"{sha}  {path.name} {n}\n")
+    print(f"[real] {name}: {n} parts of at most {args.part_mb} MiB in {out}", flush=True)
+    return 0
+
+
+def unpack(args: argparse.Namespace) -> int:
+    """A trained drafter brought back from the GPU machine in parts (``bash bench/real_gpu.sh export KIND GROUP``, one
+    call per group; the folders its files landed in): joined into CACHE/trained/KIND.tar, checked, and unpacked
+    into CACHE/trained/KIND. ``split CACHE/trained/KIND.tar`` cuts it again for a later machine."""
+    dirs = [Path(d).expanduser() for d in args.dirs]
+    shas = sorted({p.name: p for d in dirs for p in d.glob("*.tar.sha256")}.values())
+    if not shas:
+        raise SystemExit(f"[real] unpack: no KIND.tar.sha256 in {', '.join(map(str, dirs))}; expected the files of "
+                         "`bash bench/real_gpu.sh export KIND GROUP` calls")
+    trained = cache_dir(args.cache) / "trained"
+    trained.mkdir(parents=True, exist_ok=True)
+    for sha_file in shas:
+        sha, file, total = sha_file.read_text().split()
+        name = sha_file.name[: -len(".sha256")]
+        parts = {p.name: p for d in dirs for p in d.glob(f"{name}.[0-9][0-9]")}
+        missing = [f"{name}.{i:02d}" for i in range(int(total)) if f"{name}.{i:02d}" not in parts]
+        if missing:
+            raise SystemExit(f"[real] unpack: {name} has {total} parts; missing {', '.join(missing)} (export groups "
+                             f"{sorted({int(m[-2:]) // 4 for m in missing})})")
+        joined = trained / file
+        with joined.open("wb") as f:
+            for i in range(int(total)):
+                f.write(parts[f"{name}.{i:02d}"].read_bytes())
+        got = hashlib.sha256(joined.read_bytes()).hexdigest()
+        if got != sha:
+            joined.unlink()
+            raise SystemExit(f"[real] unpack: {file}: sha256 is {got}, expected {sha} (a part changed in transit?)")
+        with tarfile.open(joined) as tar:
+            tar.extractall(trained, filter="data")
+        print(f"[real] {file}: {total} parts joined and checked; unpacked into {trained}", flush=True)
     return 0
 
 
@@ -164,15 +210,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cache", help="folder to fill (default $MLX_SPEC_CACHE/real, else ~/.cache/mlx-speculative/real)")
     p.add_argument("--dtype", default="f32", help="comma-separated dtypes to convert into: f32, bf16, f16, keep "
                    "(default f32; '' converts nothing)")
-    p = sub.add_parser("split", help="cut a fetched GGUF into parts a device call can carry")
-    p.add_argument("name", help=f"one of: {', '.join(MODELS)}")
+    p = sub.add_parser("split", help="cut a fetched GGUF (or any file) into parts a device call can carry")
+    p.add_argument("name", help=f"one of: {', '.join(MODELS)}; or a file's path (e.g. a trained drafter's tar)")
     p.add_argument("--cache", help="the fetch's folder (default as fetch)")
     p.add_argument("--out", default=".gpu/real", help="where the parts go (default .gpu/real, git-ignored)")
     p.add_argument("--part-mb", type=int, default=36, help="MiB per part (default 36: a call carries 64 MiB "
                    "with the working tree)")
+    p = sub.add_parser("unpack", help="join, check and unpack a trained drafter brought back from the GPU machine")
+    p.add_argument("dirs", nargs="+", help="folders holding the export calls' files (KIND.tar.NN, KIND.tar.sha256)")
+    p.add_argument("--cache", help="the fetch's folder (default as fetch); the drafter goes to CACHE/trained/KIND")
     args = parser.parse_args(argv)
     if args.command == "split":
         return split(args)
+    if args.command == "unpack":
+        return unpack(args)
     bad = [d for d in args.dtype.split(",") if d and d not in ("f32", "bf16", "f16", "keep")]
     if bad:
         parser.error(f"--dtype {args.dtype!r}: {', '.join(bad)} not allowed; allowed: f32, bf16, f16, keep")

@@ -151,6 +151,9 @@ class DraftBatch(abc.ABC):
     """
 
     forwards = 0  # drafter forwards run so far (one per draft step for all rows)
+    # True: each drafter forward drafts every row of the batch (the most drafts any row asks for), so a row drafting
+    # no more than the others costs the drafter nothing (plugin/round.py ``_ride``). False: per-row work.
+    rows_draft_together = False
 
     @abc.abstractmethod
     def sync(self, rows: Sequence[Any]) -> None:
@@ -262,6 +265,10 @@ class ForwardingDraftBatch(DraftBatch):
     @property
     def forwards(self) -> int:  # type: ignore[override]
         return self.inner.forwards
+
+    @property
+    def rows_draft_together(self) -> bool:  # type: ignore[override]
+        return self.inner.rows_draft_together
 
     def sync(self, rows: Sequence[Any]) -> None:
         self.inner.sync(rows)

@@ -398,6 +398,51 @@ def test_real_models_split_and_stage_rebuild_the_file(tmp_path: Path) -> None:
     assert outs[-1].returncode != 0 and "complete" not in outs[-1].stdout
 
 
+def test_a_trained_drafter_comes_back_in_parts_and_goes_out_again(tmp_path: Path) -> None:
+    """A drafter trained on the GPU machine comes back in 15 MiB parts, four a call (bench/real_gpu.sh export), is
+    joined, checked and unpacked here (real_models.py unpack), cut again (split FILE) and staged on a later machine
+    as /tmp/real/KIND-init (bench/real_stage.sh) with the same bytes; a missing group is named."""
+    import argparse
+    import os
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    real = script("real_models")
+    trained = {"config.json": b'{"block_size": 16}', "model.safetensors": os.urandom(40 << 20),
+               "training/data.safetensors": os.urandom(1 << 20), "training/log.jsonl": b'{"event": "eval"}\n'}
+    device = tmp_path / "device"
+    for name, data in trained.items():
+        (device / "dflash" / name).parent.mkdir(parents=True, exist_ok=True)
+        (device / "dflash" / name).write_bytes(data)
+    calls = []
+    for group in (0, 1):  # 41 MiB of tar: parts 00..02 in group 0, none in group 1
+        out = tmp_path / f"call{group}"
+        done = subprocess.run(["bash", str(bench / "real_gpu.sh"), "export", "dflash", str(group)], capture_output=True,
+                              text=True, env={**os.environ, "REAL_DIR": str(device), "OUT": str(out)})
+        assert done.returncode == 0, done.stderr
+        calls.append(out)
+    assert sorted(p.name for p in calls[0].iterdir()) == ["dflash.tar.00", "dflash.tar.01", "dflash.tar.02",
+                                                           "dflash.tar.sha256"]
+    assert all(p.stat().st_size <= 15 << 20 for p in calls[0].iterdir())
+    (calls[0] / "dflash.tar.02").rename(tmp_path / "held")
+    with pytest.raises(SystemExit, match=r"missing dflash.tar.02 \(export groups \[0\]\)"):
+        real.unpack(argparse.Namespace(dirs=[str(c) for c in calls], cache=str(tmp_path / "cache")))
+    (tmp_path / "held").rename(calls[0] / "dflash.tar.02")
+    assert real.unpack(argparse.Namespace(dirs=[str(c) for c in calls], cache=str(tmp_path / "cache"))) == 0
+    here = tmp_path / "cache" / "trained"
+    assert all((here / "dflash" / n).read_bytes() == d for n, d in trained.items())
+    real.split(argparse.Namespace(cache=None, name=str(here / "dflash.tar"), out=str(tmp_path / "parts"), part_mb=30))
+    parts = sorted((tmp_path / "parts").glob("dflash.tar.0*"))
+    assert [p.name for p in parts] == ["dflash.tar.00", "dflash.tar.01"]
+    later = tmp_path / "later"
+    for p in parts:
+        done = subprocess.run(["bash", str(bench / "real_stage.sh"), str(p)], capture_output=True, text=True,
+                              env={**os.environ, "REAL_DIR": str(later)})
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert "dflash-init unpacked" in done.stdout and sorted(p.name for p in later.iterdir()) == ["dflash-init"]
+    assert all((later / "dflash-init" / n).read_bytes() == d for n, d in trained.items())
+
+
 def test_detokenizer_cost(tmp_path: Path) -> None:
     out = run("detokenizer_cost", ["--tokens", "16", "--vocab", "64", "--repeats", "1"], tmp_path / "d.json")["results"]
     assert out["byte-level"]["detokenizer"] == "BPEStreamingDetokenizer"

@@ -370,11 +370,12 @@ class Modeled(CostTable):
 
 
 def _served_seconds(pair: Dict[str, Path], clients: int, how: Optional[str], monkeypatch: pytest.MonkeyPatch,
-                    max_tokens: int = MAX_TOKENS, block: int = 0) -> float:
+                    max_tokens: int = MAX_TOKENS, block: int = 0, rounds: Optional[List[int]] = None) -> float:
     """Clients each sending 3 requests in turn (``max_tokens`` long, 7 and 14 fewer), plain (``how`` None) or with
     drafts forced to ``how``, blocks starting at ``block`` (0: the drafter's 4), after the server's warm-up of 1 to 8
     rows (hooks/warmup.py: it prices the shapes, as a served target's is before its first client): the modelled
-    device time of every served decode forward, by its shape ([rows, 1]: a plain step)."""
+    device time of every served decode forward, by its shape ([rows, 1]: a plain step). ``rounds``: gets the count
+    of served forwards wider than one position (rounds)."""
     from mlx_speculative.hooks import warmup
     from mlx_speculative.hooks.batch import DecodeBatch
 
@@ -411,6 +412,8 @@ def _served_seconds(pair: Dict[str, Path], clients: int, how: Optional[str], mon
             assert got[r.id] == refs[i], f"request {i} differs from its greedy reference"
             live.remove((i, r))
     monkeypatch.setattr(DecodeBatch, "forward", real)
+    if rounds is not None:
+        rounds.append(sum(1 for _, w in shapes if w > 1))
     return sum(h100_price("round" if w > 1 else "plain", b, w) for b, w in shapes)
 
 
@@ -434,3 +437,53 @@ def test_served_rounds_at_gpu_prices_never_lose_to_plain_batching(how: str, leas
         _SERVED["plain"] = _served_seconds(pair, 8, None, monkeypatch)
     plain, speculative = _SERVED["plain"], _served_seconds(pair, 8, how, monkeypatch)
     assert plain / speculative >= least, (how, plain, speculative)
+
+
+def test_a_paused_row_probes_early_in_a_round_whose_drafts_cost_it_nothing() -> None:
+    """``_ride``: a paused row unlikely to accept drafts proposes some in another row's round only once half its pause
+    is over, no more than the widest other row's, and only where one drafter forward drafts every row; then its
+    next pause starts with that round's. A row likely to accept rides whenever its batch runs a round."""
+    from types import SimpleNamespace
+
+    from mlx_speculative.plugin.adaptive import BlockSizeController
+    from mlx_speculative.plugin.round import RIDE_TOKENS, _ride
+
+    costs = CostTable()
+    price(costs, "round", 8, 16, 0.0193)
+    price(costs, "plain", 8, 1, 0.0146)
+    c = BlockSizeController(cap=16, costs=costs, shape_stable=True, shape=(8, 16))
+    while not c.paused_left:
+        c.update(0, 15)  # tau 1: pauses once its estimate has fallen
+    assert c.paused_left == c.pause == 8 and expected_tokens(c.alpha, 15) < RIDE_TOKENS
+    row, req = SimpleNamespace(remaining=100), SimpleNamespace(controller=c, to_end=False)
+    assert _ride(row, req, 15) is None  # its pause just began
+    c.take_plain_steps(3)
+    assert _ride(row, req, 15) is None and _ride(row, req, 0) is None
+    c.take_plain_steps(1)  # half over
+    assert _ride(row, req, 0) is None  # per-row drafting: its drafts would cost drafter work
+    assert _ride(row, req, 15) == 15 and _ride(row, req, 3) == 3
+    c.update(0, 15)  # the ride accepted nothing: its pause begins again, with the round
+    assert c.paused_left == c.pause and _ride(row, req, 15) is None
+    good = BlockSizeController(cap=16, costs=costs, shape_stable=True, shape=(8, 16))
+    good.update(15, 15)
+    good.pause_now("a dip")
+    assert _ride(row, SimpleNamespace(controller=good, to_end=False), 0) == 15  # likely to accept: rides at once
+
+
+def test_paused_rows_whose_drafts_cost_nothing_probe_together(pair: Dict[str, Path],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight served clients, drafts never accepted, 256-token requests (each pauses and probes a few times), at H100
+    prices: where one drafter forward drafts every row (``DraftBatch.rows_draft_together``) the paused rows probe in
+    each other's rounds, so the batch runs fewer rounds than where each probes in a round of its own (19 against
+    29); outputs equal each request's greedy reference either way."""
+    from mlx_speculative.drafters.draft_model import DraftModelBatch
+
+    monkeypatch.setenv(cuda.PADDED_ENV, "on")
+    monkeypatch.setenv(compiled.ENV, "on")
+    monkeypatch.setenv("MLX_SPEC_PREWARM_TOKENS", "0")
+    together: List[int] = []
+    _served_seconds(pair, 8, "zero", monkeypatch, max_tokens=256, rounds=together)
+    monkeypatch.setattr(DraftModelBatch, "rows_draft_together", False)
+    apart: List[int] = []
+    _served_seconds(pair, 8, "zero", monkeypatch, max_tokens=256, rounds=apart)
+    assert together[0] < 0.8 * apart[0], (together, apart)

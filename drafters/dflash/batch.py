@@ -60,6 +60,8 @@ class DFlashBatch(DraftBatch):
     """The rows of one batch drafting with a DFlash drafter: their context caches and the target
     features not yet in them. One drafter forward per round drafts every row's block."""
 
+    rows_draft_together = True  # one forward a draft step for every row
+
     def __init__(self, drafter: "DFlashDrafter"):
         self.drafter = drafter
         self.rows: List[Any] = []  # DecodeStates in cache-row order (rows that already have a context)

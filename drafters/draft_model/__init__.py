@@ -37,6 +37,8 @@ PREFILL_STEP = 2048
 class DraftModelBatch(DraftBatch):
     """The draft model's caches for the rows of one batch, and how far each row has fed them."""
 
+    rows_draft_together = True  # one forward a draft step for every row
+
     def __init__(self, drafter: "DraftModelDrafter"):
         self.model = drafter.model
         self.make_cache = drafter.make_cache

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 
 class Eagle3Batch(DraftBatch):
+    rows_draft_together = True  # one forward a draft step for every row
+
     def __init__(self, drafter: "Eagle3Drafter"):
         self.drafter = drafter
         self.rows: List[Any] = []  # DecodeStates in cache-row order

@@ -68,6 +68,8 @@ class Depth:
 class RowBook(DraftBatch):
     """Rows in batch order, the target hidden states not yet consumed, and each row's depth."""
 
+    rows_draft_together = True  # one forward a draft step for every row
+
     def __init__(self, drafter: Any):
         self.drafter = drafter
         self.rows: List[Any] = []  # DecodeStates in cache-row order (rows made already)
