@@ -60,8 +60,8 @@ case "$what" in
   train)
     kind="$1"; secs="$2"; shift 2
     case "$kind" in
-      dflash) flags=(--block-size 16 --num-layers 2 --loss-decay-gamma 7) ;;
-      eagle3) flags=(--block-size 8) ;;
+      dflash) flags=(--block-size 16 --loss-decay-gamma 7); size=(--num-layers 2) ;;
+      eagle3) flags=(--block-size 8); size=() ;;
       *) echo "bench/real_gpu.sh train: got kind ${kind@Q}; expected dflash or eagle3"; exit 2 ;;
     esac
     # the stdlib's own modules (no tests, UTF-8 only): the prompts; the held-out prompts never come from it
@@ -84,15 +84,19 @@ PY
         mkdir -p "$real/$kind/training" && cp "$real/$other/training/data.safetensors" "$real/$kind/training/"
       fi
     done
-    resume=(); [ -f "$real/$kind/training/state.json" ] && resume=(--resume)
-    if [ ${#resume[@]} -eq 0 ] && [ -f "$real/$kind-init/model.safetensors" ]; then
-      # an earlier machine's drafter (no optimizer state travels): a new run from its weights, on its sequences
-      resume=(--init "$real/$kind-init"); mkdir -p "$real/$kind/training"
-      cp "$real/$kind-init/training/data.safetensors" "$real/$kind/training/" 2>/dev/null
+    # an earlier machine's drafter (no optimizer state travels): a new run from its weights (its size with them), on
+    # its sequences; the same --init again when this machine's run resumes (a resumed run keeps its options)
+    init=(); resume=()
+    [ -f "$real/$kind-init/model.safetensors" ] && { init=(--init "$real/$kind-init"); size=(); }
+    if [ -f "$real/$kind/training/state.json" ]; then
+      resume=(--resume)
+    elif [ ${#init[@]} -gt 0 ] && [ -f "$real/$kind-init/training/data.safetensors" ]; then
+      mkdir -p "$real/$kind/training" && cp "$real/$kind-init/training/data.safetensors" "$real/$kind/training/"
     fi
-    spec train-drafter --target "$target" --data "${files[@]}" --seq-len 256 --prompt-tokens 64 --sequences 8192 \
-      --heldout-sequences 32 --gen-batch 256 --batch-size 16 --steps 4000 --eval-every 500 --checkpoint-every 500 \
-      --kind "$kind" --out "$real/$kind" "${flags[@]}" --max-time "$secs" "${resume[@]}" "$@" >> "$out/train-$kind.log" 2>&1
+    spec train-drafter --target "$target" --data "${files[@]}" --seq-len 256 --prompt-tokens 64 --sequences 16384 \
+      --heldout-sequences 32 --gen-batch 256 --batch-size 16 --steps 9000 --eval-every 1000 --checkpoint-every 500 \
+      --kind "$kind" --out "$real/$kind" "${flags[@]}" "${size[@]}" "${init[@]}" --max-time "$secs" "${resume[@]}" "$@" \
+      >> "$out/train-$kind.log" 2>&1
     echo "exit $?"
     cp "$real/$kind/training/log.jsonl" "$out/train-$kind.jsonl" 2>/dev/null
     grep -E "eval|stopped|data:|rror|checkpoint" "$out/train-$kind.log" | tail -14 ;;
