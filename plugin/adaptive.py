@@ -21,7 +21,8 @@ average over rounds, so that one bad round after good ones does not shrink the b
   round costs no more than ``probe_budget`` of it: (round / plain step - 1) / probe_budget steps.
   No probe when fewer tokens are left than the pause before it (``skip_probe``). A request's first pause goes
   on from its target's latest, and its acceptance estimate starts from its target's recent rate (``Recent``: the
-  requests of one deployment draft alike). In a batch on a
+  requests of one deployment draft alike), and where the target's latest round is older than a few requests the
+  next one opens with a probe. In a batch on a
   shape-stable target a paused row drafts in the rounds the other rows run (plugin/round.py ``_ride``); such a
   round that paid ends its pause.
 
@@ -83,9 +84,24 @@ class Recent:
     window: Deque[Tuple[int, int]] = field(default_factory=lambda: collections.deque(maxlen=64))
     window_tried: int = 32  # drafts tried over the latest rounds that ``alpha`` reads
     min_tried: int = 8  # ... and the fewest it takes (a rejected round tries one)
+    starts: int = 0  # requests started since the latest round
+    stale_after: int = 8  # ... past which the next one opens with a probe (``opens_with_probe``)
 
     def add(self, accepted: int, tried: int) -> None:
         self.window.append((accepted, tried))
+        self.starts = 0
+
+    def opens_with_probe(self) -> bool:
+        """A request starts: whether it opens with a probe round, which no veto stops. Where this target's latest
+        rounds accepted nothing, a new request's estimate is that, its first round is vetoed and its pause is the
+        target's (64 steps on a GPU), so requests shorter than that never draft and the estimate never renews:
+        speculation would stay off for good after one bad stretch. After ``stale_after`` requests started with no
+        round since, the next one probes (a round per 9 requests at worst)."""
+        self.starts += 1
+        if self.window and self.starts > self.stale_after:
+            self.starts = 0
+            return True
+        return False
 
     @property
     def alpha(self) -> Optional[float]:
@@ -129,6 +145,7 @@ class BlockSizeController:
     window_size: int = 64  # rounds kept
     window_tried: int = 32  # drafts tried over the latest rounds that ``alpha`` reads
     shared: Optional[Recent] = None  # the target's latest rounds (None: the request's own alone)
+    opening: bool = False  # the first round is a probe the target's stale estimate asked for (``Recent``)
     _good: int = 0
 
     def __post_init__(self) -> None:
@@ -137,6 +154,7 @@ class BlockSizeController:
         self.prior_rate = self.good_rate if rate is None else rate
         if self.shared is not None:
             self.pause = self.shared.pause
+            self.probing = self.opening = self.shared.opens_with_probe()
         if self.cap < self.floor:
             self.floor = max(2, self.cap)
         self.size = min(self.cap, self.start) if self.start >= self.floor else self.cap
@@ -165,8 +183,9 @@ class BlockSizeController:
 
     def skip_probe(self, remaining: int) -> bool:
         """The next round would probe after a pause, with no more tokens left than that pause:
-        it could not pay for itself, so the rest are plain steps (``plain_to_end``)."""
-        return self.probing and remaining <= self.pause
+        it could not pay for itself, so the rest are plain steps (``plain_to_end``). A request's opening probe
+        (``Recent.opens_with_probe``) runs whatever is left."""
+        return self.probing and not self.opening and remaining <= self.pause
 
     def plain_to_end(self, steps: int) -> int:
         self.plain_steps += steps
@@ -249,7 +268,7 @@ class BlockSizeController:
             self.shared.pause = self.pause
 
     def update(self, accepted: int, draft_tokens: int) -> None:
-        probe, self.probing = self.probing, False
+        probe, self.probing, self.opening = self.probing, False, False
         if not self.adaptive or draft_tokens == 0:
             return
         rate = accepted / draft_tokens

@@ -3,6 +3,7 @@ pauses for plain steps sized by the measured costs."""
 
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import pytest
@@ -194,6 +195,33 @@ def test_a_new_request_starts_from_its_targets_recent_acceptance() -> None:
         c = _in_8_rows(good)
         assert run(c, 1.0, 6) == [16] * 6 and not c.paused_left
     assert good.alpha is not None and good.alpha > 0.99 and c.alpha > 0.99
+
+
+def test_a_target_whose_latest_round_is_old_opens_the_next_request_with_a_probe() -> None:
+    # Drafts never accepted: the target's estimate is 0 and its pause 64, so each new request's first round is vetoed
+    # and a request shorter than 64 tokens never drafts; nothing would renew the estimate.
+    shared = Recent()
+    first = _in_8_rows(shared)
+    _rounds_before_pause(first)
+    while first.pause < 64:
+        first.take_plain_steps()
+        first.update(0, 15)
+    assert shared.pause == 64 and shared.alpha == 0.0
+    for _ in range(shared.stale_after):  # requests that started with no round since
+        c = _in_8_rows(shared)
+        assert not c.probing and c.prior_rate == 0.0
+    opener = _in_8_rows(shared)
+    assert opener.probing and opener.opening and not opener.skip_probe(10)  # even with 10 tokens left
+    opener.next()
+    opener.update(15, 15)  # the workload changed: its drafts are accepted
+    assert shared.pause == 0 and not opener.paused_left and not opener.opening
+    later = _in_8_rows(shared)
+    assert not later.probing and later.prior_rate > 0.4  # its rounds run: 2.0 tokens a round expected, 1.3 pay
+    # Each opener starts the count afresh (its probe may not run: the request may end first).
+    stale = Recent(window=collections.deque([(0, 1)] * 40), pause=64)
+    openers = [_in_8_rows(stale).opening for _ in range(20)]
+    assert openers == [False] * 8 + [True] + [False] * 8 + [True] + [False, False]
+    assert not BlockSizeController(cap=16).opening  # a request of its own (no target's rounds shared)
 
 
 def test_no_probe_when_fewer_tokens_are_left_than_the_pause() -> None:
