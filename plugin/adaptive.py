@@ -85,21 +85,23 @@ class Recent:
     window_tried: int = 32  # drafts tried over the latest rounds that ``alpha`` reads
     min_tried: int = 8  # ... and the fewest it takes (a rejected round tries one)
     starts: int = 0  # requests started since the latest round
-    stale_after: int = 8  # ... past which the next one opens with a probe (``opens_with_probe``)
+    plain: int = 0  # ... and the plain steps its requests took since (one a row)
+    stale_after: int = 8  # requests past which the next one opens with a probe (``opens_with_probe``)
 
     def add(self, accepted: int, tried: int) -> None:
         self.window.append((accepted, tried))
-        self.starts = 0
+        self.starts = self.plain = 0
 
-    def opens_with_probe(self) -> bool:
+    def opens_with_probe(self, probe_steps: float) -> bool:
         """A request starts: whether it opens with a probe round, which no veto stops. Where this target's latest
         rounds accepted nothing, a new request's estimate is that, its first round is vetoed and its pause is the
         target's (64 steps on a GPU), so requests shorter than that never draft and the estimate never renews:
-        speculation would stay off for good after one bad stretch. After ``stale_after`` requests started with no
-        round since, the next one probes (a round per 9 requests at worst)."""
+        speculation would stay off for good after one bad stretch. The next request probes once ``stale_after``
+        started with no round since and their plain steps were at least ``probe_steps`` (what keeps the probe's
+        cost within the controller's probe budget: ``CostTable.probe_steps``)."""
         self.starts += 1
-        if self.window and self.starts > self.stale_after:
-            self.starts = 0
+        if self.window and self.starts > self.stale_after and self.plain >= probe_steps:
+            self.starts = self.plain = 0
             return True
         return False
 
@@ -154,7 +156,7 @@ class BlockSizeController:
         self.prior_rate = self.good_rate if rate is None else rate
         if self.shared is not None:
             self.pause = self.shared.pause
-            self.probing = self.opening = self.shared.opens_with_probe()
+            self.probing = self.opening = self.shared.opens_with_probe(self.costs.probe_steps(self.probe_budget))
         if self.cap < self.floor:
             self.floor = max(2, self.cap)
         self.size = min(self.cap, self.start) if self.start >= self.floor else self.cap
@@ -171,6 +173,8 @@ class BlockSizeController:
         n = self.paused_left if limit is None else min(limit, self.paused_left)
         self.paused_left -= n
         self.plain_steps += n
+        if self.shared is not None:
+            self.shared.plain += n
         if n and not self.paused_left:
             self.probing = True
         return n
@@ -189,6 +193,8 @@ class BlockSizeController:
 
     def plain_to_end(self, steps: int) -> int:
         self.plain_steps += steps
+        if self.shared is not None:
+            self.shared.plain += steps
         return steps
 
     @property

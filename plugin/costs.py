@@ -81,6 +81,16 @@ class CostTable:
         p = self._nearest("plain", rows, 1, fewer=False)
         return None if r is None or p is None else (r, p)
 
+    def probe_steps(self, budget: float) -> float:
+        """Plain steps (one a row) that a probe round, costing what it costs over a plain step of its rows, takes at
+        most ``budget`` of: the most over the priced rounds (0 where none is priced)."""
+        most = 0.0
+        for kind, rows, width in list(self.least):
+            r, p = self.get(kind, rows, width), self._nearest("plain", rows, 1, fewer=False)
+            if kind == "round" and r is not None and p:
+                most = max(most, (r / p - 1.0) * rows / budget)
+        return most
+
     def _nearest(self, kind: str, rows: int, width: int, fewer: bool) -> Optional[float]:
         """The price of the priced row count nearest ``rows`` (itself included) on the side ``fewer`` says."""
         near = [n for (k, n, w) in self.least if k == kind and w == width and (n <= rows if fewer else n >= rows)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import price
 from mlx_speculative.plugin.adaptive import BlockSizeController, Recent
-from mlx_speculative.plugin.costs import expected_tokens
+from mlx_speculative.plugin.costs import CostTable, expected_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -165,10 +165,10 @@ def test_a_new_request_pauses_from_its_targets_latest_pause() -> None:
 
 
 def _in_8_rows(recent: Optional[Recent]) -> BlockSizeController:
-    c = BlockSizeController(cap=16, shape_stable=True, shared=recent, shape=(8, 16))
-    price(c.costs, "round", 8, 16, 0.0193)  # an H100's 8-row round and plain step (served, 8 clients)
-    price(c.costs, "plain", 8, 1, 0.0146)
-    return c
+    costs = CostTable()  # the target's, priced before its requests start
+    price(costs, "round", 8, 16, 0.0193)  # an H100's 8-row round and plain step (served, 8 clients)
+    price(costs, "plain", 8, 1, 0.0146)
+    return BlockSizeController(cap=16, shape_stable=True, shared=recent, shape=(8, 16), costs=costs)
 
 
 def _rounds_before_pause(c: BlockSizeController) -> int:
@@ -207,9 +207,12 @@ def test_a_target_whose_latest_round_is_old_opens_the_next_request_with_a_probe(
         first.take_plain_steps()
         first.update(0, 15)
     assert shared.pause == 64 and shared.alpha == 0.0
-    for _ in range(shared.stale_after):  # requests that started with no round since
+    # A probe of 8 rows costs 19.3 against 14.6 ms: within the 5% budget of 8 x 0.32 / 0.05 = 52 plain steps.
+    assert first.costs.probe_steps(first.probe_budget) == pytest.approx(8 * (19.3 / 14.6 - 1) / 0.05)
+    for _ in range(shared.stale_after):  # requests that started with no round since, 10 plain steps each
         c = _in_8_rows(shared)
         assert not c.probing and c.prior_rate == 0.0
+        c.plain_to_end(10)
     opener = _in_8_rows(shared)
     assert opener.probing and opener.opening and not opener.skip_probe(10)  # even with 10 tokens left
     opener.next()
@@ -217,10 +220,15 @@ def test_a_target_whose_latest_round_is_old_opens_the_next_request_with_a_probe(
     assert shared.pause == 0 and not opener.paused_left and not opener.opening
     later = _in_8_rows(shared)
     assert not later.probing and later.prior_rate > 0.4  # its rounds run: 2.0 tokens a round expected, 1.3 pay
-    # Each opener starts the count afresh (its probe may not run: the request may end first).
+    # Each opener starts the count afresh (its probe may not run: the request may end first); where the probe would
+    # cost more than its budget of the plain steps since (short requests), later.
     stale = Recent(window=collections.deque([(0, 1)] * 40), pause=64)
-    openers = [_in_8_rows(stale).opening for _ in range(20)]
-    assert openers == [False] * 8 + [True] + [False] * 8 + [True] + [False, False]
+    openers = []
+    for _ in range(24):
+        c = _in_8_rows(stale)
+        openers.append(c.opening)
+        c.plain_to_end(5)  # 5 plain steps a request: 11 requests to the 52 of the budget
+    assert openers == [False] * 11 + [True] + [False] * 10 + [True, False]  # the opener's own 5 steps count
     assert not BlockSizeController(cap=16).opening  # a request of its own (no target's rounds shared)
 
 
