@@ -155,7 +155,7 @@ def split(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise SystemExit(f"[real] split: {path} is missing; run `python bench/real_models.py fetch` first")
     elif given.is_file():  # e.g. a trained drafter brought back by `unpack` (cache/trained/KIND.tar)
-        path, name, sha = given, given.name, hashlib.sha256(given.read_bytes()).hexdigest()
+        path, name, sha = given, given.name, sha256(given)
     else:
         raise SystemExit(f"[real] split: got {args.name!r}; allowed: {', '.join(MODELS)}, or a file's path")
     out = Path(args.out)
@@ -189,11 +189,13 @@ def unpack(args: argparse.Namespace) -> int:
         if missing:
             raise SystemExit(f"[real] unpack: {name} has {total} parts; missing {', '.join(missing)} (export groups "
                              f"{sorted({int(m[-2:]) // 4 for m in missing})})")
-        joined = trained / file
+        joined, digest = trained / file, hashlib.sha256()
         with joined.open("wb") as f:
             for i in range(int(total)):
-                f.write(parts[f"{name}.{i:02d}"].read_bytes())
-        got = hashlib.sha256(joined.read_bytes()).hexdigest()
+                data = parts[f"{name}.{i:02d}"].read_bytes()  # 15 MiB
+                digest.update(data)
+                f.write(data)
+        got = digest.hexdigest()
         if got != sha:
             joined.unlink()
             raise SystemExit(f"[real] unpack: {file}: sha256 is {got}, expected {sha} (a part changed in transit?)")

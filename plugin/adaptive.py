@@ -92,15 +92,15 @@ class Recent:
         self.window.append((accepted, tried))
         self.starts = self.plain = 0
 
-    def opens_with_probe(self, probe_steps: float) -> bool:
+    def opens_with_probe(self, costs: CostTable, budget: float) -> bool:
         """A request starts: whether it opens with a probe round, which no veto stops. Where this target's latest
         rounds accepted nothing, a new request's estimate is that, its first round is vetoed and its pause is the
         target's (64 steps on a GPU), so requests shorter than that never draft and the estimate never renews:
         speculation would stay off for good after one bad stretch. The next request probes once ``stale_after``
-        started with no round since and their plain steps were at least ``probe_steps`` (what keeps the probe's
-        cost within the controller's probe budget: ``CostTable.probe_steps``)."""
+        started with no round since and their plain steps keep the probe's cost within ``budget`` of them at
+        ``costs`` (``CostTable.probe_steps``)."""
         self.starts += 1
-        if self.window and self.starts > self.stale_after and self.plain >= probe_steps:
+        if self.window and self.starts > self.stale_after and self.plain >= costs.probe_steps(budget):
             self.starts = self.plain = 0
             return True
         return False
@@ -156,7 +156,7 @@ class BlockSizeController:
         self.prior_rate = self.good_rate if rate is None else rate
         if self.shared is not None:
             self.pause = self.shared.pause
-            self.probing = self.opening = self.shared.opens_with_probe(self.costs.probe_steps(self.probe_budget))
+            self.probing = self.opening = self.shared.opens_with_probe(self.costs, self.probe_budget)
         if self.cap < self.floor:
             self.floor = max(2, self.cap)
         self.size = min(self.cap, self.start) if self.start >= self.floor else self.cap
@@ -172,9 +172,7 @@ class BlockSizeController:
         """While paused: the plain one-token steps to take now instead of rounds (else 0), at most ``limit``."""
         n = self.paused_left if limit is None else min(limit, self.paused_left)
         self.paused_left -= n
-        self.plain_steps += n
-        if self.shared is not None:
-            self.shared.plain += n
+        self._count_plain(n)
         if n and not self.paused_left:
             self.probing = True
         return n
@@ -192,10 +190,13 @@ class BlockSizeController:
         return self.probing and not self.opening and remaining <= self.pause
 
     def plain_to_end(self, steps: int) -> int:
+        self._count_plain(steps)
+        return steps
+
+    def _count_plain(self, steps: int) -> None:
         self.plain_steps += steps
         if self.shared is not None:
             self.shared.plain += steps
-        return steps
 
     @property
     def alpha(self) -> float:
